@@ -1,0 +1,154 @@
+"""The one tensor codec: dtype allow-list, shape and raw little-endian bytes; never pickles.
+
+`encode`/`decode` are the wire API (the header travels in protobuf fields, the bytes in
+chunks of at most `CHUNK_BYTES`); `pack`/`unpack` frame one tensor as a single
+self-describing value for storage (the offload store). Every decode validates the dtype,
+the rank, each dimension and the byte count, overflow-checked, before allocating.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pipefb.errors import CodecError
+
+# Allow-listed dtypes by wire name. The order fixes the numeric codes of `pack` frames and
+# matches the `DType` enum of protos/tensor.proto (code = index + 1); a test checks both.
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+CODES: dict[str, int] = {name: code for code, name in enumerate(DTYPES, start=1)}
+ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
+
+MAX_RANK = 8  # deepest tensor any pipefb layer exchanges; more is hostile or a bug
+CHUNK_BYTES = 1 << 20  # largest data chunk in one gRPC message (1 MiB)
+DEFAULT_MAX_BYTES = 1 << 31  # 2 GiB: the largest single tensor a peer may make us allocate
+
+_MAGIC = b"PFT1"
+_HEADER = struct.Struct("<4sBB")  # magic, dtype code, rank
+_DIM = struct.Struct("<q")
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("pipefb's codec assumes a little-endian host")
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A tensor as the wire carries it: dtype name, shape and raw little-endian bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def encode(tensor: torch.Tensor) -> EncodedTensor:
+    """Encodes a tensor of any strides as dtype name, shape and raw bytes.
+
+    Raises:
+        CodecError: the dtype is not on the allow-list.
+    """
+    name = NAMES.get(tensor.dtype)
+    if name is None:
+        raise CodecError(f"dtype {tensor.dtype} is not allowed on the wire")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return EncodedTensor(name, tuple(tensor.shape), flat.view(torch.uint8).numpy().tobytes())
+
+
+def check_header(dtype: str, shape: tuple[int, ...] | list[int], max_bytes: int) -> int:
+    """Validates a tensor header and returns the byte count it implies.
+
+    Raises:
+        CodecError: unknown dtype, rank above `MAX_RANK`, a negative dimension, or a size
+            above `max_bytes` (checked as it is multiplied, so it cannot overflow).
+    """
+    if dtype not in DTYPES:
+        raise CodecError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if len(shape) > MAX_RANK:
+        raise CodecError(f"rank {len(shape)} exceeds the maximum {MAX_RANK}")
+    nbytes = ITEMSIZE[dtype]
+    for dim in shape:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise CodecError(f"dimension {dim!r} of shape {list(shape)} is not a size")
+        if dim and nbytes > max_bytes // dim:
+            raise CodecError(f"shape {list(shape)} of {dtype} exceeds {max_bytes} bytes")
+        nbytes *= dim
+    if nbytes > max_bytes:
+        raise CodecError(f"shape {list(shape)} of {dtype} exceeds {max_bytes} bytes")
+    return nbytes
+
+
+def decode(
+    dtype: str,
+    shape: tuple[int, ...] | list[int],
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> torch.Tensor:
+    """Decodes raw bytes into a new, writable tensor after validating the header.
+
+    Raises:
+        CodecError: a bad header (see `check_header`) or a byte count that does not match.
+    """
+    shape = tuple(shape)
+    nbytes = check_header(dtype, shape, max_bytes)
+    if len(data) != nbytes:
+        raise CodecError(f"{dtype} tensor of shape {list(shape)} needs {nbytes} bytes, got {len(data)}")
+    out = torch.empty(shape, dtype=DTYPES[dtype])
+    if nbytes:
+        out.reshape(-1).view(torch.uint8).numpy()[:] = memoryview(data).cast("B")
+    return out
+
+
+def pack(tensor: torch.Tensor) -> bytes:
+    """Frames one tensor as a self-describing value: magic, dtype code, rank, dims, data."""
+    enc = encode(tensor)
+    dims = b"".join(_DIM.pack(d) for d in enc.shape)
+    return _HEADER.pack(_MAGIC, CODES[enc.dtype], len(enc.shape)) + dims + enc.data
+
+
+def unpack(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    """Inverts `pack`, validating the frame before allocating.
+
+    Raises:
+        CodecError: a truncated or foreign frame, or any header error of `decode`.
+    """
+    view = memoryview(frame).cast("B")
+    if len(view) < _HEADER.size:
+        raise CodecError(f"frame of {len(view)} bytes is shorter than its header")
+    magic, code, rank = _HEADER.unpack_from(view)
+    if magic != _MAGIC:
+        raise CodecError(f"frame magic {magic!r} is not {_MAGIC!r}")
+    if not 1 <= code <= len(DTYPES):
+        raise CodecError(f"dtype code {code} is not one of 1..{len(DTYPES)}")
+    if rank > MAX_RANK:
+        raise CodecError(f"rank {rank} exceeds the maximum {MAX_RANK}")
+    start = _HEADER.size + rank * _DIM.size
+    if len(view) < start:
+        raise CodecError(f"frame of {len(view)} bytes is shorter than its {rank} dimensions")
+    shape = tuple(_DIM.unpack_from(view, _HEADER.size + i * _DIM.size)[0] for i in range(rank))
+    return decode(list(DTYPES)[code - 1], shape, view[start:], max_bytes=max_bytes)
+
+
+def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    """Splits bytes into views of at most `size` bytes; yields one empty view for no data."""
+    view = memoryview(data).cast("B")
+    if not len(view):
+        yield view
+        return
+    for start in range(0, len(view), size):
+        yield view[start : start + size]

@@ -1,0 +1,31 @@
+"""Domain errors of pipefb: each subclasses a built-in and carries the offending value."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A job, model, dataset, loss, optimizer or CLI value that pipefb cannot use."""
+
+
+class CodecError(ValueError):
+    """A tensor or frame that fails validation before allocation."""
+
+
+class ScheduleError(ValueError):
+    """A schedule that is malformed or deadlocks; `grid` shows the worker x step table."""
+
+    def __init__(self, message: str, grid: str = "") -> None:
+        super().__init__(f"{message}\n{grid}" if grid else message)
+        self.grid = grid
+
+
+class StoreFullError(RuntimeError):
+    """The offload store refused a write for longer than the backoff allows."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker died or failed a step; the message names it."""
+
+
+class Aborted(RuntimeError):
+    """The step was aborted (the job stopped or failed elsewhere) while waiting."""
