@@ -1,0 +1,45 @@
+"""`python -m coordinator`: serve the Coordinator until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from coordinator.driver import Driver
+from coordinator.registry import Registry
+from coordinator.service import CoordinatorServicer
+from protos import coordinator_pb2_grpc, server
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags, each with an environment fallback for containers."""
+    p = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__)
+    p.add_argument("--listen", default=os.environ.get("PIPEFB_LISTEN", "127.0.0.1:0"),
+                   help="host:port to serve on (port 0: any free port)")
+    p.add_argument("--store", default=os.environ.get("PIPEFB_STORE", ""), required=False,
+                   help="host:port of the offload store (Redis)")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds without a heartbeat before a worker counts as dead")
+    args = p.parse_args(argv)
+    if not args.store:
+        p.error("--store (or PIPEFB_STORE) is required")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs the coordinator."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s coordinator %(levelname)s %(message)s")
+    args = parse_args(argv)
+    registry = Registry(timeout_seconds=args.heartbeat_timeout)
+    servicer = CoordinatorServicer(registry, Driver(registry, args.store))
+    srv, port, health = server.create_server(
+        lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen)
+    server.ready(health)
+    print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)
+    server.serve_until_signal(srv)
+
+
+if __name__ == "__main__":
+    main()

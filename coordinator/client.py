@@ -1,0 +1,71 @@
+"""The Python client of a running coordinator: submit, follow, stop, fetch weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from pipefb.config import JobConfig
+from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, server, wire
+from protos.convert import job_to_proto
+
+
+class CoordinatorClient:
+    """Wraps the Coordinator stub; every method raises grpc.RpcError from the server."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = server.channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
+
+    def submit(self, job: JobConfig) -> coordinator_pb2.JobStatus:
+        """Submits a job; returns its first status (with the id the coordinator chose)."""
+        return self.stub.SubmitJob(job_to_proto(job), timeout=60)
+
+    def train(self, job_id: str) -> Iterator[coordinator_pb2.StepReport]:
+        """Follows a job's step reports until it ends (ABORTED error if it fails)."""
+        yield from self.stub.Train(coordinator_pb2.TrainRequest(job_id=job_id))
+
+    def status(self, job_id: str) -> coordinator_pb2.JobStatus:
+        """The job's current status."""
+        return self.stub.GetJob(coordinator_pb2.GetJobRequest(job_id=job_id), timeout=10)
+
+    def stop(self, job_id: str) -> coordinator_pb2.JobStatus:
+        """Asks the job to stop at the next step boundary."""
+        return self.stub.StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
+
+    def workers(self) -> list[coordinator_pb2.WorkerInfo]:
+        """Registered workers."""
+        return list(self.stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=10).workers)
+
+    def weights(self, job_id: str) -> dict[str, torch.Tensor]:
+        """The finished job's whole-model weights, named layers.{i}.{param}."""
+        stream = self.stub.ExportWeights(job_pb2.ExportWeightsRequest(job_id=job_id), timeout=120)
+        return wire.decode_stream(stream)[1]
+
+    def wait_for_workers(self, count: int, timeout: float = 60.0) -> None:
+        """Blocks until `count` workers are registered and alive."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                alive = sum(w.alive for w in self.workers())
+            except grpc.RpcError:
+                alive = 0
+            if alive >= count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{alive} of {count} workers alive after {timeout:.0f} s")
+            time.sleep(0.1)

@@ -1,0 +1,262 @@
+"""Drives a job: waits for workers, plans, assigns ranks, runs steps, collects weights.
+
+[Note: first failure] A step runs on every rank at once. When one rank fails, the others
+block on it; the driver keeps the first failure, probes which workers are still alive to
+name a dead one, drains the rest (which aborts their waits), clears the job's stash keys
+and fails the job with that message.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.registry import Registry, WorkerRecord
+from offload_store import OffloadStore, connect
+from pipefb.config import JobConfig, build_layers
+from pipefb.errors import WorkerFailed
+from pipefb.plan import Plan, balanced_plan, schedule_for
+from protos import coordinator_pb2, server, wire, worker_pb2, worker_pb2_grpc
+from protos.convert import job_to_proto, plan_to_proto
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("DONE", "FAILED", "STOPPED")
+
+
+@dataclass
+class Job:
+    """A job's state as the coordinator tracks it; `cond` guards and signals changes."""
+
+    config: JobConfig
+    state: str = "PENDING"
+    step: int = 0
+    error: str = ""
+    plan: Plan | None = None
+    workers: list[WorkerRecord] = field(default_factory=list)
+    reports: list[coordinator_pb2.StepReport] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    stop_requested: bool = False
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def job_id(self) -> str:
+        """The job's id."""
+        return self.config.job_id
+
+    def set_state(self, state: str, error: str = "") -> None:
+        """Moves the state machine and wakes followers."""
+        with self.cond:
+            self.state, self.error = state, error or self.error
+            self.cond.notify_all()
+
+
+@dataclass
+class Ranks:
+    """Stubs of a job's ranks, by rank."""
+
+    workers: list[WorkerRecord]
+    stubs: list[worker_pb2_grpc.StageWorkerStub]
+    channels: list[grpc.Channel]
+
+    @classmethod
+    def connect(cls, workers: list[WorkerRecord]) -> Ranks:
+        """Opens a channel to every rank."""
+        channels = [server.channel(w.address) for w in workers]
+        return cls(workers, [worker_pb2_grpc.StageWorkerStub(c) for c in channels], channels)
+
+    def describe(self, rank: int) -> str:
+        """Names a rank's worker for error messages."""
+        w = self.workers[rank]
+        return f"worker {w.worker_id} ({w.name}, {w.address}, rank {rank})"
+
+    def close(self) -> None:
+        """Closes every channel."""
+        for c in self.channels:
+            c.close()
+
+
+class Driver:
+    """Runs each submitted job in its own thread."""
+
+    def __init__(self, registry: Registry, store_address: str,
+                 worker_wait_seconds: float = 120.0) -> None:
+        self.registry, self.store_address = registry, store_address
+        self.worker_wait_seconds = worker_wait_seconds
+
+    def start(self, job: Job) -> None:
+        """Starts the job's thread."""
+        threading.Thread(target=self.run, args=(job,), name=f"job-{job.job_id}",
+                         daemon=True).start()
+
+    def run(self, job: Job) -> None:
+        """The job's whole life; never raises (failures land in the job's state)."""
+        ranks: Ranks | None = None
+        try:
+            job.workers = self._wait_for_workers(job)
+            ranks = Ranks.connect(job.workers)
+            self._plan_and_assign(job, ranks)
+            self._run_steps(job, ranks)
+            if job.state == "RUNNING":
+                job.weights = self._collect_weights(job, ranks)
+                self._check_store_empty(job)
+                job.set_state("DONE")
+        except Exception as error:  # noqa: BLE001 - the job fails, the coordinator lives on
+            message = self._diagnose(error, ranks)
+            log.error("job %s failed: %s", job.job_id, message)
+            job.set_state("FAILED", message)
+            self._clear_store(job)
+        finally:
+            if ranks is not None:
+                self._drain(job, ranks)
+                ranks.close()
+            self.registry.release(job.job_id)
+            if job.state == "STOPPED":
+                self._clear_store(job)
+
+    def _wait_for_workers(self, job: Job) -> list[WorkerRecord]:
+        deadline = time.monotonic() + self.worker_wait_seconds
+        while not job.stop_requested:
+            got = self.registry.acquire(job.config.workers, job.job_id)
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                alive = sum(self.registry.alive(w) for w in self.registry.workers())
+                raise WorkerFailed(f"job needs {job.config.workers} idle workers; "
+                                   f"{alive} alive after {self.worker_wait_seconds:.0f} s")
+            time.sleep(0.1)
+        raise WorkerFailed("stopped while waiting for workers")
+
+    def _plan_and_assign(self, job: Job, ranks: Ranks) -> None:
+        job.set_state("PLANNING")
+        layers = build_layers(job.config)
+        costs = [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]
+        plan = balanced_plan(job.config.schedule, job.config.workers, costs,
+                             job.config.batch_size, job.config.microbatches)
+        schedule_for(plan)  # refuses a plan whose schedule fails validation or deadlocks
+        job.plan = plan
+        spec, plan_msg = job_to_proto(job.config), plan_to_proto(plan)
+        peers = [w.address for w in ranks.workers]
+        calls = [stub.Assign.future(worker_pb2.AssignRequest(
+            job=spec, plan=plan_msg, rank=r, peers=peers, store_address=self.store_address),
+            timeout=300) for r, stub in enumerate(ranks.stubs)]
+        _wait_all(calls, ranks)
+        job.set_state("RUNNING")
+
+    def _run_steps(self, job: Job, ranks: Ranks) -> None:
+        for step in range(job.config.steps):
+            if job.stop_requested:
+                job.set_state("STOPPED", "stopped by request")
+                return
+            started = time.perf_counter()
+            calls = [stub.Step.future(worker_pb2.StepRequest(job_id=job.job_id, step=step))
+                     for stub in ranks.stubs]
+            replies = _wait_all(calls, ranks, self.registry)
+            report = _report(job, step, time.perf_counter() - started, replies, ranks)
+            with job.cond:
+                job.reports.append(report)
+                job.step = step + 1
+                job.cond.notify_all()
+
+    def _collect_weights(self, job: Job, ranks: Ranks) -> dict[str, torch.Tensor]:
+        weights: dict[str, torch.Tensor] = {}
+        owners = {a.rank for a in job.plan.assignment if a.role != "forward"} if job.plan else set()
+        for rank in sorted(owners):
+            stream = ranks.stubs[rank].ExportWeights(
+                worker_pb2.ExportWeightsRequest(job_id=job.job_id), timeout=120)
+            weights.update(wire.decode_stream(stream)[1])
+        return weights
+
+    def _check_store_empty(self, job: Job) -> None:
+        left = self._store(job).count_keys()
+        if left:
+            log.warning("job %s left %d keys in the offload store", job.job_id, left)
+
+    def _clear_store(self, job: Job) -> None:
+        try:
+            self._store(job).clear_job()
+        except Exception as error:  # noqa: BLE001 - best effort after a failure
+            log.warning("could not clear the store of job %s: %s", job.job_id, error)
+
+    def _store(self, job: Job) -> OffloadStore:
+        return OffloadStore(connect(self.store_address), job.job_id)
+
+    def _drain(self, job: Job, ranks: Ranks) -> None:
+        for stub in ranks.stubs:
+            try:
+                stub.Drain(worker_pb2.DrainRequest(job_id=job.job_id, reason=job.state), timeout=5)
+            except grpc.RpcError:
+                pass  # a dead worker has nothing to drain
+
+    def _diagnose(self, error: Exception, ranks: Ranks | None) -> str:
+        if ranks is None:
+            return str(error)
+        dead = [ranks.describe(r) for r in range(len(ranks.workers))
+                if not _answers(ranks.workers[r].address)]
+        if dead:
+            return f"{', '.join(dead)} died: {error}"
+        return str(error)
+
+
+def _answers(address: str) -> bool:
+    """Whether the worker at `address` answers a health check within a second."""
+    with server.channel(address) as ch:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            return True
+        except grpc.RpcError:
+            return False
+
+
+def _wait_all(calls: list[grpc.Future], ranks: Ranks, registry: Registry | None = None) -> list:
+    """Waits for one call per rank; the first failure (non-ABORTED first) becomes an error."""
+    pending = set(range(len(calls)))
+    while pending:
+        done, _ = futures.wait([calls[r] for r in pending], timeout=0.5,
+                               return_when=futures.FIRST_EXCEPTION)
+        for r in list(pending):
+            if calls[r].done():
+                pending.discard(r)
+                if calls[r].exception() is not None:
+                    _raise_first(calls, ranks)
+        if registry is not None:
+            _check_heartbeats(registry, ranks, pending)
+    return [c.result() for c in calls]
+
+
+def _raise_first(calls: list[grpc.Future], ranks: Ranks) -> None:
+    failed = [(r, c.exception()) for r, c in enumerate(calls) if c.done() and c.exception()]
+    failed.sort(key=lambda f: f[1].code() == grpc.StatusCode.ABORTED)  # root causes first
+    rank, error = failed[0]
+    raise WorkerFailed(f"{ranks.describe(rank)} failed: {error.code().name}: {error.details()}")
+
+
+def _check_heartbeats(registry: Registry, ranks: Ranks, pending: set[int]) -> None:
+    known = {w.worker_id: w for w in registry.workers()}
+    for r in pending:
+        rec = known.get(ranks.workers[r].worker_id)
+        if rec is None or not registry.alive(rec):
+            raise WorkerFailed(f"{ranks.describe(r)} stopped sending heartbeats")
+
+
+def _report(job: Job, step: int, seconds: float, replies: list[worker_pb2.StepReply],
+            ranks: Ranks) -> coordinator_pb2.StepReport:
+    losses = [loss for reply in replies for loss in reply.losses]
+    assert job.plan is not None
+    stats = [coordinator_pb2.WorkerStepStats(
+        rank=a.rank, worker_id=ranks.workers[a.rank].worker_id, role=a.role, stage=a.stage,
+        compute_seconds=rep.compute_seconds, idle_seconds=rep.idle_seconds,
+        peak_memory_bytes=rep.peak_memory_bytes, memory_bytes=rep.memory_bytes,
+        bytes_sent=rep.bytes_sent, bytes_stashed=rep.bytes_stashed)
+        for a, rep in zip(job.plan.assignment, replies, strict=True)]
+    return coordinator_pb2.StepReport(
+        job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),
+        seconds=seconds, samples_per_second=job.config.batch_size / seconds, workers=stats)

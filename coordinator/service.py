@@ -1,0 +1,116 @@
+"""The Coordinator servicer: decodes requests, calls the registry and driver, encodes replies."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import grpc
+
+from coordinator.driver import TERMINAL, Driver, Job
+from coordinator.registry import Registry
+from pipefb.config import check_job
+from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, tensor_pb2, wire
+from protos.convert import job_from_proto, job_to_proto, plan_to_proto
+from protos.server import FailedPrecondition
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Jobs by id, workers by registry."""
+
+    def __init__(self, registry: Registry, driver: Driver) -> None:
+        self.registry, self.driver = registry, driver
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    def _job(self, job_id: str) -> Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise KeyError(f"no job {job_id!r}")
+        return job
+
+    def RegisterWorker(self, request: coordinator_pb2.RegisterWorkerRequest,
+                       context: grpc.ServicerContext) -> coordinator_pb2.RegisterWorkerReply:
+        if not request.address:
+            raise ValueError("RegisterWorker needs an address")
+        worker_id = self.registry.register(request.address, request.name)
+        return coordinator_pb2.RegisterWorkerReply(
+            worker_id=worker_id, heartbeat_seconds=self.registry.heartbeat_seconds)
+
+    def Heartbeat(self, request: coordinator_pb2.HeartbeatRequest,
+                  context: grpc.ServicerContext) -> coordinator_pb2.HeartbeatReply:
+        return coordinator_pb2.HeartbeatReply(known=self.registry.heartbeat(request.worker_id))
+
+    def SubmitJob(self, request: job_pb2.JobSpec, context: grpc.ServicerContext
+                  ) -> coordinator_pb2.JobStatus:
+        config = job_from_proto(request)
+        if config.schedule == "single":
+            raise ValueError("schedule 'single' runs in the client, not on a cluster")
+        check_job(config)
+        with self._lock:
+            job_id = config.job_id or f"job-{next(self._ids)}"
+            if job_id in self._jobs:
+                raise FailedPrecondition(f"job id {job_id!r} is already in use")
+            job = Job(replace(config, job_id=job_id))
+            self._jobs[job_id] = job
+        self.driver.start(job)
+        return _status(job)
+
+    def Train(self, request: coordinator_pb2.TrainRequest, context: grpc.ServicerContext
+              ) -> Iterator[coordinator_pb2.StepReport]:
+        job = self._job(request.job_id)
+        sent = 0
+        while context.is_active():
+            with job.cond:
+                job.cond.wait_for(lambda: len(job.reports) > sent or job.state in TERMINAL,
+                                  timeout=1.0)
+                new, state, error = job.reports[sent:], job.state, job.error
+            yield from new
+            sent += len(new)
+            if state in TERMINAL and sent == len(job.reports):
+                if state == "FAILED":
+                    context.abort(grpc.StatusCode.ABORTED, f"job {job.job_id} failed: {error}")
+                return
+
+    def GetJob(self, request: coordinator_pb2.GetJobRequest, context: grpc.ServicerContext
+               ) -> coordinator_pb2.JobStatus:
+        return _status(self._job(request.job_id))
+
+    def ListWorkers(self, request: coordinator_pb2.ListWorkersRequest,
+                    context: grpc.ServicerContext) -> coordinator_pb2.ListWorkersReply:
+        now = time.monotonic()
+        return coordinator_pb2.ListWorkersReply(workers=[
+            coordinator_pb2.WorkerInfo(worker_id=w.worker_id, address=w.address, name=w.name,
+                                       alive=self.registry.alive(w), job_id=w.job_id,
+                                       last_heartbeat_age_seconds=now - w.last_seen)
+            for w in self.registry.workers()])
+
+    def StopJob(self, request: coordinator_pb2.StopJobRequest, context: grpc.ServicerContext
+                ) -> coordinator_pb2.JobStatus:
+        job = self._job(request.job_id)
+        with job.cond:
+            job.stop_requested = True
+        return _status(job)
+
+    def ExportWeights(self, request: job_pb2.ExportWeightsRequest,
+                      context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+        job = self._job(request.job_id)
+        if job.state != "DONE":
+            raise FailedPrecondition(f"job {job.job_id} is {job.state}; weights come when DONE")
+        transfer = tensor_pb2.Transfer(job_id=job.job_id, version=job.config.steps,
+                                       microbatch=-1, kind="EXPORT")
+        yield from wire.encode_stream(transfer, job.weights)
+
+
+def _status(job: Job) -> coordinator_pb2.JobStatus:
+    status = coordinator_pb2.JobStatus(
+        job_id=job.job_id, state=coordinator_pb2.JobState.Value(job.state), step=job.step,
+        spec=job_to_proto(job.config), error=job.error,
+        worker_ids=[w.worker_id for w in job.workers])
+    if job.plan is not None:
+        status.plan.CopyFrom(plan_to_proto(job.plan))
+    return status

@@ -1,0 +1,135 @@
+"""The job: what to train, as one validated, JSON-able frozen dataclass."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from pipefb.errors import ConfigError
+
+SCHEDULES = ("single", "gpipe", "1f1b", "pipefb")  # "single": one process, the reference
+MODES = ("sync",)
+_JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def parse_json_object(text: str | dict[str, Any] | None, what: str) -> dict[str, Any]:
+    """Parses a JSON object given as text (or passes a dict through).
+
+    Raises:
+        ConfigError: malformed JSON or not an object, naming `what`.
+    """
+    if text is None or text == "":
+        return {}
+    if isinstance(text, dict):
+        return dict(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{what} is not valid JSON ({error.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A training run's definition; the same fields as `pipefb local train` flags."""
+
+    model: str = "gpt"  # model registry name or a pipefb.models entry point
+    dataset: str = "text"  # dataset registry name
+    loss: str = "cross_entropy"  # loss name
+    schedule: str = "pipefb"  # single, gpipe, 1f1b or pipefb
+    workers: int = 4  # workers taking part (ignored by single)
+    batch_size: int = 16  # samples per step
+    microbatches: int = 4  # micro-batches per step; divides batch_size
+    steps: int = 20  # optimizer steps
+    optimizer: str = "adamw"  # sgd or adamw
+    lr: float = 1e-3  # learning rate
+    seed: int = 0  # seeds weights, data sampling and random ops
+    mode: str = "sync"  # sync: results equal one process
+    job_id: str = ""  # empty: the coordinator names it
+    model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
+    dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
+    optimizer_config: dict[str, Any] = field(default_factory=dict)  # optimizer options
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ("workers", "batch_size", "microbatches", "steps"))
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {MODES}")
+        if self.batch_size % self.microbatches:
+            raise ConfigError(
+                f"microbatches {self.microbatches} does not divide batch size {self.batch_size}"
+            )
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"learning rate {self.lr!r} must be a finite number > 0")
+        if self.job_id and not _JOB_ID.match(self.job_id):
+            raise ConfigError(f"job id {self.job_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples per micro-batch."""
+        return self.batch_size // self.microbatches
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (round-trips through `from_dict`)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        """Builds a config from a dict, rejecting unknown keys by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown job field {unknown[0]!r}")
+        return cls(**data)
+
+
+def _check_positive(config: JobConfig, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def build_layers(config: JobConfig) -> list[torch.nn.Module]:
+    """The job's layer sequence: the model's layers, then the loss layer (last)."""
+    from pipefb.losses import build_loss
+    from pipefb.models import build_model
+
+    layers = build_model(config.model, config.model_config, seed=config.seed)
+    return [*layers, build_loss(config.loss)]
+
+
+def check_job(config: JobConfig) -> int:
+    """Checks every name and config by building the model, loss and dataset once.
+
+    Returns:
+        The number of layers in the layer sequence (loss included).
+
+    Raises:
+        ConfigError: naming the bad value (unknown name, bad option, too many stages).
+    """
+    from pipefb.data import build_dataset
+    from pipefb.optim import build_optimizer
+
+    layers = build_layers(config)
+    build_dataset(config.dataset, config.dataset_config, config.seed)
+    build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)], config.lr,
+                    config.optimizer_config)
+    if config.schedule != "single":
+        from pipefb.plan import stage_counts
+
+        stages = max(stage_counts(config.schedule, config.workers))
+        if stages > len(layers):
+            raise ConfigError(
+                f"{config.workers} workers make {stages} stages but the model has only "
+                f"{len(layers)} layers (loss included)"
+            )
+    return len(layers)

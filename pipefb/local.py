@@ -1,0 +1,150 @@
+"""A local cluster of real processes on 127.0.0.1: Redis, a coordinator and N workers.
+
+Only subprocesses: the core stays free of grpc and redis. Every process is stopped on
+exit, on Ctrl-C and on failure; children also get SIGTERM if this process dies
+(PR_SET_PDEATHSIG on Linux).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+READY_TIMEOUT_SECONDS = 120.0  # start-up of one process, torch import included
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _read_ready(stream: IO[str], lines: queue.Queue[str]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put("")
+
+
+class Process:
+    """One child process that prints `ready ADDRESS` once it serves."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        with self.log_path.open("w") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, *args], stdout=subprocess.PIPE, stderr=log, text=True,
+                env=env, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        self._lines: queue.Queue[str] = queue.Queue()
+        assert self.popen.stdout is not None
+        threading.Thread(target=_read_ready, args=(self.popen.stdout, self._lines),
+                         daemon=True).start()
+        self.address = ""
+
+    @property
+    def pid(self) -> int:
+        """The child's pid."""
+        return self.popen.pid
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> str:
+        """Waits for the `ready ADDRESS` line; raises RuntimeError with the log tail."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line.startswith("ready "):
+                self.address = line.split()[1]
+                return self.address
+            if line == "":
+                break
+        raise RuntimeError(f"{self.name} did not start (exit {self.popen.poll()}): "
+                           f"{self.log_tail()}")
+
+    def log_tail(self, lines: int = 5) -> str:
+        """Last lines of the process's log, joined."""
+        try:
+            return " | ".join(self.log_path.read_text().strip().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; always reaps."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+class LocalCluster:
+    """Context manager: the offload store, a coordinator and `workers` workers, all local."""
+
+    def __init__(self, workers: int, log_dir: Path, *, store_maxmemory: str = "2gb",
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.n_workers, self.log_dir = workers, log_dir
+        self.store_maxmemory = store_maxmemory
+        self.env = {**os.environ, **(extra_env or {})}
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parent.parent),
+                        self.env.get("PYTHONPATH", "")) if p)
+        self.processes: list[Process] = []
+        self.store = self.coordinator = ""
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: list[str]) -> Process:
+        proc = Process(name, args, self.log_dir, self.env)
+        self.processes.append(proc)
+        return proc
+
+    def start(self) -> None:
+        """Starts every process and waits until each serves."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.store = self._spawn("redis", ["-m", "offload_store", "--maxmemory",
+                                           self.store_maxmemory]).wait_ready()
+        self.coordinator = self._spawn("coordinator", ["-m", "coordinator", "--listen",
+                                                       "127.0.0.1:0", "--store",
+                                                       self.store]).wait_ready()
+        workers = [self.add_worker(i) for i in range(self.n_workers)]
+        for proc in workers:
+            proc.wait_ready()
+
+    def add_worker(self, index: int) -> Process:
+        """Starts one more worker registering with the coordinator (not waited for)."""
+        return self._spawn(f"worker-{index}", ["-m", "worker", "--listen", "127.0.0.1:0",
+                                               "--coordinator", self.coordinator,
+                                               "--name", f"worker-{index}"])
+
+    def workers(self) -> list[Process]:
+        """The worker processes, in start order."""
+        return [p for p in self.processes if p.name.startswith("worker-")]
+
+    def stop(self) -> None:
+        """Stops workers, then the coordinator, then Redis."""
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()

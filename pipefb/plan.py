@@ -1,0 +1,160 @@
+"""The plan (schedule kind, partitions, policy, roles) and the placeholder balanced planner."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from typing import Any
+
+from pipefb.errors import ConfigError
+from pipefb.schedule import Schedule, Topology, generate, lower, validate
+
+ROLES = ("forward", "backward", "combined")
+POLICIES = ("keep", "offload", "recompute")
+
+
+@dataclass(frozen=True)
+class WorkerAssignment:
+    """One job rank's place in the plan."""
+
+    rank: int  # job-local worker index
+    role: str  # forward, backward or combined
+    stage: int  # forward stage (forward, combined) or backward stage (backward)
+    group: int = 0  # pipeline group; 0 while there is one group
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's output, plain data; every worker derives its actions from it."""
+
+    schedule: str  # gpipe, 1f1b or pipefb
+    microbatches: int  # micro-batches per step
+    microbatch_size: int  # samples per micro-batch
+    forward_partition: tuple[int, ...]  # stage boundaries over layers, 0 .. n_layers
+    backward_partition: tuple[int, ...]  # equal to forward_partition for combined kinds
+    policy: tuple[str, ...]  # per layer: keep, offload or recompute
+    assignment: tuple[WorkerAssignment, ...]  # one per rank, by rank
+    groups: int = 1  # pipeline groups
+    predicted_step_seconds: float = 0.0  # simulator's prediction; 0 when not predicted
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # planner notes
+
+    def __post_init__(self) -> None:
+        if any(p not in POLICIES for p in self.policy):
+            raise ConfigError(f"policy {self.policy} has a value outside {POLICIES}")
+        if len(self.policy) != self.forward_partition[-1]:
+            raise ConfigError(
+                f"policy has {len(self.policy)} entries for {self.forward_partition[-1]} layers"
+            )
+
+    def topology(self) -> Topology:
+        """Stage boundaries and the rank of each forward and backward stage."""
+        fwd = sorted((a.stage, a.rank) for a in self.assignment if a.role in ("forward", "combined"))
+        bwd = sorted((a.stage, a.rank) for a in self.assignment if a.role in ("backward", "combined"))
+        return Topology(
+            forward_partition=self.forward_partition,
+            backward_partition=self.backward_partition,
+            forward_workers=tuple(rank for _, rank in fwd),
+            backward_workers=tuple(rank for _, rank in bwd),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form; inverse of `from_dict`."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Builds a plan from `to_dict` output."""
+        data = dict(data)
+        data["assignment"] = tuple(WorkerAssignment(**a) for a in data["assignment"])
+        for key in ("forward_partition", "backward_partition", "policy"):
+            data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def stage_counts(schedule: str, workers: int) -> tuple[int, int]:
+    """(forward stages, backward stages) a schedule kind makes of `workers` workers.
+
+    PipeFB gives the backward pass, about twice the forward's work, the larger half.
+    """
+    if schedule == "pipefb":
+        if workers < 2:
+            raise ConfigError("schedule 'pipefb' needs at least 2 workers (forward and backward)")
+        return workers // 2, workers - workers // 2
+    return workers, workers
+
+
+def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
+    """Splits `costs` into `stages` contiguous ranges minimising the largest range sum.
+
+    Dynamic programming over (prefix, stages): O(n^2 * k) time, O(n * k) space for n layers
+    and k stages. Ties go to the earliest boundary, so the result is deterministic.
+
+    Returns:
+        Boundaries `(0, b1, ..., n)`.
+    """
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ConfigError(f"cannot split {n} layers into {stages} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    @cache
+    def best(end: int, k: int) -> tuple[float, tuple[int, ...]]:
+        if k == 1:
+            return prefix[end], (0, end)
+        options = []
+        for cut in range(k - 1, end):
+            left, bounds = best(cut, k - 1)
+            options.append((max(left, prefix[end] - prefix[cut]), (*bounds, end)))
+        return min(options, key=lambda o: o[0])
+
+    return best(n, stages)[1]
+
+
+def balanced_plan(
+    schedule: str,
+    workers: int,
+    layer_costs: Sequence[float],
+    batch_size: int,
+    microbatches: int,
+) -> Plan:
+    """The placeholder planner: contiguous stages balanced by `layer_costs`.
+
+    Combined kinds put stage r on rank r and keep activations in the worker; PipeFB puts the
+    forward stages on the first ranks and the backward stages on the rest, and offloads.
+    """
+    n_fwd, n_bwd = stage_counts(schedule, workers)
+    fwd = partition(layer_costs, n_fwd)
+    if schedule == "pipefb":
+        bwd = partition(layer_costs, n_bwd)
+        assignment = tuple(WorkerAssignment(r, "forward", r) for r in range(n_fwd)) + tuple(
+            WorkerAssignment(n_fwd + s, "backward", s) for s in range(n_bwd)
+        )
+        policy = "offload"
+    else:
+        bwd = fwd
+        assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(workers))
+        policy = "keep"
+    return Plan(
+        schedule=schedule,
+        microbatches=microbatches,
+        microbatch_size=batch_size // microbatches,
+        forward_partition=fwd,
+        backward_partition=bwd,
+        policy=(policy,) * len(layer_costs),
+        assignment=assignment,
+    )
+
+
+def schedule_for(plan: Plan) -> Schedule:
+    """The lowered, validated schedule of a plan: what every rank executes each step.
+
+    Raises:
+        ScheduleError: the schedule fails validation or deadlocks in the dry run.
+    """
+    topology = plan.topology()
+    lowered = lower(generate(plan.schedule, topology, plan.microbatches), topology)
+    validate(lowered, topology, plan.microbatches)
+    return lowered

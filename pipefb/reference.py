@@ -1,0 +1,78 @@
+"""`--schedule single`: the same micro-batches in one process with eager autograd, the reference.
+
+Every pipeline schedule in `sync` mode must reproduce these losses and weights: same data
+(seeded by (seed, step, micro-batch)), same random ops (seeded by (seed, step,
+micro-batch, layer)), loss averaged over micro-batches, one optimizer step per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pipefb.config import JobConfig, build_layers
+from pipefb.data import build_dataset
+from pipefb.memory import tensor_bytes
+from pipefb.optim import build_optimizer, optimizer_state_bytes
+from pipefb.seeding import derive_seed
+
+
+@dataclass
+class SingleStep:
+    """One step of the reference run."""
+
+    step: int
+    loss: float  # mean over micro-batches
+    seconds: float
+    samples_per_second: float
+    peak_memory_bytes: int  # parameters + gradients + optimizer state after the step
+
+
+class SingleProcess:
+    """The whole layer sequence in one process, trained with gradient accumulation."""
+
+    def __init__(self, job: JobConfig) -> None:
+        self.job = job
+        self.layers = build_layers(job)
+        self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+        self.params = [p for layer in self.layers for p in layer.parameters()]
+        self.optimizer = build_optimizer(job.optimizer, self.params, job.lr, job.optimizer_config)
+
+    def loss(self, step: int, microbatch: int) -> torch.Tensor:
+        """Forward of one micro-batch through every layer, loss layer last."""
+        x, targets = self.dataset.microbatch(step, microbatch, self.job.microbatch_size)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            torch.manual_seed(derive_seed(self.job.seed, step, microbatch, i))
+            x = layer(x, targets) if i == last else layer(x)
+        return x
+
+    def step(self, step: int) -> SingleStep:
+        """Runs one optimizer step over `microbatches` accumulated micro-batches."""
+        started = time.perf_counter()
+        losses = []
+        for m in range(self.job.microbatches):
+            loss = self.loss(step, m)
+            (loss / self.job.microbatches).backward()
+            losses.append(float(loss))
+        grads = [p.grad for p in self.params if p.grad is not None]
+        memory = tensor_bytes(self.params) + tensor_bytes(grads)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        memory += optimizer_state_bytes(self.optimizer)
+        seconds = time.perf_counter() - started
+        return SingleStep(step, sum(losses) / len(losses), seconds,
+                          self.job.batch_size / seconds, memory)
+
+    def run(self) -> Iterator[SingleStep]:
+        """Runs every step of the job, yielding each step's report."""
+        for step in range(self.job.steps):
+            yield self.step(step)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights, named `layers.{i}.{param}`."""
+        return {f"layers.{i}.{name}": p.detach().clone()
+                for i, layer in enumerate(self.layers) for name, p in layer.named_parameters()}

@@ -1,0 +1,170 @@
+from protos import job_pb2 as _job_pb2
+from protos import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    PENDING: _ClassVar[JobState]
+    PLANNING: _ClassVar[JobState]
+    RUNNING: _ClassVar[JobState]
+    MIGRATING: _ClassVar[JobState]
+    CHECKPOINTING: _ClassVar[JobState]
+    RECOVERING: _ClassVar[JobState]
+    DONE: _ClassVar[JobState]
+    FAILED: _ClassVar[JobState]
+    STOPPED: _ClassVar[JobState]
+JOB_STATE_UNSPECIFIED: JobState
+PENDING: JobState
+PLANNING: JobState
+RUNNING: JobState
+MIGRATING: JobState
+CHECKPOINTING: JobState
+RECOVERING: JobState
+DONE: JobState
+FAILED: JobState
+STOPPED: JobState
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("address", "name")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    name: str
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerReply(_message.Message):
+    __slots__ = ("worker_id", "heartbeat_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    heartbeat_seconds: float
+    def __init__(self, worker_id: _Optional[int] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class TrainRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("job_id", "step", "loss", "seconds", "samples_per_second", "workers")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    loss: float
+    seconds: float
+    samples_per_second: float
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStepStats]
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ...) -> None: ...
+
+class WorkerStepStats(_message.Message):
+    __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed")
+    class MemoryBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STASHED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    worker_id: int
+    role: str
+    stage: int
+    compute_seconds: float
+    idle_seconds: float
+    peak_memory_bytes: int
+    memory_bytes: _containers.ScalarMap[str, int]
+    bytes_sent: int
+    bytes_stashed: int
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class StopJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    step: int
+    spec: _job_pb2.JobSpec
+    plan: _job_pb2.Plan
+    error: str
+    worker_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "address", "name", "alive", "job_id", "last_heartbeat_age_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    address: str
+    name: str
+    alive: bool
+    job_id: str
+    last_heartbeat_age_seconds: float
+    def __init__(self, worker_id: _Optional[int] = ..., address: _Optional[str] = ..., name: _Optional[str] = ..., alive: _Optional[bool] = ..., job_id: _Optional[str] = ..., last_heartbeat_age_seconds: _Optional[float] = ...) -> None: ...
+
+class ListWorkersReply(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...

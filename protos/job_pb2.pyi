@@ -1,0 +1,83 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobSpec(_message.Message):
+    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    DATASET_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    model: str
+    model_config_json: str
+    dataset: str
+    dataset_config_json: str
+    loss: str
+    optimizer: str
+    optimizer_config_json: str
+    lr: float
+    seed: int
+    batch_size: int
+    microbatches: int
+    steps: int
+    schedule: str
+    workers: int
+    mode: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class WorkerAssignment(_message.Message):
+    __slots__ = ("rank", "group", "role", "stage")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    group: int
+    role: str
+    stage: int
+    def __init__(self, rank: _Optional[int] = ..., group: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("schedule", "microbatches", "microbatch_size", "forward_partition", "backward_partition", "policy", "groups", "assignment", "predicted_step_seconds")
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    schedule: str
+    microbatches: int
+    microbatch_size: int
+    forward_partition: _containers.RepeatedScalarFieldContainer[int]
+    backward_partition: _containers.RepeatedScalarFieldContainer[int]
+    policy: _containers.RepeatedScalarFieldContainer[str]
+    groups: int
+    assignment: _containers.RepeatedCompositeFieldContainer[WorkerAssignment]
+    predicted_step_seconds: float
+    def __init__(self, schedule: _Optional[str] = ..., microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., policy: _Optional[_Iterable[str]] = ..., groups: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[WorkerAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ...) -> None: ...
+
+class ExportWeightsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...

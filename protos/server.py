@@ -1,0 +1,152 @@
+"""gRPC server plumbing shared by the services: creation, health, errors -> status codes."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pipefb.errors import Aborted, CodecError, ConfigError, ScheduleError, StoreFullError, WorkerFailed
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 << 20  # tensor chunks are <= 1 MiB; control messages are small
+
+
+class FailedPrecondition(RuntimeError):
+    """The request is well formed but the service is not in a state to run it."""
+
+
+# The one table from domain errors to status codes. Order matters: first match wins.
+STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ScheduleError, grpc.StatusCode.INVALID_ARGUMENT),
+    (KeyError, grpc.StatusCode.NOT_FOUND),
+    (StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Aborted, grpc.StatusCode.ABORTED),
+    (WorkerFailed, grpc.StatusCode.UNAVAILABLE),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    """Maps a domain error to its gRPC status code (INTERNAL for anything unexpected)."""
+    for kind, code in STATUS_OF:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _message(error: BaseException) -> str:
+    return str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+
+
+def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
+    code = status_of(error)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("unexpected error in handler", exc_info=error)
+    context.abort(code, f"{type(error).__name__}: {_message(error)}")
+
+
+def _wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def handler(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(request, context)
+        except Exception as error:  # noqa: BLE001 - every error becomes a status
+            _abort(context, error)
+            raise  # unreachable: abort raises
+
+    return handler
+
+
+def _wrap_stream(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from fn(request, context)
+        except Exception as error:  # noqa: BLE001 - every error becomes a status
+            _abort(context, error)
+
+    return handler
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Turns exceptions raised by servicer methods into status codes via `STATUS_OF`."""
+
+    def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+        return handler
+
+
+def create_server(
+    add_servicers: Callable[[grpc.Server], None],
+    address: str = "127.0.0.1:0",
+    *,
+    max_workers: int = 32,
+    interceptors: tuple[grpc.ServerInterceptor, ...] = (),
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Creates and starts a server with the health service (NOT_SERVING until `ready`).
+
+    Returns:
+        The server, the port it bound (useful with port 0) and its health servicer.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=(*interceptors, ErrorInterceptor()),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    add_servicers(server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    server.start()
+    return server, port, health_servicer
+
+
+def ready(health_servicer: health.HealthServicer) -> None:
+    """Marks the server SERVING."""
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+
+
+def serve_until_signal(server: grpc.Server, grace_seconds: float = 5.0) -> None:
+    """Blocks until SIGTERM or SIGINT, then stops the server gracefully."""
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace_seconds).wait()
+
+
+def channel(address: str) -> grpc.Channel:
+    """An insecure channel to `address` with pipefb's message size limits."""
+    return grpc.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )

@@ -1,0 +1,87 @@
+"""`python -m worker`: serve a StageWorker, register with the coordinator, heartbeat."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+
+import grpc
+
+from protos import coordinator_pb2, coordinator_pb2_grpc, server, worker_pb2_grpc
+from worker.service import StageWorkerServicer
+
+log = logging.getLogger("worker")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags, each with an environment fallback for containers."""
+    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    p.add_argument("--listen", default=os.environ.get("PIPEFB_LISTEN", "127.0.0.1:0"),
+                   help="host:port to serve on (port 0: any free port)")
+    p.add_argument("--advertise", default=os.environ.get("PIPEFB_ADVERTISE", ""),
+                   help="host peers use to reach this worker (default: the listen host)")
+    p.add_argument("--coordinator", default=os.environ.get("PIPEFB_COORDINATOR", ""),
+                   help="host:port of the coordinator to register with")
+    p.add_argument("--name", default=os.environ.get("PIPEFB_NAME", f"worker-{os.getpid()}"))
+    return p.parse_args(argv)
+
+
+class Registration:
+    """Registers with the coordinator and heartbeats; re-registers if forgotten."""
+
+    def __init__(self, coordinator: str, address: str, name: str) -> None:
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(server.channel(coordinator))
+        self.request = coordinator_pb2.RegisterWorkerRequest(address=address, name=name)
+        self.worker_id = -1
+        self.interval = 1.0
+        self.stopped = threading.Event()
+
+    def register(self, timeout: float = 60.0) -> None:
+        """Registers, retrying while the coordinator is not up yet."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = self.stub.RegisterWorker(self.request, timeout=5)
+                self.worker_id, self.interval = reply.worker_id, reply.heartbeat_seconds or 1.0
+                return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def heartbeat_forever(self) -> None:
+        """Sends a heartbeat every interval until stopped."""
+        while not self.stopped.wait(self.interval):
+            try:
+                reply = self.stub.Heartbeat(
+                    coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=5)
+                if not reply.known:
+                    self.register()
+            except grpc.RpcError as error:
+                log.warning("heartbeat failed: %s", error.code().name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs the worker until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    args = parse_args(argv)
+    servicer = StageWorkerServicer()
+    srv, port, health = server.create_server(
+        lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen)
+    host = args.advertise or args.listen.rsplit(":", 1)[0]
+    address = f"{host}:{port}"
+    if args.coordinator:
+        reg = Registration(args.coordinator, address, args.name)
+        reg.register()
+        threading.Thread(target=reg.heartbeat_forever, daemon=True).start()
+        log.info("registered as worker %d", reg.worker_id)
+    server.ready(health)
+    print(f"ready {address}", flush=True)
+    server.serve_until_signal(srv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The StageWorker servicer: decodes requests, calls the stage runtime, encodes replies."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from offload_store import OffloadStore, connect
+from pipefb.errors import CodecError
+from pipefb.runtime import StageRuntime
+from pipefb.schedule import Kind
+from protos import tensor_pb2, wire, worker_pb2, worker_pb2_grpc
+from protos.convert import job_from_proto, plan_from_proto
+from protos.server import FailedPrecondition
+from worker.inbox import Inbox
+from worker.transport import GrpcTransport, inbox_key, weight_key
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
+
+
+@dataclass
+class Assigned:
+    """The job rank this worker serves now."""
+
+    job_id: str
+    rank: int
+    runtime: StageRuntime
+    transport: GrpcTransport
+    inbox: Inbox
+    step_lock: threading.Lock
+
+
+class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
+    """One process, one job rank at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._assigned: Assigned | None = None
+
+    def _current(self, job_id: str) -> Assigned:
+        assigned = self._assigned
+        if assigned is None or assigned.job_id != job_id:
+            raise FailedPrecondition(f"job {job_id!r} is not assigned to this worker")
+        return assigned
+
+    def Assign(self, request: worker_pb2.AssignRequest, context: grpc.ServicerContext
+               ) -> worker_pb2.AssignReply:
+        job = job_from_proto(request.job)
+        plan = plan_from_proto(request.plan)
+        inbox = Inbox()
+        store = (OffloadStore(connect(request.store_address), job.job_id, request.attempt)
+                 if request.store_address else None)
+        transport = GrpcTransport(job.job_id, request.peers, store, inbox)
+        runtime = StageRuntime(job, plan, request.rank, transport)
+        with self._lock:
+            self._drop("reassigned")
+            self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
+                                      threading.Lock())
+        log.info("assigned job %s rank %d as %s", job.job_id, request.rank, runtime.role)
+        params = sum(p.numel() * p.element_size() for layer in runtime.layers.values()
+                     for p in layer.parameters())
+        return worker_pb2.AssignReply(role=runtime.role, actions=[str(a) for a in runtime.actions],
+                                      parameter_bytes=params)
+
+    def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext
+             ) -> worker_pb2.StepReply:
+        assigned = self._current(request.job_id)
+        with assigned.step_lock:
+            r = assigned.runtime.run_step(request.step)
+        return worker_pb2.StepReply(
+            step=r.step, losses=r.losses, compute_seconds=r.compute_seconds,
+            idle_seconds=r.idle_seconds, memory_bytes=r.memory_bytes,
+            peak_memory_bytes=r.peak_memory_bytes, bytes_sent=r.bytes_sent,
+            bytes_stashed=r.bytes_stashed, weight_version=r.weight_version,
+        )
+
+    def _receive(self, messages: Iterator[tensor_pb2.TensorChunk], kinds: tuple[str, ...]
+                 ) -> tuple[Assigned, tensor_pb2.Transfer, wire.Tensors]:
+        transfer, tensors = wire.decode_stream(messages)
+        if transfer.kind not in kinds:
+            raise CodecError(f"transfer kind {transfer.kind!r} is not one of {kinds}")
+        assigned = self._current(transfer.job_id)
+        plan = assigned.runtime.plan
+        if transfer.kind != str(Kind.RECV_W) and not 0 <= transfer.microbatch < plan.microbatches:
+            raise CodecError(f"microbatch {transfer.microbatch} is not in 0..{plan.microbatches - 1}")
+        return assigned, transfer, tensors
+
+    def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
+                    context: grpc.ServicerContext) -> tensor_pb2.Ack:
+        assigned, t, tensors = self._receive(request_iterator, ACTIVATION_KINDS)
+        assigned.inbox.put(inbox_key(t.kind, t.step, t.stage, t.microbatch), tensors)
+        return _ack(tensors)
+
+    def Gradients(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
+                  context: grpc.ServicerContext) -> tensor_pb2.Ack:
+        assigned, t, tensors = self._receive(request_iterator, (str(Kind.RECV_B),))
+        assigned.inbox.put(inbox_key(t.kind, t.step, t.stage, t.microbatch), tensors)
+        return _ack(tensors)
+
+    def Weights(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
+                context: grpc.ServicerContext) -> tensor_pb2.Ack:
+        assigned, t, tensors = self._receive(request_iterator, (str(Kind.RECV_W),))
+        for name, tensor in tensors.items():
+            assigned.inbox.put(weight_key(t.version, name), {name: tensor})
+        return _ack(tensors)
+
+    def ExportWeights(self, request: worker_pb2.ExportWeightsRequest,
+                      context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+        assigned = self._current(request.job_id)
+        transfer = tensor_pb2.Transfer(job_id=request.job_id, version=assigned.runtime.version,
+                                       microbatch=-1, kind="EXPORT")
+        yield from wire.encode_stream(transfer, assigned.runtime.owned_weights())
+
+    def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext
+              ) -> worker_pb2.DrainReply:
+        with self._lock:
+            if self._assigned is None or self._assigned.job_id != request.job_id:
+                return worker_pb2.DrainReply(drained=False)
+            self._drop(request.reason or "drained")
+        return worker_pb2.DrainReply(drained=True)
+
+    def _drop(self, reason: str) -> None:
+        if self._assigned is not None:
+            log.info("dropping job %s: %s", self._assigned.job_id, reason)
+            self._assigned.inbox.abort(reason)
+            self._assigned.transport.close()
+            self._assigned = None
+
+
+def _ack(tensors: wire.Tensors) -> tensor_pb2.Ack:
+    return tensor_pb2.Ack(bytes=sum(t.nelement() * t.element_size() for t in tensors.values()),
+                          tensors=len(tensors))
