@@ -143,6 +143,11 @@ def test_pipefb_next_step_waits_for_pushed_weights():
     assert ticks["0RECV_W"][0] == 0
 
 
+def test_dry_run_rejects_zero_steps():
+    with pytest.raises(ScheduleError, match="got 0"):
+        dry_run(lowered("gpipe", TWO), TWO, steps=0)
+
+
 def test_format_grid_marks_cells_and_format_table():
     schedule = {0: [Action.parse(s) for s in ["0F0", "0B0", "0OPT"]]}
     grid = format_grid(schedule, {(0, 1)})

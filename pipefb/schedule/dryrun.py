@@ -65,9 +65,11 @@ def dry_run(schedule: Schedule, topology: Topology, steps: int = 2) -> Trace:
         (worker, tick, action) for every action run, in order of tick then worker.
 
     Raises:
-        ScheduleError: no worker can progress before all finish ("deadlock ..."); the grid
-            marks each stuck worker's blocked action.
+        ScheduleError: `steps` < 1, or no worker can progress before all finish
+            ("deadlock ..."); the grid marks each stuck worker's blocked action.
     """
+    if steps < 1:
+        raise ScheduleError(f"dry run needs >= 1 step, got {steps}")
     reqs = _requirements_of(schedule, topology)
     pos = {w: 0 for w in schedule}
     done: set[tuple[int, Action]] = set()
