@@ -33,7 +33,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 CODES: dict[str, int] = {name: code for code, name in enumerate(DTYPES, start=1)}
-ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {
+    name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()
+}
 
 MAX_RANK = 8  # deepest tensor any pipefb layer exchanges; more is hostile or a bug
 CHUNK_BYTES = 1 << 20  # largest data chunk in one gRPC message (1 MiB)
@@ -74,22 +76,25 @@ def check_header(dtype: str, shape: tuple[int, ...] | list[int], max_bytes: int)
 
     Raises:
         CodecError: unknown dtype, rank above `MAX_RANK`, a negative dimension, or a size
-            above `max_bytes` (checked as it is multiplied, so it cannot overflow).
+            above `max_bytes` (checked as it is multiplied, so it cannot overflow; zero
+            dimensions count as 1 in this bound).
     """
     if dtype not in DTYPES:
         raise CodecError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if len(shape) > MAX_RANK:
         raise CodecError(f"rank {len(shape)} exceeds the maximum {MAX_RANK}")
-    nbytes = ITEMSIZE[dtype]
+    # The span counts a zero dimension as 1: an empty tensor whose other dimensions are huge
+    # would overflow torch's stride arithmetic, so it is bounded by max_bytes too.
+    span = ITEMSIZE[dtype]
     for dim in shape:
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise CodecError(f"dimension {dim!r} of shape {list(shape)} is not a size")
-        if dim and nbytes > max_bytes // dim:
+        if max(dim, 1) > max_bytes // span:
             raise CodecError(f"shape {list(shape)} of {dtype} exceeds {max_bytes} bytes")
-        nbytes *= dim
-    if nbytes > max_bytes:
+        span *= max(dim, 1)
+    if span > max_bytes:
         raise CodecError(f"shape {list(shape)} of {dtype} exceeds {max_bytes} bytes")
-    return nbytes
+    return 0 if 0 in shape else span
 
 
 def decode(
@@ -102,16 +107,31 @@ def decode(
     """Decodes raw bytes into a new, writable tensor after validating the header.
 
     Raises:
-        CodecError: a bad header (see `check_header`) or a byte count that does not match.
+        CodecError: a bad header (see `check_header`), a byte count that does not match,
+            or bool data with bytes other than 0 and 1.
     """
     shape = tuple(shape)
     nbytes = check_header(dtype, shape, max_bytes)
-    if len(data) != nbytes:
-        raise CodecError(f"{dtype} tensor of shape {list(shape)} needs {nbytes} bytes, got {len(data)}")
+    raw = _byte_view(data)
+    if len(raw) != nbytes:
+        raise CodecError(
+            f"{dtype} tensor of shape {list(shape)} needs {nbytes} bytes, got {len(raw)}"
+        )
     out = torch.empty(shape, dtype=DTYPES[dtype])
     if nbytes:
-        out.reshape(-1).view(torch.uint8).numpy()[:] = memoryview(data).cast("B")
+        out_bytes = out.reshape(-1).view(torch.uint8)
+        out_bytes.numpy()[:] = raw
+        if dtype == "bool" and bool((out_bytes > 1).any()):
+            raise CodecError("bool tensor data holds bytes other than 0 and 1")
     return out
+
+
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """Returns `data` as a flat view of bytes (so `len` counts bytes, not items)."""
+    try:
+        return memoryview(data).cast("B")
+    except TypeError as exc:  # a non-contiguous or non-buffer object
+        raise CodecError(f"tensor data of type {type(data).__name__} is not bytes: {exc}") from exc
 
 
 def pack(tensor: torch.Tensor) -> bytes:
@@ -121,13 +141,15 @@ def pack(tensor: torch.Tensor) -> bytes:
     return _HEADER.pack(_MAGIC, CODES[enc.dtype], len(enc.shape)) + dims + enc.data
 
 
-def unpack(frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+def unpack(
+    frame: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> torch.Tensor:
     """Inverts `pack`, validating the frame before allocating.
 
     Raises:
         CodecError: a truncated or foreign frame, or any header error of `decode`.
     """
-    view = memoryview(frame).cast("B")
+    view = _byte_view(frame)
     if len(view) < _HEADER.size:
         raise CodecError(f"frame of {len(view)} bytes is shorter than its header")
     magic, code, rank = _HEADER.unpack_from(view)

@@ -1,0 +1,68 @@
+"""The one place offload-store key strings are built and their parts validated."""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "pipefb"  # namespace of every pipefb key in a shared Redis
+
+# Job ids and tensor names: no ':' (the key separator) and no glob characters (SCAN match).
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Returns `value` if it is a valid job id or tensor name.
+
+    Args:
+        kind: what the value is ("job", "name"), for the error message.
+        value: the candidate string.
+
+    Raises:
+        ValueError: empty, not a string, or a character outside ``[A-Za-z0-9_.-]``.
+    """
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{kind} {value!r} must be a non-empty string of [A-Za-z0-9_.-]")
+    return value
+
+
+def check_index(kind: str, value: int) -> int:
+    """Returns `value` if it is a non-negative int (bools are refused).
+
+    Raises:
+        ValueError: not an int, a bool, or negative.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{kind} {value!r} must be a non-negative int")
+    return value
+
+
+def stash_key(
+    job: str, attempt: int, step: int, microbatch: int, layer: int, version: int, name: str
+) -> str:
+    """Builds the key of one stashed tensor.
+
+    Returns:
+        ``pipefb:{job}:{attempt}:{step}:{microbatch}:{layer}:{version}:{name}``.
+
+    Raises:
+        ValueError: a bad job id or name, or a negative / non-int index; names the value.
+    """
+    parts = (
+        check_name("job", job),
+        check_index("attempt", attempt),
+        check_index("step", step),
+        check_index("microbatch", microbatch),
+        check_index("layer", layer),
+        check_index("version", version),
+        check_name("name", name),
+    )
+    return ":".join([PREFIX, *map(str, parts)])
+
+
+def job_pattern(job: str) -> str:
+    """Returns the SCAN pattern matching every key of `job`, any attempt.
+
+    Raises:
+        ValueError: a bad job id.
+    """
+    return f"{PREFIX}:{check_name('job', job)}:*"

@@ -1,0 +1,342 @@
+"""The stash over Redis: pipelined put / take, backpressure on a full store, byte accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.client import Pipeline
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.retry import Retry
+
+from offload_store.keys import check_index, check_name, job_pattern, stash_key
+from pipefb.codec import pack, unpack
+from pipefb.errors import StoreFullError
+
+FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
+MAX_DELAY_S = 1.0  # backoff doubles up to this
+SCAN_COUNT = 1000  # keys per SCAN round trip
+UNLINK_BATCH = 512  # keys per UNLINK command in clear_job
+
+# Client defaults of `connect`; a stash value can be hundreds of MB, hence the long read timeout.
+CLIENT_DEFAULTS: dict[str, Any] = {
+    "socket_timeout": 30.0,  # seconds to wait for one reply
+    "socket_connect_timeout": 5.0,  # seconds to open a connection
+    "socket_keepalive": True,  # notice dead peers on idle pooled connections
+    "health_check_interval": 15,  # PING a connection idle this many seconds before reuse
+}
+
+
+class StashFullError(StoreFullError):
+    """A put the store refused for longer than `max_wait_seconds`; carries the numbers."""
+
+    def __init__(
+        self, job: str, step: int, microbatch: int, nbytes: int, used: int, maxmemory: int
+    ) -> None:
+        super().__init__(
+            f"offload store full: job {job!r} step {step} microbatch {microbatch} could not "
+            f"write {nbytes} bytes (server used_memory {used} of maxmemory {maxmemory})"
+        )
+        self.job, self.step, self.microbatch = job, step, microbatch
+        self.nbytes, self.used_memory, self.maxmemory = nbytes, used, maxmemory
+
+
+@dataclass
+class StoreStats:
+    """Byte and key counts of one `OffloadStore`'s own puts and takes (exact value bytes)."""
+
+    bytes_put: int = 0
+    bytes_taken: int = 0
+    keys_put: int = 0
+    keys_taken: int = 0
+    retries: int = 0  # backoff sleeps after the store refused a write
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes put and not yet taken through this store object."""
+        return self.bytes_put - self.bytes_taken
+
+    @property
+    def live_keys(self) -> int:
+        """Keys put and not yet taken through this store object."""
+        return self.keys_put - self.keys_taken
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Splits ``host:port`` (``[v6]:port`` too) into host and port.
+
+    Raises:
+        ValueError: no host, no port, or a port outside 1..65535; names the address.
+    """
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {address!r} is not host:port")
+    return host, int(port)
+
+
+def connect(address: str, **kw: Any) -> redis.Redis:
+    """Opens a pooled client to the store at ``host:port``.
+
+    hiredis parses replies when it is installed (redis-py picks it by itself).
+
+    Args:
+        address: ``host:port`` of the Redis server.
+        **kw: overrides of `CLIENT_DEFAULTS` or any other `redis.Redis` argument.
+
+    Raises:
+        ValueError: a bad address, or ``decode_responses=True`` (values are raw bytes).
+    """
+    host, port = parse_address(address)
+    options = {**CLIENT_DEFAULTS, **kw}
+    if options.get("decode_responses"):
+        raise ValueError("decode_responses=True would decode tensor bytes as text")
+    return redis.Redis(host=host, port=port, **options)
+
+
+def _is_oom(error: Exception) -> bool:
+    """Whether a reply is the server refusing a write because it reached `maxmemory`."""
+    return isinstance(error, OutOfMemoryError) or (
+        isinstance(error, ResponseError) and str(error).startswith("OOM")
+    )
+
+
+def _batches(items: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
+    """Groups an iterable into lists of at most `size` items."""
+    batch: list[bytes] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class OffloadStore:
+    """One job attempt's stash: layer -> name -> tensor, keyed by step, micro-batch, version.
+
+    [Note: delete on consume] `take` reads and deletes in one GETDEL per key; the TTL only
+    reclaims what a crashed job never takes. Redis must run with ``noeviction``: a full
+    store refuses writes and `put` backs off until a `take` frees memory; nothing is
+    evicted. Safe to share between threads (each call uses its own pipeline).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        job: str,
+        attempt: int = 0,
+        *,
+        ttl_seconds: int = 3600,
+        max_wait_seconds: float = 30.0,
+    ) -> None:
+        """Binds a client to one job attempt.
+
+        Args:
+            client: a client with ``decode_responses=False`` (see `connect`).
+            job: job id, ``[A-Za-z0-9_.-]+``.
+            attempt: restart count of the job; a new attempt never sees old keys.
+            ttl_seconds: expiry of every key, a safety net only.
+            max_wait_seconds: how long `put` backs off on a full store before giving up.
+
+        Raises:
+            ValueError: a bad job id, attempt, TTL or wait.
+        """
+        if client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("the client decodes responses; tensor values must stay bytes")
+        if check_index("ttl_seconds", ttl_seconds) == 0:
+            raise ValueError(f"ttl_seconds {ttl_seconds} must be positive")
+        if not max_wait_seconds >= 0:
+            raise ValueError(f"max_wait_seconds {max_wait_seconds!r} must be >= 0")
+        self.job = check_name("job", job)
+        self.attempt = check_index("attempt", attempt)
+        self.ttl_seconds = ttl_seconds
+        self.max_wait_seconds = max_wait_seconds
+        self._client = client
+        self._stats = StoreStats()
+        self._lock = threading.Lock()
+
+    @property
+    def stats(self) -> StoreStats:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def key(self, step: int, microbatch: int, layer: int, version: int, name: str) -> str:
+        """The Redis key of one stashed tensor of this job attempt."""
+        return stash_key(self.job, self.attempt, step, microbatch, layer, version, name)
+
+    def put(
+        self,
+        step: int,
+        microbatch: int,
+        version: int,
+        tensors: Mapping[int, Mapping[str, torch.Tensor]],
+    ) -> int:
+        """Stashes tensors in one pipeline of ``SET key value EX ttl``.
+
+        Args:
+            step: training step.
+            microbatch: micro-batch index within the step.
+            version: weight version the forward pass used.
+            tensors: layer -> name -> tensor.
+
+        Returns:
+            The value bytes written.
+
+        Raises:
+            StashFullError: the store stayed full for `max_wait_seconds`; keys this put
+                wrote are removed again, so a put is all or nothing.
+            CodecError: a dtype the codec does not allow.
+            ValueError: a bad index or name.
+        """
+        items = {
+            self.key(step, microbatch, layer, version, name): pack(tensor)
+            for layer, named in tensors.items()
+            for name, tensor in named.items()
+        }
+        if not items:
+            return 0
+        nbytes = sum(map(len, items.values()))
+        try:
+            if not self._write_with_backoff(items):
+                raise self._full_error(step, microbatch, nbytes)
+        except BaseException:
+            with suppress(RedisError):
+                self._client.unlink(*items)
+            raise
+        self._count(bytes_put=nbytes, keys_put=len(items))
+        return nbytes
+
+    def take(
+        self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Fetches and deletes stashed tensors in one pipeline of GETDEL.
+
+        Every requested key is deleted even when another one is missing or corrupt.
+
+        Args:
+            step: training step.
+            microbatch: micro-batch index within the step.
+            version: weight version the forward pass used.
+            names: layer -> tensor names to take.
+
+        Returns:
+            layer -> name -> tensor.
+
+        Raises:
+            KeyError: a key that is not in the store; the argument is the full key.
+            CodecError: a value that is not a valid tensor frame.
+        """
+        wanted = [(layer, name) for layer, layer_names in names.items() for name in layer_names]
+        keys = [self.key(step, microbatch, layer, version, name) for layer, name in wanted]
+        if not keys:
+            return {}
+        values = self._getdel(keys)
+        found = [value for value in values if isinstance(value, bytes)]
+        self._count(bytes_taken=sum(map(len, found)), keys_taken=len(found))
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for (layer, name), key, value in zip(wanted, keys, values, strict=True):
+            if isinstance(value, Exception):
+                raise value
+            if value is None:
+                raise KeyError(key)
+            out.setdefault(layer, {})[name] = unpack(value)
+        return out
+
+    def clear_job(self) -> int:
+        """Deletes every key of this job, any attempt (SCAN + UNLINK).
+
+        Returns:
+            The number of keys deleted.
+        """
+        keys = self._client.scan_iter(match=job_pattern(self.job), count=SCAN_COUNT)
+        return sum(int(self._client.unlink(*batch)) for batch in _batches(keys, UNLINK_BATCH))
+
+    def count_keys(self) -> int:
+        """The number of keys of this job in the store, any attempt."""
+        keys = self._client.scan_iter(match=job_pattern(self.job), count=SCAN_COUNT)
+        return sum(1 for _ in keys)
+
+    def _write_with_backoff(self, items: dict[str, bytes]) -> bool:
+        """Writes all items, re-sending those refused for OOM with exponential backoff.
+
+        Returns:
+            True once every item is written; False when `max_wait_seconds` ran out.
+        """
+        deadline = time.monotonic() + self.max_wait_seconds
+        delay = FIRST_DELAY_S
+        pending = self._set_all(items)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._count(retries=1)
+            time.sleep(min(delay, remaining))
+            delay = min(2 * delay, MAX_DELAY_S)
+            pending = self._set_all(pending)
+        return True
+
+    def _set_all(self, items: dict[str, bytes]) -> dict[str, bytes]:
+        """Sends one SET pipeline (idempotent) and returns the items refused for OOM.
+
+        Raises:
+            RedisError: any error other than OOM.
+        """
+        pipe = self._client.pipeline(transaction=False)
+        for key, value in items.items():
+            pipe.set(key, value, ex=self.ttl_seconds)
+        refused: dict[str, bytes] = {}
+        for (key, value), reply in zip(items.items(), pipe.execute(False), strict=True):
+            if isinstance(reply, Exception):
+                if not _is_oom(reply):
+                    raise reply
+                refused[key] = value
+        return refused
+
+    def _getdel(self, keys: list[str]) -> list[Any]:
+        """Sends one GETDEL pipeline exactly once and returns the replies, errors included.
+
+        [Note: no resend] redis-py re-sends a command after a connection error or timeout;
+        a re-sent GETDEL whose first reply was lost would find nothing and lose the values.
+        So the pipeline runs on a checked-out connection with retries switched off.
+        """
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getdel(key)
+        return _execute_once(pipe)
+
+    def _full_error(self, step: int, microbatch: int, nbytes: int) -> StashFullError:
+        """Builds the error of a put that timed out, with the server's memory figures."""
+        used = maxmemory = -1
+        with suppress(RedisError):
+            info = self._client.info("memory")
+            used, maxmemory = int(info["used_memory"]), int(info["maxmemory"])
+        return StashFullError(self.job, step, microbatch, nbytes, used, maxmemory)
+
+    def _count(self, **deltas: int) -> None:
+        """Adds to the named counters of `stats`."""
+        with self._lock:
+            for field, delta in deltas.items():
+                setattr(self._stats, field, getattr(self._stats, field) + delta)
+
+
+def _execute_once(pipe: Pipeline) -> list[Any]:
+    """Executes a pipeline without redis-py's automatic resend; see [Note: no resend]."""
+    conn = pipe.connection_pool.get_connection()
+    saved = conn.retry
+    conn.retry = Retry(NoBackoff(), 0)
+    pipe.connection = conn  # released back to the pool by the pipeline's reset()
+    try:
+        return pipe.execute(raise_on_error=False)
+    finally:
+        conn.retry = saved

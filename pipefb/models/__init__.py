@@ -1,0 +1,91 @@
+"""Model registry: builds a model's layer sequence by name, deterministically from a seed.
+
+Built-in models come first; user models are found through the entry-point group
+`pipefb.models`, whose entry points load a callable `config: dict -> list[nn.Module]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipefb.errors import ConfigError
+from pipefb.models import convnet, gpt, mlp
+
+Builder = Callable[[dict[str, Any]], list[nn.Module]]
+
+ENTRY_POINT_GROUP = "pipefb.models"
+_BUILTINS: dict[str, Builder] = {"mlp": mlp.build, "gpt": gpt.build, "convnet": convnet.build}
+MODELS: tuple[str, ...] = tuple(_BUILTINS)
+
+
+def build_model(name: str, config: dict[str, Any] | None = None, seed: int = 0) -> list[nn.Module]:
+    """Builds the layer sequence of model `name`; the same arguments give identical weights.
+
+    The global RNG is forked, so the caller's RNG state is untouched.
+
+    Args:
+        name: a built-in name (`MODELS`) or an entry point of group `pipefb.models`.
+        config: JSON-able overrides of the model's config defaults.
+        seed: the initialisation seed.
+
+    Returns:
+        The layers, each mapping one tensor to one tensor (the loss is appended later).
+
+    Raises:
+        ConfigError: an unknown name, a bad config, or a plugin that fails to load or
+            returns something other than a list of modules.
+    """
+    builder = _find_builder(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            layers = builder(dict(config or {}))
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"model {name!r} failed to build: {exc!r}") from exc
+    return _check_layers(name, layers)
+
+
+def _find_builder(name: str) -> Builder:
+    if name in _BUILTINS:
+        return _BUILTINS[name]
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        raise ConfigError(f"unknown model {name!r}; known models: {sorted(known_models())}")
+    return _load_plugin(found[0])
+
+
+def _load_plugin(entry: EntryPoint) -> Builder:
+    try:
+        builder = entry.load()
+    except Exception as exc:
+        raise ConfigError(
+            f"model plugin {entry.name!r} ({entry.value}) failed to load: {exc!r}"
+        ) from exc
+    if not callable(builder):
+        raise ConfigError(f"model plugin {entry.name!r} ({entry.value}) is not callable")
+    return builder  # type: ignore[no-any-return]
+
+
+def _check_layers(name: str, layers: object) -> list[nn.Module]:
+    if not isinstance(layers, list) or not layers:
+        raise ConfigError(f"model {name!r} returned {type(layers).__name__}, not a list of modules")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise ConfigError(f"model {name!r} layer {i} is a {type(layer).__name__}, not a Module")
+    return layers
+
+
+def known_models() -> tuple[str, ...]:
+    """Returns the built-in model names followed by the installed plugin names."""
+    plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} - set(_BUILTINS))
+    return MODELS + tuple(plugins)
+
+
+__all__ = ["ENTRY_POINT_GROUP", "MODELS", "Builder", "build_model", "known_models"]

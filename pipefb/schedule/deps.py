@@ -1,0 +1,68 @@
+"""What each action waits for: the one dependency table that validation and the dry run share."""
+
+from __future__ import annotations
+
+from pipefb.schedule.ir import Action, Kind, Topology
+
+#: (step offset, action): the action of step `k + offset` that must have run first.
+Requirement = tuple[int, Action]
+
+
+def _peer_requirements(a: Action, topology: Topology) -> list[Requirement]:
+    """Requirements on other workers: the matching send, stash or weight push."""
+    s, m = a.stage, a.microbatch
+    if a.kind is Kind.RECV_F:
+        return [(0, Action(s - 1, Kind.SEND_F, m))]
+    if a.kind is Kind.RECV_B:
+        return [(0, Action(s + 1, Kind.SEND_B, m))]
+    if a.kind is Kind.RECV_L:
+        return [(0, Action(topology.n_forward_stages - 1, Kind.SEND_L, m))]
+    if a.kind is Kind.FETCH:
+        return [(0, Action(f, Kind.STASH, m)) for f in topology.forward_stages_overlapping(s)]
+    if a.kind is Kind.RECV_W:
+        return [(-1, Action(b, Kind.PUSH_W)) for b in topology.backward_stages_overlapping(s)]
+    return []
+
+
+def _local_requirements(a: Action, topology: Topology) -> list[Requirement]:
+    """Requirements on the same worker: the inputs of a compute, the compute of a send."""
+    s, m, split = a.stage, a.microbatch, topology.is_split
+    if a.kind is Kind.F:
+        need = [Action(s, Kind.RECV_F, m)] if s > 0 else []
+        return [(0, x) for x in need + ([Action(s, Kind.RECV_W)] if split else [])]
+    if a.kind in (Kind.SEND_F, Kind.STASH):
+        return [(0, Action(s, Kind.F, m))]
+    if a.kind is Kind.SEND_L:
+        return [(0, Action(s, Kind.F, m)), (0, Action(s, Kind.STASH, m))]
+    if a.kind is Kind.B:
+        return [(0, x) for x in _backward_inputs(s, m, topology)]
+    if a.kind is Kind.SEND_B:
+        return [(0, Action(s, Kind.B, m))]
+    if a.kind is Kind.PUSH_W:
+        return [(0, Action(s, Kind.OPT))]
+    return []
+
+
+def _backward_inputs(s: int, m: int | None, topology: Topology) -> list[Action]:
+    if topology.is_combined:
+        need = [Action(s, Kind.F, m)]
+        return need + ([Action(s, Kind.RECV_B, m)] if s < topology.n_backward_stages - 1 else [])
+    if s < topology.n_backward_stages - 1:
+        return [Action(s, Kind.RECV_B, m), Action(s, Kind.FETCH, m)]
+    return [Action(s, Kind.RECV_L, m), Action(s, Kind.FETCH, m)]
+
+
+def requirements(action: Action, topology: Topology) -> list[Requirement]:
+    """Every action that must have run before `action` may run.
+
+    A requirement with offset -1 refers to the previous training step (RECV_W waits for
+    the PUSH_W of the step before); it is satisfied at step 0.
+
+    Args:
+        action: an action whose stage exists in `topology`.
+        topology: the topology the schedule runs on.
+
+    Returns:
+        (step offset, action) pairs; the peers of receives first, then local inputs.
+    """
+    return _peer_requirements(action, topology) + _local_requirements(action, topology)
