@@ -12,7 +12,6 @@ import logging
 import statistics
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,7 +23,7 @@ from offload_store import OffloadStore, connect
 from pipefb.config import JobConfig, build_layers
 from pipefb.errors import WorkerFailed
 from pipefb.plan import Plan, balanced_plan, schedule_for
-from protos import coordinator_pb2, server, wire, worker_pb2, worker_pb2_grpc
+from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_to_proto, plan_to_proto
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class Driver:
                 job.weights = self._collect_weights(job, ranks)
                 self._check_store_empty(job)
                 job.set_state("DONE")
-        except Exception as error:  # noqa: BLE001 - the job fails, the coordinator lives on
+        except Exception as error:
             message = self._diagnose(error, ranks)
             log.error("job %s failed: %s", job.job_id, message)
             job.set_state("FAILED", message)
@@ -171,7 +170,7 @@ class Driver:
         owners = {a.rank for a in job.plan.assignment if a.role != "forward"} if job.plan else set()
         for rank in sorted(owners):
             stream = ranks.stubs[rank].ExportWeights(
-                worker_pb2.ExportWeightsRequest(job_id=job.job_id), timeout=120)
+                job_pb2.ExportWeightsRequest(job_id=job.job_id), timeout=120)
             weights.update(wire.decode_stream(stream)[1])
         return weights
 
@@ -183,7 +182,7 @@ class Driver:
     def _clear_store(self, job: Job) -> None:
         try:
             self._store(job).clear_job()
-        except Exception as error:  # noqa: BLE001 - best effort after a failure
+        except Exception as error:
             log.warning("could not clear the store of job %s: %s", job.job_id, error)
 
     def _store(self, job: Job) -> OffloadStore:
@@ -218,17 +217,18 @@ def _answers(address: str) -> bool:
 
 def _wait_all(calls: list[grpc.Future], ranks: Ranks, registry: Registry | None = None) -> list:
     """Waits for one call per rank; the first failure (non-ABORTED first) becomes an error."""
-    pending = set(range(len(calls)))
-    while pending:
-        done, _ = futures.wait([calls[r] for r in pending], timeout=0.5,
-                               return_when=futures.FIRST_EXCEPTION)
-        for r in list(pending):
-            if calls[r].done():
-                pending.discard(r)
-                if calls[r].exception() is not None:
-                    _raise_first(calls, ranks)
+    changed = threading.Event()
+    for call in calls:
+        call.add_done_callback(lambda _: changed.set())
+    while not all(c.done() for c in calls):
+        changed.wait(0.5)
+        changed.clear()
+        if any(c.done() and c.exception() is not None for c in calls):
+            _raise_first(calls, ranks)
         if registry is not None:
-            _check_heartbeats(registry, ranks, pending)
+            _check_heartbeats(registry, ranks, {r for r, c in enumerate(calls) if not c.done()})
+    if any(c.exception() is not None for c in calls):
+        _raise_first(calls, ranks)
     return [c.result() for c in calls]
 
 

@@ -65,10 +65,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         job = self._job(request.job_id)
         sent = 0
         while context.is_active():
-            with job.cond:
-                job.cond.wait_for(lambda: len(job.reports) > sent or job.state in TERMINAL,
-                                  timeout=1.0)
-                new, state, error = job.reports[sent:], job.state, job.error
+            new, state, error = _wait_reports(job, sent)
             yield from new
             sent += len(new)
             if state in TERMINAL and sent == len(job.reports):
@@ -104,6 +101,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         transfer = tensor_pb2.Transfer(job_id=job.job_id, version=job.config.steps,
                                        microbatch=-1, kind="EXPORT")
         yield from wire.encode_stream(transfer, job.weights)
+
+
+def _wait_reports(job: Job, sent: int) -> tuple[list[coordinator_pb2.StepReport], str, str]:
+    """Waits up to a second for reports after the first `sent`, or for the job to end."""
+    with job.cond:
+        job.cond.wait_for(lambda: len(job.reports) > sent or job.state in TERMINAL, timeout=1.0)
+        return job.reports[sent:], job.state, job.error
 
 
 def _status(job: Job) -> coordinator_pb2.JobStatus:

@@ -22,7 +22,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Starts the server, prints its address on one line, and serves until told to stop.
+    """Starts the server, prints `ready ADDRESS` on one line, and serves until told to stop.
 
     Returns:
         0 after SIGTERM / SIGINT, 1 if the server process died on its own.
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     with RedisServer(maxmemory=args.maxmemory, port=args.port or None) as server:
         address = server.address
-        print(address, flush=True)
+        print(f"ready {address}", flush=True)
         while not stop.wait(POLL_S):
             if not server.running():
                 print(f"redis-server at {address} exited", file=sys.stderr)

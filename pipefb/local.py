@@ -124,8 +124,8 @@ class LocalCluster:
     def start(self) -> None:
         """Starts every process and waits until each serves."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.store = self._spawn("redis", ["-m", "offload_store", "--maxmemory",
-                                           self.store_maxmemory]).wait_ready()
+        self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0",
+                                           "--maxmemory", self.store_maxmemory]).wait_ready()
         self.coordinator = self._spawn("coordinator", ["-m", "coordinator", "--listen",
                                                        "127.0.0.1:0", "--store",
                                                        self.store]).wait_ready()

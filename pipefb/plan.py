@@ -49,8 +49,8 @@ class Plan:
 
     def topology(self) -> Topology:
         """Stage boundaries and the rank of each forward and backward stage."""
-        fwd = sorted((a.stage, a.rank) for a in self.assignment if a.role in ("forward", "combined"))
-        bwd = sorted((a.stage, a.rank) for a in self.assignment if a.role in ("backward", "combined"))
+        fwd = sorted((a.stage, a.rank) for a in self.assignment if a.role != "backward")
+        bwd = sorted((a.stage, a.rank) for a in self.assignment if a.role != "forward")
         return Topology(
             forward_partition=self.forward_partition,
             backward_partition=self.backward_partition,

@@ -57,7 +57,7 @@ class SingleProcess:
         for m in range(self.job.microbatches):
             loss = self.loss(step, m)
             (loss / self.job.microbatches).backward()
-            losses.append(float(loss))
+            losses.append(loss.item())
         grads = [p.grad for p in self.params if p.grad is not None]
         memory = tensor_bytes(self.params) + tensor_bytes(grads)
         self.optimizer.step()

@@ -173,7 +173,8 @@ class StageRuntime:
             state.losses[m] = float(x)
         state.outputs[(action.stage, m)] = x
 
-    def _stage_input(self, stage: int, m: int, state: _StepState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _stage_input(self, stage: int, m: int, state: _StepState
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         needs_data = stage == 0 or self.fwd_layers[-1] == self.n_layers - 1
         inputs, targets = (self.dataset.microbatch(state.step, m, self.plan.microbatch_size)
                            if needs_data else (None, None))

@@ -12,7 +12,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pipefb.errors import Aborted, CodecError, ConfigError, ScheduleError, StoreFullError, WorkerFailed
+from pipefb.errors import (
+    Aborted,
+    CodecError,
+    ConfigError,
+    ScheduleError,
+    StoreFullError,
+    WorkerFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,8 @@ def _message(error: BaseException) -> str:
 
 
 def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
+    if context.code() is not None:
+        raise error  # the handler already aborted with its own status
     code = status_of(error)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("unexpected error in handler", exc_info=error)
@@ -61,7 +70,7 @@ def _wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
     def handler(request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(request, context)
-        except Exception as error:  # noqa: BLE001 - every error becomes a status
+        except Exception as error:
             _abort(context, error)
             raise  # unreachable: abort raises
 
@@ -72,7 +81,7 @@ def _wrap_stream(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any
     def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
             yield from fn(request, context)
-        except Exception as error:  # noqa: BLE001 - every error becomes a status
+        except Exception as error:
             _abort(context, error)
 
     return handler

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +72,8 @@ def _start_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> _Pending:
     shape = tuple(int(d) for d in header.shape)
     nbytes = codec.check_header(dtype, shape, max_bytes)
     if header.nbytes != nbytes:
-        raise CodecError(f"tensor {header.name!r} declares {header.nbytes} bytes, shape implies {nbytes}")
+        raise CodecError(
+            f"tensor {header.name!r} declares {header.nbytes} bytes, its shape {nbytes}")
     if not header.name:
         raise CodecError("tensor header without a name")
     tensor = torch.empty(shape, dtype=codec.DTYPES[dtype])

@@ -369,7 +369,8 @@ def test_main_serves_until_sigterm() -> None:
         text=True,
     )
     try:
-        address = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        ready, address = proc.stdout.readline().split()  # type: ignore[union-attr]
+        assert ready == "ready"
         conn = connect(address)
         redis_pid = int(conn.info("server")["process_id"])
         assert conn.config_get("maxmemory") == {"maxmemory": str(8 * MB)}

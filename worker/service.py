@@ -13,7 +13,7 @@ from offload_store import OffloadStore, connect
 from pipefb.errors import CodecError
 from pipefb.runtime import StageRuntime
 from pipefb.schedule import Kind
-from protos import tensor_pb2, wire, worker_pb2, worker_pb2_grpc
+from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_from_proto, plan_from_proto
 from protos.server import FailedPrecondition
 from worker.inbox import Inbox
@@ -88,7 +88,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         assigned = self._current(transfer.job_id)
         plan = assigned.runtime.plan
         if transfer.kind != str(Kind.RECV_W) and not 0 <= transfer.microbatch < plan.microbatches:
-            raise CodecError(f"microbatch {transfer.microbatch} is not in 0..{plan.microbatches - 1}")
+            raise CodecError(
+                f"microbatch {transfer.microbatch} is not in 0..{plan.microbatches - 1}")
         return assigned, transfer, tensors
 
     def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
@@ -110,7 +111,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             assigned.inbox.put(weight_key(t.version, name), {name: tensor})
         return _ack(tensors)
 
-    def ExportWeights(self, request: worker_pb2.ExportWeightsRequest,
+    def ExportWeights(self, request: job_pb2.ExportWeightsRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
         assigned = self._current(request.job_id)
         transfer = tensor_pb2.Transfer(job_id=request.job_id, version=assigned.runtime.version,

@@ -1,0 +1,179 @@
+"""The `pipefb` command: `local train`, `submit`, `status`, `stop`.
+
+Bad arguments exit with status 2 and one line naming the bad value; a failed job exits 1
+with the coordinator's message. Cluster commands import the gRPC client lazily, so the
+core never imports grpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pipefb.config import SCHEDULES, JobConfig, check_job, parse_json_object
+from pipefb.errors import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2), as scripts and tests expect."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"pipefb: error: {message}\n")
+
+
+def _job_flags(p: argparse.ArgumentParser) -> None:
+    d = JobConfig()
+    p.add_argument("--model", default=d.model, help="mlp, gpt, convnet or an entry point name")
+    p.add_argument("--model-config", default="", help="JSON object for the model builder")
+    p.add_argument("--dataset", default=d.dataset, help="digits, text or synthetic")
+    p.add_argument("--dataset-config", default="", help="JSON object for the dataset")
+    p.add_argument("--loss", default=d.loss, help="cross_entropy or mse")
+    p.add_argument("--schedule", default=d.schedule, help=f"one of {', '.join(SCHEDULES)}")
+    p.add_argument("--workers", type=int, default=d.workers, help="workers in the pipeline")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per step")
+    p.add_argument("--microbatches", type=int, default=d.microbatches, help="per step")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--optimizer", default=d.optimizer, help="sgd or adamw")
+    p.add_argument("--optimizer-config", default="", help="JSON object of optimizer options")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds weights, data, dropout")
+    p.add_argument("--mode", default=d.mode, help="sync (equal to one process)")
+    p.add_argument("--job-id", default="", help="job id (default: the coordinator picks)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full command-line grammar."""
+    p = _Parser(prog="pipefb", description="Pipeline-parallel training over gRPC.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    local = sub.add_parser("local", help="run a local cluster on 127.0.0.1")
+    local_sub = local.add_subparsers(dest="local_command", required=True, parser_class=_Parser)
+    train = local_sub.add_parser("train", help="train a job on a fresh local cluster")
+    _job_flags(train)
+    train.add_argument("--out", type=Path, default=Path("runs/latest"), help="report directory")
+    train.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
+    submit = sub.add_parser("submit", help="submit a job to a running coordinator")
+    submit.add_argument("--coordinator", required=True, help="host:port")
+    submit.add_argument("job_file", nargs="?", type=Path, help="JSON/YAML job (flags override)")
+    submit.add_argument("--follow", action="store_true", help="stream step reports")
+    _job_flags(submit)
+    status = sub.add_parser("status", help="a job's status, or the workers")
+    status.add_argument("--coordinator", required=True, help="host:port")
+    status.add_argument("job_id", nargs="?", help="job id; omitted: list workers")
+    stop = sub.add_parser("stop", help="stop a job at the next step boundary")
+    stop.add_argument("--coordinator", required=True, help="host:port")
+    stop.add_argument("job_id", help="job id")
+    return p
+
+
+def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> JobConfig:
+    """Builds the JobConfig from flags (over an optional job file); ConfigError if bad."""
+    values = dict(base or {})
+    for name in ("model", "dataset", "loss", "schedule", "workers", "batch_size",
+                 "microbatches", "steps", "optimizer", "lr", "seed", "mode", "job_id"):
+        values.setdefault(name, getattr(args, name))
+    for name in ("model_config", "dataset_config", "optimizer_config"):
+        text = getattr(args, name)
+        if text or name not in values:
+            values[name] = parse_json_object(text, f"--{name.replace('_', '-')}")
+    return JobConfig.from_dict(values)
+
+
+def _read_job_file(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read job file {str(path)!r}: {error.strerror}") from None
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ConfigError(f"job file {str(path)!r} must hold a mapping")
+        return data
+    return parse_json_object(text, f"job file {str(path)!r}")
+
+
+def cmd_local_train(args: argparse.Namespace) -> int:
+    """`pipefb local train`: a fresh local cluster (or one process for `single`)."""
+    from pipefb.train import run_local
+
+    job = job_from_args(args)
+    check_job(job)
+    return run_local(job, args.out, progress=not args.no_progress)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """`pipefb submit`: queue a job on a running coordinator."""
+    from coordinator.client import CoordinatorClient
+
+    base = _read_job_file(args.job_file)
+    job = job_from_args(args, base)
+    with CoordinatorClient(args.coordinator) as client:
+        status = client.submit(job)
+        print(status.job_id)
+        if args.follow:
+            for report in client.train(status.job_id):
+                print(f"step {report.step} loss {report.loss:.4f} "
+                      f"{report.samples_per_second:.1f} samples/s", flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """`pipefb status`: one job as JSON, or the worker table."""
+    from google.protobuf.json_format import MessageToDict
+
+    from coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(args.coordinator) as client:
+        if args.job_id:
+            print(json.dumps(MessageToDict(client.status(args.job_id)), indent=2))
+        else:
+            for w in client.workers():
+                print(f"{w.worker_id:>3} {w.name:<16} {w.address:<22} "
+                      f"{'alive' if w.alive else 'dead':<5} {w.job_id or '-'}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """`pipefb stop`: ask a job to stop."""
+    from coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(args.coordinator) as client:
+        status = client.stop(args.job_id)
+        print(f"{status.job_id}: stop requested")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "local": cmd_local_train, "submit": cmd_submit, "status": cmd_status, "stop": cmd_stop,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pipefb` script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as error:
+        print(f"pipefb: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pipefb: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if not type(error).__module__.startswith("grpc"):
+            raise
+        code, details = getattr(error, "code", None), getattr(error, "details", None)
+        name = code().name if callable(code) else "error"
+        print(f"pipefb: {name}: {details() if callable(details) else error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""`pipefb local train`: run a job (one process, or a fresh local cluster), show progress,
+write the report. The cluster path talks to the coordinator through its client, imported
+only when called, so the core modules never load grpc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipefb.config import JobConfig
+from pipefb.local import LocalCluster
+from pipefb.reference import SingleProcess
+from pipefb.report import write_report
+
+console = Console(stderr=True)
+
+
+class StepProgress:
+    """A progress bar (step, loss, samples/s), or one line per step without a terminal."""
+
+    def __init__(self, bar: Progress | None, task: int | None) -> None:
+        self.bar, self.task = bar, task
+
+    def update(self, step: dict[str, Any], total: int) -> None:
+        """Shows a finished step."""
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, completed=step["step"] + 1, loss=step["loss"],
+                            sps=step["samples_per_second"])
+        else:
+            console.print(f"step {step['step'] + 1}/{total} loss {step['loss']:.4f} "
+                          f"{step['samples_per_second']:.1f} samples/s")
+
+
+@contextmanager
+def progress(job: JobConfig, enabled: bool) -> Iterator[StepProgress]:
+    """A StepProgress for the job's steps."""
+    if not (enabled and console.is_terminal):
+        yield StepProgress(None, None)
+        return
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]:.4f}"),
+                  TextColumn("{task.fields[sps]:.0f} samples/s"), TimeElapsedColumn(),
+                  console=console) as bar:
+        task = bar.add_task(f"{job.schedule} x{job.workers}", total=job.steps, loss=float("nan"),
+                            sps=0.0)
+        yield StepProgress(bar, task)
+
+
+def base_report(job: JobConfig, workers: int) -> dict[str, Any]:
+    """Fields every report has."""
+    return {"schedule": job.schedule, "workers": workers, "job": job.to_dict(), "steps": []}
+
+
+def run_local(job: JobConfig, out: Path, *, progress: bool = True) -> int:
+    """Runs the job and writes report.json, weights.safetensors and loss.png into `out`."""
+    report = run_single(job, progress) if job.schedule == "single" else run_cluster(job, out,
+                                                                                     progress)
+    weights = report.pop("_weights")
+    path = write_report(out, report, weights)
+    console.print(f"final loss {report['steps'][-1]['loss']:.4f}, "
+                  f"{report['samples_per_second']:.1f} samples/s; report: {path}")
+    return 0
+
+
+def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
+    """The reference: every micro-batch in this process."""
+    single = SingleProcess(job)
+    report = base_report(job, 1)
+    peak = 0
+    with progress(job, show) as bar:
+        for s in single.run():
+            step = {"step": s.step, "loss": s.loss, "seconds": s.seconds,
+                    "samples_per_second": s.samples_per_second}
+            report["steps"].append(step)
+            peak = max(peak, s.peak_memory_bytes)
+            bar.update(step, job.steps)
+    report["peak_memory_bytes"] = {"0": peak}
+    report["plan"] = {"schedule": "single", "microbatches": job.microbatches,
+                      "microbatch_size": job.microbatch_size}
+    report["_weights"] = single.weights()
+    return report
+
+
+def run_cluster(job: JobConfig, out: Path, show: bool) -> dict[str, Any]:
+    """A fresh local cluster with `job.workers` workers runs the job to the end."""
+    from coordinator.client import CoordinatorClient
+    from protos.convert import plan_from_proto
+
+    report = base_report(job, job.workers)
+    with LocalCluster(job.workers, out / "logs") as cluster, \
+            CoordinatorClient(cluster.coordinator) as client:
+        client.wait_for_workers(job.workers)
+        job_id = client.submit(job).job_id
+        with progress(job, show) as bar:
+            for msg in client.train(job_id):
+                step = step_dict(msg)
+                report["steps"].append(step)
+                bar.update(step, job.steps)
+        report["job_id"] = job_id
+        report["plan"] = plan_from_proto(client.status(job_id).plan).to_dict()
+        report["_weights"] = client.weights(job_id)
+    report["peak_memory_bytes"] = peak_by_rank(report["steps"])
+    return report
+
+
+def step_dict(msg: Any) -> dict[str, Any]:
+    """A StepReport message as the report's step entry."""
+    return {
+        "step": msg.step, "loss": msg.loss, "seconds": msg.seconds,
+        "samples_per_second": msg.samples_per_second,
+        "workers": [{"rank": w.rank, "worker_id": w.worker_id, "role": w.role, "stage": w.stage,
+                     "compute_seconds": w.compute_seconds, "idle_seconds": w.idle_seconds,
+                     "peak_memory_bytes": w.peak_memory_bytes,
+                     "memory_bytes": dict(w.memory_bytes), "bytes_sent": w.bytes_sent,
+                     "bytes_stashed": w.bytes_stashed} for w in msg.workers],
+    }
+
+
+def peak_by_rank(steps: list[dict[str, Any]]) -> dict[str, int]:
+    """Each rank's peak accounted memory over all steps."""
+    peak: dict[str, int] = {}
+    for step in steps:
+        for w in step["workers"]:
+            key = str(w["rank"])
+            peak[key] = max(peak.get(key, 0), w["peak_memory_bytes"])
+    return peak

@@ -1,0 +1,40 @@
+"""Shared fixtures: one real local cluster (Redis, coordinator, 4 workers) per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PLUGIN_PATH = Path(__file__).parent / "plugin_pkg"  # a distribution with a pipefb.models entry
+
+
+@pytest.fixture(scope="session")
+def plugin_path() -> Iterator[Path]:
+    """Makes the toy model distribution importable here (workers get it via PYTHONPATH)."""
+    sys.path.insert(0, str(PLUGIN_PATH))
+    yield PLUGIN_PATH
+    sys.path.remove(str(PLUGIN_PATH))
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory, plugin_path: Path) -> Iterator[object]:
+    """Real processes on 127.0.0.1: redis-server, a coordinator and 4 workers."""
+    from pipefb.local import LocalCluster
+
+    env = {"PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")])}
+    with LocalCluster(4, tmp_path_factory.mktemp("cluster"), extra_env=env) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def client(cluster: object) -> Iterator[object]:
+    """A coordinator client with all 4 workers registered."""
+    from coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(cluster.coordinator) as c:  # type: ignore[attr-defined]
+        c.wait_for_workers(4)
+        yield c

@@ -1,0 +1,89 @@
+"""The top acceptance test: pipelines over loopback gRPC, real Redis and real worker processes
+give the same per-step losses and final weights as one process (`--schedule single`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from offload_store import connect, job_pattern
+from pipefb.config import JobConfig
+from pipefb.reference import SingleProcess
+
+MODELS: dict[str, dict[str, Any]] = {
+    "mlp": {"model": "mlp", "dataset": "digits", "loss": "cross_entropy",
+            "model_config": {"hidden": 32, "depth": 3}},
+    "gpt": {"model": "gpt", "dataset": "text", "loss": "cross_entropy",
+            "model_config": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
+            "dataset_config": {"block_size": 16, "max_bytes": 200_000}},
+    "convnet": {"model": "convnet", "dataset": "digits", "loss": "cross_entropy"},
+}
+# (schedule, workers, optimizer): every schedule with 2, 3 and 4 workers and both optimizers.
+RUNS = [
+    ("gpipe", 2, "sgd"), ("gpipe", 4, "adamw"),
+    ("1f1b", 3, "sgd"), ("1f1b", 4, "adamw"),
+    ("pipefb", 2, "adamw"), ("pipefb", 3, "sgd"), ("pipefb", 4, "adamw"),
+]
+STEPS = 3
+
+
+def make_job(model: str, schedule: str, workers: int, optimizer: str, **extra: Any) -> JobConfig:
+    """A short job: 3 steps of 4 micro-batches of 2 samples."""
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    return JobConfig(schedule=schedule, workers=workers, optimizer=optimizer, lr=lr, seed=7,
+                     batch_size=8, microbatches=4, steps=STEPS, **{**MODELS.get(model, {}), **extra})
+
+
+def reference(job: JobConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final weights of the same job in one process."""
+    single = SingleProcess(replace(job, schedule="single"))
+    losses = [s.loss for s in single.run()]
+    return losses, single.weights()
+
+
+def run_on_cluster(client: Any, job: JobConfig) -> tuple[list[Any], dict[str, torch.Tensor]]:
+    """Submits the job, follows it to the end, and fetches its weights."""
+    job_id = client.submit(job).job_id
+    reports = list(client.train(job_id))
+    return reports, client.weights(job_id)
+
+
+def assert_same_training(job: JobConfig, reports: list[Any], weights: dict[str, torch.Tensor]
+                         ) -> None:
+    want_losses, want_weights = reference(job)
+    got_losses = [r.loss for r in reports]
+    torch.testing.assert_close(torch.tensor(got_losses, dtype=torch.float64),
+                               torch.tensor(want_losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    assert sorted(weights) == sorted(want_weights)
+    for name, want in want_weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize(("schedule", "workers", "optimizer"), RUNS)
+def test_pipeline_equals_single_process(client: Any, cluster: Any, model: str, schedule: str,
+                                        workers: int, optimizer: str) -> None:
+    job = make_job(model, schedule, workers, optimizer)
+    reports, weights = run_on_cluster(client, job)
+    assert [r.step for r in reports] == list(range(STEPS))
+    assert_same_training(job, reports, weights)
+    store = connect(cluster.store)
+    assert list(store.scan_iter(match=job_pattern(reports[0].job_id))) == []
+    stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
+    if schedule == "pipefb":
+        assert stashed > 0, "PipeFB must move saved tensors through the offload store"
+    else:
+        assert stashed == 0
+
+
+@pytest.mark.parametrize(("schedule", "workers"), [("gpipe", 2), ("1f1b", 3), ("pipefb", 2),
+                                                   ("pipefb", 4)])
+def test_entry_point_model_trains(client: Any, schedule: str, workers: int) -> None:
+    job = make_job("toy", schedule, workers, "adamw", model="toy", dataset="digits",
+                   loss="cross_entropy")
+    reports, weights = run_on_cluster(client, job)
+    assert_same_training(job, reports, weights)
+    assert "layers.1.scale" in weights
