@@ -67,7 +67,9 @@ def encode(tensor: torch.Tensor) -> EncodedTensor:
     name = NAMES.get(tensor.dtype)
     if name is None:
         raise CodecError(f"dtype {tensor.dtype} is not allowed on the wire")
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    flat = tensor.detach().to("cpu").reshape(-1)
+    if flat.stride() != (1,):  # size-1 dims can leave a stride torch calls contiguous
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
     return EncodedTensor(name, tuple(tensor.shape), flat.view(torch.uint8).numpy().tobytes())
 
 

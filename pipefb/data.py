@@ -36,13 +36,14 @@ class Dataset(Protocol):
 
 
 def sampler(seed: int, step: int, microbatch: int, split: str) -> torch.Generator:
-    """Returns the CPU generator for one micro-batch: seeded by derive_seed(seed, step, mb)
-    for "train", with the split's code appended for the other splits."""
-    parts = (
-        (seed, step, microbatch)
-        if split == "train"
-        else (seed, step, microbatch, _SPLIT_CODES[split])
-    )
+    """Returns the CPU generator of one micro-batch of `split`.
+
+    It is seeded with `derive_seed(seed, step, microbatch)` for "train" and with the split's
+    code appended for the other splits, so eval draws differ from train draws.
+    """
+    parts: tuple[int, ...] = (seed, step, microbatch)
+    if split != "train":
+        parts += (_SPLIT_CODES[split],)
     return torch.Generator().manual_seed(derive_seed(*parts))
 
 
@@ -67,7 +68,7 @@ class DigitsConfig:
 
 @functools.cache
 def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits  # imported lazily: sklearn is slow to import
+    from sklearn.datasets import load_digits  # type: ignore[import-untyped]  # imported lazily: sklearn is slow to import
 
     bunch = load_digits()
     inputs = torch.tensor(bunch.data, dtype=torch.float32) / 16.0  # (1797, 64) in [0, 1]
@@ -77,15 +78,14 @@ def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
 class DigitsDataset:
     """8x8 digit images as (size, 64) float32 in [0, 1] with int64 labels (size,)."""
 
-    splits = ("train", "eval")
+    splits: tuple[str, ...] = ("train", "eval")
 
     def __init__(self, config: dict[str, Any] | None, seed: int) -> None:
         cfg = parse_config(DigitsConfig, config, "dataset 'digits'")
         self.seed = seed
         inputs, targets = _load_digits()
-        order = torch.randperm(
-            len(inputs), generator=torch.Generator().manual_seed(derive_seed(_DIGITS_SPLIT_SEED))
-        )
+        shuffle = torch.Generator().manual_seed(derive_seed(_DIGITS_SPLIT_SEED))
+        order = torch.randperm(len(inputs), generator=shuffle)  # (1797,), same for every job
         n_eval = round(len(inputs) * cfg.eval_fraction)
         self.index = {"train": order[n_eval:], "eval": order[:n_eval]}
         self.data = {s: (inputs[i], targets[i]) for s, i in self.index.items()}
@@ -201,7 +201,7 @@ class SyntheticConfig:
 class SyntheticDataset:
     """Gaussian inputs through a random two-layer teacher, or tokens of a random bigram chain."""
 
-    splits = ("train", "eval")
+    splits: tuple[str, ...] = ("train", "eval")
 
     def __init__(self, config: dict[str, Any] | None, seed: int) -> None:
         self.cfg = parse_config(SyntheticConfig, config, "dataset 'synthetic'")

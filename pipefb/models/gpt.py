@@ -58,11 +58,14 @@ class Embedding(nn.Module):
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
         pos = torch.arange(t, dtype=torch.long, device=idx.device)  # (T,)
-        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        out: torch.Tensor = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        return out
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: (B, T, C) -> (B, T, C)."""
+
+    mask: torch.Tensor  # (1, 1, block_size, block_size) bool, True where attending is allowed
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -87,7 +90,8 @@ class CausalSelfAttention(nn.Module):
         att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
         att = self.attn_dropout(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y))
+        return out
 
 
 class MLP(nn.Module):
@@ -101,7 +105,8 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+        out: torch.Tensor = self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+        return out
 
 
 class Block(nn.Module):
@@ -116,7 +121,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        out: torch.Tensor = x + self.mlp(self.ln_2(x))
+        return out
 
 
 class Head(nn.Module):
@@ -128,7 +134,8 @@ class Head(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        out: torch.Tensor = self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        return out
 
 
 def build(config: dict[str, Any]) -> list[nn.Module]:
