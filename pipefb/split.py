@@ -38,20 +38,10 @@ from pipefb.shapes import SpecError, TensorSpec, is_dense, requires_grad_for, re
 # through `.data` do not, so weights must never be updated through `.data`.
 
 Kind = Literal["param", "buffer", "derived", "stash"]
+# Seeded random ops by name, for ops without torch's `nondeterministic_seeded` tag.
 _RANDOM_OPS = frozenset(
-    {
-        "rand",
-        "randn",
-        "rand_like",
-        "randn_like",
-        "randint",
-        "bernoulli",
-        "native_dropout",
-        "normal",
-        "uniform",
-        "multinomial",
-        "randperm",
-    }
+    "rand randn rand_like randn_like randint bernoulli native_dropout normal uniform "
+    "multinomial randperm".split()
 )
 _TANGENT_PREFIX = "tangents"
 
