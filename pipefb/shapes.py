@@ -1,0 +1,169 @@
+"""Tensor specs (shape, dtype) and shape propagation through a layer sequence without compute."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+
+
+class SpecError(ValueError):
+    """A tensor that does not match its spec (the message names the tensor)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The shape and dtype of one tensor a layer takes or makes.
+
+    Attributes:
+        shape: the full shape, micro-batch dimension included.
+        dtype: the element type.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def is_floating(self) -> bool:
+        """Whether the dtype is a floating type (and so may carry a gradient)."""
+        return self.dtype.is_floating_point
+
+    def zeros(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Returns a zero tensor of this spec."""
+        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+
+    def example(
+        self, device: torch.device | str = "cpu", generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Returns a valid example: standard normal values if floating, zeros otherwise.
+
+        Zeros are a valid index for every embedding and a valid class for every loss, so
+        integer examples never fail a bounds check.
+        """
+        if not self.is_floating:
+            return self.zeros(device)
+        return torch.randn(self.shape, dtype=self.dtype, generator=generator).to(device)
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` has exactly this shape and dtype."""
+        return tuple(tensor.shape) == self.shape and tensor.dtype == self.dtype
+
+    def check(self, value: object, name: str) -> torch.Tensor:
+        """Returns `value` if it is a plain dense tensor of this spec.
+
+        Raises:
+            SpecError: `value` is no plain tensor, is sparse or on `meta`, or has another
+                shape or dtype; the message names it.
+        """
+        if type(value) not in (torch.Tensor, nn.Parameter):
+            raise SpecError(f"{name!r} is a {type(value).__name__}, not a tensor")
+        assert isinstance(value, torch.Tensor)
+        if value.layout != torch.strided or value.device.type == "meta":
+            raise SpecError(f"{name!r} has layout {value.layout} on {value.device}, not data")
+        if not self.matches(value):
+            shape, expected = list(value.shape), list(self.shape)
+            raise SpecError(f"{name!r} is {shape} {value.dtype}, expected {expected} {self.dtype}")
+        return value
+
+
+def spec_of(tensor: torch.Tensor) -> TensorSpec:
+    """Returns the spec (shape, dtype) of a tensor, real or fake."""
+    return TensorSpec(tuple(int(d) for d in tensor.shape), tensor.dtype)
+
+
+def requires_grad_for(specs: Sequence[TensorSpec], loss: bool = False) -> list[bool]:
+    """Default input-grad flags: floating inputs need one, integers never, targets never.
+
+    Args:
+        specs: a layer's input specs.
+        loss: whether the layer is the loss layer, whose inputs after the first are targets.
+    """
+    return [s.is_floating and not (loss and i > 0) for i, s in enumerate(specs)]
+
+
+def is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether strides lay the elements out without gaps or overlap (any dim order)."""
+    expected = 1
+    for size, step in sorted((d for d in zip(shape, stride, strict=True) if d[0] > 1), key=_second):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def restride(tensor: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """Returns `tensor` laid out with `stride` (a copy if needed); None keeps any layout."""
+    if stride is None or tensor.stride() == stride or tensor.numel() <= 1:
+        return tensor
+    out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
+    return out.copy_(tensor)
+
+
+def _second(pair: tuple[int, int]) -> int:
+    return pair[1]
+
+
+def output_spec(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> TensorSpec:
+    """Propagates specs through one layer with fake tensors: nothing is computed.
+
+    Args:
+        layer: the layer; its parameters and buffers are only read for their metadata.
+        input_specs: the specs of the layer's positional inputs.
+
+    Returns:
+        The spec of the layer's single tensor output.
+
+    Raises:
+        TypeError: the layer returns something other than one tensor.
+    """
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        state = {n: mode.from_tensor(t) for n, t in _state(layer).items()}
+        inputs = tuple(torch.empty(s.shape, dtype=s.dtype) for s in input_specs)
+        out = functional_call(layer, state, inputs)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"layer {type(layer).__name__} returned {type(out).__name__}, not a tensor")
+    return spec_of(out)
+
+
+def infer_input_specs(
+    layers: Sequence[nn.Module], input_spec: TensorSpec, target_spec: TensorSpec | None
+) -> list[list[TensorSpec]]:
+    """Derives the input specs of every layer of a layer sequence from the micro-batch's.
+
+    Every layer but the last takes one tensor; the last layer is the loss and takes
+    `(x, targets)`. Shapes propagate through fake tensors, so any worker can derive every
+    layer's specs without the weights' values and without compute (nor any draw from the
+    global random generator).
+
+    Args:
+        layers: the layer sequence, loss layer last.
+        input_spec: the spec of a micro-batch's inputs.
+        target_spec: the spec of a micro-batch's targets; None when the sequence has no
+            loss layer (every layer then takes one tensor).
+
+    Returns:
+        One list of input specs per layer, in order.
+
+    Raises:
+        ValueError: `layers` is empty.
+    """
+    if not layers:
+        raise ValueError("infer_input_specs needs at least one layer, got an empty sequence")
+    specs: list[list[TensorSpec]] = []
+    current = input_spec
+    for i, layer in enumerate(layers):
+        is_loss = target_spec is not None and i == len(layers) - 1
+        layer_specs = [current, target_spec] if is_loss and target_spec else [current]
+        specs.append(layer_specs)
+        if i < len(layers) - 1:
+            current = output_spec(layer, layer_specs)
+    return specs
+
+
+def _state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's parameters and buffers by dotted name (shared tensors once)."""
+    return {**dict(layer.named_parameters()), **dict(layer.named_buffers())}

@@ -1,0 +1,478 @@
+"""The explicit forward/backward split of one layer, captured once with AOTAutograd."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from functorch.compile import aot_function, make_boxed_func
+from torch import fx, nn
+from torch.func import functional_call
+
+from pipefb.shapes import SpecError, TensorSpec, is_dense, requires_grad_for, restride, spec_of
+
+# [Note: captured graph conventions] (torch 2.13, aot_function, static shapes; checked at
+# capture time by `_saved_slots` and pinned in tests/test_split.py)
+#   forward  graph: (*params, *buffers, *inputs) -> (output, *saved)
+#   backward graph: (*saved, tangent)            -> one grad per primal, in primal order,
+#                   None for every primal that does not require a grad (buffers, ints).
+# The backward's placeholders carry the names of the forward nodes they receive. Saved
+# tensors may be primals (params, buffers, inputs), weight-only derived tensors (such as
+# `t = aten.t(weight)`), activations or random masks. Saved SymInts only appear with
+# dynamic shapes, which pipefb never traces, and are refused like buffer mutations.
+#
+# [Note: what travels]
+# A saved tensor is *weight-only* when every input of its node is a param/buffer
+# placeholder or weight-only, and it is not a seeded random op (rand, bernoulli,
+# native_dropout...; torch tags them `nondeterministic_seeded`). Params and buffers saved
+# as they are come from the backward worker's own weights; weight-only derived tensors
+# are recomputed there from that weight version (cached per `(id, _version)` of each
+# weight); everything else is the stash and travels through the offload store.
+#
+# [Note: weight versions]
+# The derived cache key is the `_version` counter of each param and buffer: any in-place
+# update through the tensor (optimizer step, `copy_` under no_grad) bumps it. Writes
+# through `.data` do not, so weights must never be updated through `.data`.
+
+Kind = Literal["param", "buffer", "derived", "stash"]
+# Seeded random ops by name, for ops without torch's `nondeterministic_seeded` tag.
+_RANDOM_OPS = frozenset(
+    "rand randn rand_like randn_like randint bernoulli native_dropout normal uniform "
+    "multinomial randperm".split()
+)
+_TANGENT_PREFIX = "tangents"
+
+
+class SplitError(ValueError):
+    """A layer whose forward/backward cannot be split (the message names the layer)."""
+
+
+class StashError(SpecError):
+    """A stash that does not fit the traced layer (the bad name or value is named)."""
+
+
+@dataclass(frozen=True)
+class SavedSlot:
+    """One tensor the backward graph takes, and where a backward worker gets it.
+
+    Attributes:
+        name: the stash key, param/buffer name or derived node name.
+        kind: `param`/`buffer` (the worker's weights), `derived` (recomputed from them)
+            or `stash` (shipped from the forward worker).
+        index: position among the params, buffers or derived tensors; -1 for `stash`.
+        spec: the traced shape and dtype.
+        stride: the traced strides when they are dense, else None (any layout works).
+    """
+
+    name: str
+    kind: Kind
+    index: int
+    spec: TensorSpec
+    stride: tuple[int, ...] | None
+
+
+def is_random(node: fx.Node) -> bool:
+    """Whether an fx node draws from a random generator (its value cannot be recomputed)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return True
+        return target._schema.name.split("::")[-1] in _RANDOM_OPS
+    return getattr(target, "__name__", "") in _RANDOM_OPS
+
+
+def weight_only_nodes(graph: fx.Graph, n_weights: int) -> set[fx.Node]:
+    """The nodes of a forward graph that depend on its first `n_weights` placeholders only.
+
+    See [Note: what travels]: random ops and whatever consumes them are excluded.
+    """
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    only: set[fx.Node] = set(placeholders[:n_weights])
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method", "get_attr") and not is_random(node):
+            if all(arg in only for arg in node.all_input_nodes):
+                only.add(node)
+    return only
+
+
+def derive_module(
+    forward: fx.GraphModule, n_weights: int, targets: list[fx.Node]
+) -> fx.GraphModule:
+    """Prunes a forward graph to `(*params, *buffers) -> targets` (all weight-only nodes)."""
+    needed: set[fx.Node] = set()
+    stack = list(targets)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in forward.graph.nodes:
+        if node.op == "placeholder" and len(env) < n_weights:
+            env[node] = graph.placeholder(node.name)
+        elif node in needed and node.op != "placeholder":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[t] for t in targets))
+    return fx.GraphModule(forward, graph)
+
+
+def _capture(
+    fn: Callable[..., torch.Tensor], args: list[torch.Tensor]
+) -> dict[str, fx.GraphModule]:
+    """Runs `fn` once through aot_function and returns the graphs it compiled ('fw', 'bw')."""
+    graphs: dict[str, fx.GraphModule] = {}
+
+    def compiler(kind: str) -> Callable[[fx.GraphModule, Any], Any]:
+        def compile_(gm: fx.GraphModule, _example: Any) -> Any:
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+
+        return compile_
+
+    compiled = aot_function(fn, fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
+    cuda = sorted({a.device for a in args if a.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=cuda):  # tracing must not move the caller's RNG
+        out = compiled(*args)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.backward(torch.ones_like(out))
+    return graphs
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    """The placeholder nodes of a graph module, in order."""
+    return list(gm.graph.find_nodes(op="placeholder"))
+
+
+def _val_spec(node: fx.Node) -> tuple[TensorSpec, tuple[int, ...] | None]:
+    """The traced spec of a node and its strides when they are dense."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise SplitError(f"saved value {node.name!r} is {type(val).__name__}, not a tensor")
+    stride = tuple(int(s) for s in val.stride())
+    return spec_of(val), stride if is_dense(tuple(val.shape), stride) else None
+
+
+class LayerSplit:
+    """A layer's forward and backward as two separately callable graphs.
+
+    A forward worker calls `forward` and ships the stash; a backward worker, which never
+    ran that forward, calls `backward` with the stash, the output gradient and the weight
+    version the forward used. See [Note: captured graph conventions].
+
+    Attributes:
+        param_names: the layer's parameters, in `named_parameters` order.
+        buffer_names: the layer's buffers, in `named_buffers` order.
+        stash_names: the saved tensors that travel, in backward-graph order.
+        derived_names: the weight-only saved tensors a backward worker recomputes.
+        input_specs, input_requires_grad, output_spec: the traced signature.
+        forward_graph, backward_graph, derive_graph: the captured and pruned fx graphs.
+    """
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        input_specs: Sequence[TensorSpec],
+        input_requires_grad: Sequence[bool] | None = None,
+        *,
+        cache_size: int = 2,
+    ) -> None:
+        """Traces `layer` once on example inputs of `input_specs`.
+
+        Args:
+            layer: the layer; traced in its current train/eval mode.
+            input_specs: the specs of its positional inputs.
+            input_requires_grad: which inputs get a grad; default `requires_grad_for`.
+            cache_size: how many weight versions keep their derived tensors.
+
+        Raises:
+            ValueError: an integer input marked as requiring a grad, or a flag count that
+                does not match the inputs.
+            SplitError: the layer returns no single tensor, mutates a buffer, has no
+                gradient at all, or saves non-tensors.
+        """
+        self.layer = layer
+        self.input_specs = list(input_specs)
+        self.input_requires_grad = self._grad_flags(input_requires_grad)
+        self.param_names = [n for n, _ in layer.named_parameters()]
+        self.buffer_names = [n for n, _ in layer.named_buffers()]
+        self.param_specs = [spec_of(p) for p in self._own_params()]
+        graphs = self._trace()
+        self.forward_graph, self.backward_graph = graphs["fw"], graphs["bw"]
+        self.output_spec, self._tangent_stride = self._tangent()
+        self._slots = self._saved_slots()
+        self.stash_names = [s.name for s in self._slots if s.kind == "stash"]
+        self.derived_names = [s.name for s in self._slots if s.kind == "derived"]
+        self._index_bounds = self._embedding_bounds()
+        self._cache: OrderedDict[tuple[tuple[int, int], ...], Any] = OrderedDict()
+        self._cache_size = cache_size
+
+    @property
+    def num_derived(self) -> int:
+        """How many saved tensors are derived from the weights alone (never stashed)."""
+        return len(self.derived_names)
+
+    def forward(
+        self, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Runs the captured forward graph without autograd.
+
+        Args:
+            inputs: the layer's inputs, of `input_specs`.
+            params: the weight version to use, in `param_names` order; default the
+                layer's current parameters. Buffers are always the layer's.
+
+        Returns:
+            The output and the stash: the tensors of `stash_names` (they may alias the
+            inputs or the output).
+
+        Raises:
+            SpecError: an input or param of the wrong count, shape or dtype.
+        """
+        inputs = self._check_all("input", inputs, self.input_specs)
+        weights = [*self._params(params), *self._buffers()]
+        with torch.no_grad():
+            outs = self.forward_graph(*weights, *inputs)
+        n_user = len(outs) - len(self._slots)
+        stash = {s.name: outs[n_user + i] for i, s in enumerate(self._slots) if s.kind == "stash"}
+        return outs[0], stash
+
+    def backward(
+        self,
+        stash: Mapping[str, torch.Tensor],
+        grad_output: torch.Tensor,
+        params: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """Runs only the captured backward graph; the forward is never re-run.
+
+        Args:
+            stash: the tensors of `stash_names`, as `forward` returned them (any strides).
+            grad_output: the gradient of the loss with respect to the layer's output.
+            params: the weight version the forward used; default the layer's current ones.
+
+        Returns:
+            The input grads (None where `input_requires_grad` is False) and the param
+            grads in `param_names` order (zeros for a param that got none).
+
+        Raises:
+            KeyError: a stash name is missing (the message names it).
+            SpecError: a stash tensor, `grad_output` or param of a bad type, shape or dtype.
+            StashError: an unexpected stash name, an index out of range, or a backward
+                that fails on the stash's values (both are ValueErrors).
+        """
+        params = self._params(params)
+        buffers = self._buffers()
+        stashed = self._check_stash(stash)
+        grad = restride(self.output_spec.check(grad_output, "grad_output"), self._tangent_stride)
+        derived = self._derived(params, buffers)
+        sources: dict[Kind, Sequence[torch.Tensor]] = {
+            "param": params,
+            "buffer": buffers,
+            "derived": derived,
+        }
+        args = [
+            stashed[s.name] if s.kind == "stash" else sources[s.kind][s.index] for s in self._slots
+        ]
+        with torch.no_grad():
+            try:
+                grads = self.backward_graph(*args, grad)
+            except (RuntimeError, IndexError) as exc:
+                raise StashError(f"backward failed on the given stash: {exc}") from exc
+        return self._split_grads(list(grads), params)
+
+    def _grad_flags(self, flags: Sequence[bool] | None) -> list[bool]:
+        """Validates the input-grad flags against the input specs."""
+        if flags is None:
+            return requires_grad_for(self.input_specs)
+        if len(flags) != len(self.input_specs):
+            raise ValueError(
+                f"{len(flags)} input_requires_grad flags for {len(self.input_specs)} inputs"
+            )
+        for spec, flag in zip(self.input_specs, flags, strict=True):
+            if flag and not spec.is_floating:
+                raise ValueError(f"an input of dtype {spec.dtype} cannot require a grad")
+        return list(flags)
+
+    def _trace(self) -> dict[str, fx.GraphModule]:
+        """Captures the graphs; outputs that alias an input are cloned (else no backward)."""
+        params = [p.detach().requires_grad_(p.requires_grad) for p in self._own_params()]
+        gen = torch.Generator().manual_seed(0)  # example values never touch the global RNG
+        inputs = [
+            s.example(self._device(), gen).requires_grad_(g)
+            for s, g in zip(self.input_specs, self.input_requires_grad, strict=True)
+        ]
+        for clone in (False, True):
+            graphs = _capture(self._functional(clone), [*params, *self._buffers(), *inputs])
+            if "bw" in graphs:
+                return graphs
+        raise SplitError(f"layer {type(self.layer).__name__} has no gradient to split")
+
+    def _functional(self, clone: bool) -> Callable[..., torch.Tensor]:
+        """The layer as a function of `(*params, *buffers, *inputs)`."""
+        names = [*self.param_names, *self.buffer_names]
+
+        def fn(*args: torch.Tensor) -> torch.Tensor:
+            out = functional_call(
+                self.layer, dict(zip(names, args, strict=False)), args[len(names) :]
+            )
+            if not isinstance(out, torch.Tensor):
+                raise SplitError(f"layer {type(self.layer).__name__} returned {type(out).__name__}")
+            return out.clone() if clone else out
+
+        return fn
+
+    def _tangent(self) -> tuple[TensorSpec, tuple[int, ...] | None]:
+        """The spec and strides of the single tangent of the backward graph."""
+        tangents = [
+            n for n in _placeholders(self.backward_graph) if n.name.startswith(_TANGENT_PREFIX)
+        ]
+        if len(tangents) != 1:
+            raise SplitError(f"backward graph takes {len(tangents)} tangents, expected 1")
+        return _val_spec(tangents[0])
+
+    def _saved_slots(self) -> list[SavedSlot]:
+        """Classifies every saved tensor (see [Note: what travels])."""
+        saved = self._saved_nodes()
+        placeholders = _placeholders(self.forward_graph)
+        outs = list(self.forward_graph.graph.output_node().args[0])
+        n_grads = len(self.backward_graph.graph.output_node().args[0])
+        if n_grads != len(placeholders):
+            raise SplitError(f"backward returns {n_grads} grads for {len(placeholders)} primals")
+        if len(outs) - len(saved) != 1 or [o.name for o in outs[1:]] != [n.name for n in saved]:
+            raise SplitError(f"forward outputs {[o.name for o in outs]} are not (output, *{saved})")
+        n_p, n_w = len(self.param_names), len(self.param_names) + len(self.buffer_names)
+        only = weight_only_nodes(self.forward_graph.graph, n_w)
+        slots, derived = [], []
+        for node in outs[1:]:
+            spec, stride = _val_spec(node)
+            pos = placeholders.index(node) if node.op == "placeholder" else -1
+            if 0 <= pos < n_p:
+                slots.append(SavedSlot(self.param_names[pos], "param", pos, spec, stride))
+            elif 0 <= pos < n_w:
+                slots.append(
+                    SavedSlot(self.buffer_names[pos - n_p], "buffer", pos - n_p, spec, stride)
+                )
+            elif node in only:
+                slots.append(SavedSlot(node.name, "derived", len(derived), spec, stride))
+                derived.append(node)
+            else:
+                name = f"input_{pos - n_w}" if pos >= 0 else node.name
+                slots.append(SavedSlot(name, "stash", -1, spec, stride))
+        self.derive_graph = derive_module(self.forward_graph, n_w, derived)
+        return slots
+
+    def _embedding_bounds(self) -> dict[str, int]:
+        """Stash names used as embedding indices in the backward, with their bound.
+
+        Out-of-range indices are silently dropped on CPU and unchecked on some devices, so
+        a hostile stash is refused before the backward runs.
+        """
+        names = {n.name: s.name for n, s in zip(self._saved_nodes(), self._slots, strict=True)}
+        bounds: dict[str, int] = {}
+        for node in self.backward_graph.graph.find_nodes(
+            op="call_function", target=torch.ops.aten.embedding_dense_backward.default
+        ):
+            index, count = node.args[1], node.args[2]
+            if isinstance(index, fx.Node) and index.name in names and isinstance(count, int):
+                bounds[names[index.name]] = count
+        return bounds
+
+    def _saved_nodes(self) -> list[fx.Node]:
+        """The backward graph's saved-tensor placeholders, in order."""
+        return [
+            n for n in _placeholders(self.backward_graph) if not n.name.startswith(_TANGENT_PREFIX)
+        ]
+
+    def _device(self) -> torch.device:
+        """Where the layer's weights live (CPU for a layer without any)."""
+        weights = [*self._own_params(), *self._buffers()]
+        return weights[0].device if weights else torch.device("cpu")
+
+    def _own_params(self) -> list[torch.Tensor]:
+        """The layer's current parameters, in `param_names` order."""
+        return [p for _, p in self.layer.named_parameters()]
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """The layer's current buffers, in `buffer_names` order."""
+        return [b for _, b in self.layer.named_buffers()]
+
+    def _params(self, params: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The given weight version (validated) or the layer's current one."""
+        if params is None:
+            return self._own_params()
+        return self._check_all("param", params, self.param_specs, self.param_names)
+
+    def _check_all(
+        self,
+        what: str,
+        values: Sequence[torch.Tensor],
+        specs: list[TensorSpec],
+        names: list[str] | None = None,
+    ) -> list[torch.Tensor]:
+        """Validates a sequence of tensors against their specs."""
+        if len(values) != len(specs):
+            raise SpecError(f"{len(values)} {what}s given, the layer takes {len(specs)}")
+        names = names or [f"{what}_{i}" for i in range(len(specs))]
+        return [s.check(v, n) for n, v, s in zip(names, values, specs, strict=True)]
+
+    def _check_stash(self, stash: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Validates a stash (names, types, specs, index ranges) and restores strides."""
+        if not isinstance(stash, Mapping):
+            raise StashError(f"stash is a {type(stash).__name__}, not a mapping")
+        unexpected = sorted(str(k) for k in stash if k not in self.stash_names)
+        if unexpected:
+            raise StashError(
+                f"stash has unexpected names {unexpected}; expected {self.stash_names}"
+            )
+        device = self._device()
+        out: dict[str, torch.Tensor] = {}
+        for slot in (s for s in self._slots if s.kind == "stash"):
+            if slot.name not in stash:
+                raise KeyError(f"stash lacks {slot.name!r}; expected {self.stash_names}")
+            tensor = slot.spec.check(stash[slot.name], slot.name).detach()
+            self._check_bounds(slot.name, tensor)
+            out[slot.name] = restride(tensor.to(device), slot.stride)
+        return out
+
+    def _check_bounds(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuses embedding indices outside `[0, num_embeddings)`."""
+        bound = self._index_bounds.get(name)
+        if bound is not None and tensor.numel() and (tensor.min() < 0 or tensor.max() >= bound):
+            raise StashError(f"stash {name!r} holds indices outside [0, {bound})")
+
+    def _derived(
+        self, params: list[torch.Tensor], buffers: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The weight-only saved tensors of this weight version, derived once per version."""
+        if not self.derived_names:
+            return []
+        weights = (*params, *buffers)
+        key = tuple((id(w), w._version) for w in weights)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key][1]
+        with torch.no_grad():
+            derived = list(self.derive_graph(*weights))
+        self._cache[key] = (weights, derived)  # holding `weights` keeps their ids unique
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return derived
+
+    def _split_grads(
+        self, grads: list[torch.Tensor | None], params: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """Splits the per-primal grads into input grads and param grads."""
+        n_w = len(self.param_names) + len(self.buffer_names)
+        param_grads = [
+            g if g is not None else torch.zeros_like(p)
+            for g, p in zip(grads[: len(params)], params, strict=True)
+        ]
+        input_grads: list[torch.Tensor | None] = []
+        for g, spec, need in zip(
+            grads[n_w:], self.input_specs, self.input_requires_grad, strict=True
+        ):
+            input_grads.append(None if not need else g if g is not None else spec.zeros())
+        return input_grads, param_grads
