@@ -232,7 +232,8 @@ class LayerSplit:
         Raises:
             SpecError: an input or param of the wrong count, shape or dtype.
         """
-        inputs = self._check_all("input", inputs, self.input_specs)
+        # The graphs were traced on contiguous examples; a view (a text window) is copied.
+        inputs = [t.contiguous() for t in self._check_all("input", inputs, self.input_specs)]
         weights = [*self._params(params), *self._buffers()]
         with torch.no_grad():
             outs = self.forward_graph(*weights, *inputs)

@@ -433,3 +433,13 @@ def test_restride_restores_traced_layout() -> None:
     y = restride(x, (1, 2))  # column-major, as a transposed saved tensor was traced
     assert y.stride() == (1, 2) and torch.equal(y, x)
     assert restride(x, None) is x
+
+
+def test_forward_accepts_a_non_contiguous_input_view() -> None:
+    """Datasets hand out windows of a longer tensor; the traced graph must still run."""
+    emb = nn.Embedding(16, 4)
+    window = torch.randint(0, 16, (2, 9))[:, :-1]  # (2, 8) view with stride (9, 1)
+    assert not window.is_contiguous()
+    split = LayerSplit(emb, [TensorSpec((2, 8), torch.int64)])
+    out, _ = split.forward([window])
+    torch.testing.assert_close(out, emb(window), rtol=0, atol=0)

@@ -33,8 +33,9 @@ STEPS = 3
 def make_job(model: str, schedule: str, workers: int, optimizer: str, **extra: Any) -> JobConfig:
     """A short job: 3 steps of 4 micro-batches of 2 samples."""
     lr = 0.05 if optimizer == "sgd" else 0.01
+    fields = {"model": model, **MODELS.get(model, {}), **extra}
     return JobConfig(schedule=schedule, workers=workers, optimizer=optimizer, lr=lr, seed=7,
-                     batch_size=8, microbatches=4, steps=STEPS, **{**MODELS.get(model, {}), **extra})
+                     batch_size=8, microbatches=4, steps=STEPS, **fields)
 
 
 def reference(job: JobConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -82,8 +83,7 @@ def test_pipeline_equals_single_process(client: Any, cluster: Any, model: str, s
 @pytest.mark.parametrize(("schedule", "workers"), [("gpipe", 2), ("1f1b", 3), ("pipefb", 2),
                                                    ("pipefb", 4)])
 def test_entry_point_model_trains(client: Any, schedule: str, workers: int) -> None:
-    job = make_job("toy", schedule, workers, "adamw", model="toy", dataset="digits",
-                   loss="cross_entropy")
+    job = make_job("toy", schedule, workers, "adamw", dataset="digits", loss="cross_entropy")
     reports, weights = run_on_cluster(client, job)
     assert_same_training(job, reports, weights)
     assert "layers.1.scale" in weights
