@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import queue
 import signal
@@ -132,6 +133,15 @@ class LocalCluster:
         workers = [self.add_worker(i) for i in range(self.n_workers)]
         for proc in workers:
             proc.wait_ready()
+        self.write_manifest()
+
+    def write_manifest(self) -> Path:
+        """Writes `cluster.json` (name -> pid, address, log) beside the logs."""
+        path = self.log_dir / "cluster.json"
+        path.write_text(json.dumps({p.name: {"pid": p.pid, "address": p.address,
+                                             "log": str(p.log_path)} for p in self.processes},
+                                   indent=2) + "\n")
+        return path
 
     def add_worker(self, index: int) -> Process:
         """Starts one more worker registering with the coordinator (not waited for)."""

@@ -1,0 +1,108 @@
+"""The `pipefb` command line: one-line errors with status 2, and `local train` end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipefb.cli import main
+from pipefb.config import JobConfig, build_layers
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ["local", "train", "--model", "mlp", "--dataset", "digits", "--loss", "cross_entropy",
+        "--schedule", "gpipe", "--workers", "2", "--batch-size", "8", "--microbatches", "4",
+        "--steps", "1", "--optimizer", "sgd", "--lr", "0.1", "--seed", "0"]
+
+
+def with_flag(flag: str, value: str) -> list[str]:
+    args = list(BASE)
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    return args
+
+
+BAD = [
+    ("--model", "nosuchmodel", "nosuchmodel"),
+    ("--dataset", "nosuchdata", "nosuchdata"),
+    ("--loss", "hinge", "hinge"),
+    ("--schedule", "zigzag", "zigzag"),
+    ("--optimizer", "rmsprop", "rmsprop"),
+    ("--model-config", "{not json", "{not json"),
+    ("--dataset-config", "[1, 2]", "[1, 2]"),
+    ("--microbatches", "3", "microbatches 3"),
+    ("--workers", "9", "9 workers"),
+    ("--lr", "-1", "-1"),
+]
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), BAD)
+def test_bad_argument_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], flag: str,
+                                            value: str, named: str) -> None:
+    assert main(with_flag(flag, value)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pipefb: error:"), err
+    assert named in err
+
+
+def test_unparsable_number_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(with_flag("--workers", "four"))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'four'" in err
+
+
+def test_real_process_exit_status_for_bad_model() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pipefb.cli", *with_flag("--model", "nope")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "nope" in proc.stderr
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipefb.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+GPT = ["local", "train", "--model", "gpt", "--model-config",
+       '{"n_layer": 2, "n_embd": 32, "block_size": 16}', "--dataset", "text",
+       "--dataset-config", '{"block_size": 16, "max_bytes": 100000}', "--loss", "cross_entropy",
+       "--workers", "4", "--batch-size", "8", "--microbatches", "4", "--steps", "3",
+       "--optimizer", "adamw", "--lr", "0.01", "--seed", "3", "--no-progress"]
+
+
+def test_local_train_writes_the_report_and_matches_single(tmp_path: Path) -> None:
+    runs = {}
+    for schedule in ("pipefb", "single"):
+        out = tmp_path / schedule
+        proc = run_cli([*GPT, "--schedule", schedule, "--out", str(out)])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        report = json.loads((out / "report.json").read_text())
+        runs[schedule] = report, load_file(str(out / "weights.safetensors"))
+        assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert {"schedule", "workers", "steps", "samples_per_second", "peak_memory_bytes",
+                "plan"} <= set(report)
+        assert [s["step"] for s in report["steps"]] == [0, 1, 2]
+        assert all(s["samples_per_second"] > 0 and s["seconds"] > 0 for s in report["steps"])
+    report, weights = runs["pipefb"]
+    assert report["workers"] == 4 and sorted(report["peak_memory_bytes"]) == ["0", "1", "2", "3"]
+    assert report["plan"]["schedule"] == "pipefb"
+    assert [a["role"] for a in report["plan"]["assignment"]] == ["forward"] * 2 + ["backward"] * 2
+    job = JobConfig(model="gpt", model_config={"n_layer": 2, "n_embd": 32, "block_size": 16})
+    names = {f"layers.{i}.{n}" for i, layer in enumerate(build_layers(job))
+             for n, _ in layer.named_parameters()}
+    assert set(weights) == names
+    single_report, single_weights = runs["single"]
+    torch.testing.assert_close(torch.tensor([s["loss"] for s in report["steps"]]),
+                               torch.tensor([s["loss"] for s in single_report["steps"]]),
+                               rtol=1e-5, atol=0)
+    for name in names:
+        torch.testing.assert_close(weights[name], single_weights[name], rtol=1e-5, atol=1e-7)

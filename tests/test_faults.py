@@ -1,0 +1,83 @@
+"""Killed workers and Ctrl-C: the job fails naming the worker, and no process is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG_JOB = ["local", "train", "--model", "mlp", "--dataset", "digits", "--loss", "cross_entropy",
+            "--schedule", "pipefb", "--workers", "4", "--batch-size", "8", "--microbatches", "4",
+            "--steps", "100000", "--optimizer", "sgd", "--lr", "0.01", "--no-progress"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0); it holds nothing, so it counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def start_and_wait_for_steps(out: Path) -> tuple[subprocess.Popen[str], dict[str, dict]]:
+    """Starts the CLI on a long job and returns once it reports its second step."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipefb.cli", *LONG_JOB, "--out", str(out)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 180
+    for line in proc.stderr:
+        if line.startswith("step 2/") or time.monotonic() > deadline:
+            break
+    manifest = json.loads((out / "logs" / "cluster.json").read_text())
+    assert len(manifest) == 6  # redis, coordinator, 4 workers
+    return proc, manifest
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    assert proc.stderr is not None
+    try:
+        rest = proc.stderr.read()
+        return proc.wait(timeout=120), rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_killed_worker_fails_the_job_naming_it_and_leaves_no_process(tmp_path: Path) -> None:
+    proc, manifest = start_and_wait_for_steps(tmp_path)
+    victim = manifest["worker-2"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("pipefb: ABORTED") and "worker-2" in last and victim["address"] in last
+    assert "died" in last
+    assert not [name for name, p in manifest.items() if alive(p["pid"])]
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    proc, manifest = start_and_wait_for_steps(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    code, err = finish(proc)
+    assert code == 130, err
+    assert not [name for name, p in manifest.items() if alive(p["pid"])]
+
+
+@pytest.mark.parametrize("victim", ["coordinator"])
+def test_dead_coordinator_ends_the_cli_with_a_message(tmp_path: Path, victim: str) -> None:
+    proc, manifest = start_and_wait_for_steps(tmp_path)
+    os.kill(manifest[victim]["pid"], signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 1, err
+    assert err.strip().splitlines()[-1].startswith("pipefb: UNAVAILABLE")
+    assert not [name for name, p in manifest.items() if alive(p["pid"])]

@@ -1,0 +1,110 @@
+"""A real worker process answers hostile or out-of-place requests with status codes, and
+keeps serving."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pipefb.local import Process
+from protos import job_pb2, server, tensor_pb2, worker_pb2, worker_pb2_grpc
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = Process("worker", ["-m", "worker", "--listen", "127.0.0.1:0"],
+                   tmp_path_factory.mktemp("worker"), env)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(worker: str) -> Iterator[worker_pb2_grpc.StageWorkerStub]:
+    with server.channel(worker) as ch:
+        yield worker_pb2_grpc.StageWorkerStub(ch)
+
+
+def serving(address: str) -> bool:
+    with server.channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def chunk(dtype: int = 3, shape: tuple[int, ...] = (2,), nbytes: int = 8, data: bytes = b"\0" * 8,
+          job: str = "nojob") -> tensor_pb2.TensorChunk:
+    return tensor_pb2.TensorChunk(
+        transfer=tensor_pb2.Transfer(job_id=job, kind="RECV_F", tensor_count=1),
+        header=tensor_pb2.TensorHeader(name="x", dtype=dtype, shape=shape, nbytes=nbytes),
+        data=data)
+
+
+MALFORMED = {
+    "bad dtype": [chunk(dtype=0)],
+    "huge shape": [chunk(shape=(2**40, 2**40), nbytes=8)],
+    "byte count mismatch": [chunk(nbytes=12)],
+    "extra data": [chunk(), tensor_pb2.TensorChunk(data=b"\0")],
+    "no transfer": [tensor_pb2.TensorChunk(data=b"\0")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+@pytest.mark.parametrize("method", ["Activations", "Gradients", "Weights"])
+def test_malformed_tensor_stream_gets_invalid_argument(stub: worker_pb2_grpc.StageWorkerStub,
+                                                       worker: str, case: str,
+                                                       method: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(stub, method)(iter(MALFORMED[case]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert serving(worker)
+
+
+def test_wrong_receive_kind_is_invalid(stub: worker_pb2_grpc.StageWorkerStub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Gradients(iter([chunk()]), timeout=10)  # a RECV_F transfer on the gradient RPC
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "RECV_F" in info.value.details()
+
+
+def test_tensor_for_an_unassigned_job_is_a_failed_precondition(
+        stub: worker_pb2_grpc.StageWorkerStub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Activations(iter([chunk(job="other")]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'other'" in info.value.details()
+
+
+def test_step_without_assignment_is_a_failed_precondition(
+        stub: worker_pb2_grpc.StageWorkerStub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Step(worker_pb2.StepRequest(job_id="nojob", step=0), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("model", "nope", "nope"), ("model_config_json", "{bad", "model config"),
+    ("microbatches", 3, "microbatches 3"), ("schedule", "zigzag", "zigzag")])
+def test_bad_assignment_is_invalid_argument(stub: worker_pb2_grpc.StageWorkerStub, field: str,
+                                            value: object, named: str) -> None:
+    spec = job_pb2.JobSpec(job_id="j", model="mlp", dataset="digits", loss="cross_entropy",
+                           optimizer="sgd", lr=0.1, batch_size=8, microbatches=4, steps=1,
+                           schedule="gpipe", workers=1, mode="sync")
+    setattr(spec, field, value)
+    plan = job_pb2.Plan(schedule="gpipe", microbatches=4, microbatch_size=2,
+                        forward_partition=[0, 5], backward_partition=[0, 5],
+                        policy=["keep"] * 5,
+                        assignment=[job_pb2.WorkerAssignment(rank=0, role="combined")])
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Assign(worker_pb2.AssignRequest(job=spec, plan=plan, rank=0, peers=["x:1"]),
+                    timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in info.value.details()
