@@ -255,7 +255,8 @@ def _report(job: Job, step: int, seconds: float, replies: list[worker_pb2.StepRe
         rank=a.rank, worker_id=ranks.workers[a.rank].worker_id, role=a.role, stage=a.stage,
         compute_seconds=rep.compute_seconds, idle_seconds=rep.idle_seconds,
         peak_memory_bytes=rep.peak_memory_bytes, memory_bytes=rep.memory_bytes,
-        bytes_sent=rep.bytes_sent, bytes_stashed=rep.bytes_stashed)
+        bytes_sent=rep.bytes_sent, bytes_stashed=rep.bytes_stashed,
+        action_seconds=rep.action_seconds, spans=rep.spans)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
     return coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),

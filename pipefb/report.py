@@ -32,6 +32,8 @@ def write_report(out: Path, report: dict[str, Any], weights: Mapping[str, torch.
     save_file({k: v.detach().contiguous().clone() for k, v in weights.items()},
               str(out / "weights.safetensors"))
     plot_loss(report, out / "loss.png")
+    if report.get("timeline"):
+        plot_timeline(report["timeline"], out / "timeline.png")
     return path
 
 
@@ -52,6 +54,48 @@ def plot_loss(report: Mapping[str, Any], path: Path) -> None:
                  f"{report['schedule']}, {report['workers']} workers, "
                  f"{report['samples_per_second']:.0f} samples/s")
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# Colour of each action kind in timelines: compute solid, communication light, waits grey.
+KIND_COLOURS = {"F": "#4C72B0", "B": "#55A868", "OPT": "#8172B2", "STASH": "#DD8452",
+                "FETCH": "#C0C0C0", "PUSH_W": "#DA8BC3", "SEND": "#E5C07B", "RECV": "#D9D9D9"}
+
+
+def _kind(action: str) -> str:
+    return action.lstrip("0123456789").rstrip("0123456789")
+
+
+def _kind_colour(action: str) -> str:
+    kind = _kind(action)
+    return KIND_COLOURS.get(kind, KIND_COLOURS.get(kind.split("_")[0], "#999999"))
+
+
+def plot_timeline(timeline: Mapping[str, Any], path: Path) -> None:
+    """One step's actions per rank as a Gantt chart (compute labelled by micro-batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = timeline["ranks"]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.6), dpi=120)
+    for row, rank in enumerate(ranks):
+        for action, start, end in rank["spans"]:
+            ax.barh(row, max(end - start, 1e-5), left=start, color=_kind_colour(action),
+                    edgecolor="white", linewidth=0.3)
+            if _kind(action) in ("F", "B"):
+                ax.text((start + end) / 2, row, action, ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(ranks)),
+                  [f"rank {r['rank']} {r['role']} {r['stage']}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the step's first action")
+    ax.set_title(f"timeline of step {timeline['step']}")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLOURS.items()],
+              ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -42,6 +42,8 @@ class StepResult:
     bytes_sent: int
     bytes_stashed: int
     weight_version: int
+    action_seconds: dict[str, float]  # by action kind: F, B, OPT, RECV_F, FETCH, ...
+    spans: list[tuple[str, float, float]]  # (action, wall-clock start, end) in order
 
 
 @dataclass
@@ -57,6 +59,8 @@ class _StepState:
     losses: dict[int, float] = field(default_factory=dict)
     compute: float = 0.0
     idle: float = 0.0
+    by_kind: dict[str, float] = field(default_factory=dict)
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
     stashed: int = 0
 
     def live_tensors(self) -> list[torch.Tensor]:
@@ -128,9 +132,11 @@ class StageRuntime:
         state = _StepState(step)
         self.memory.reset_peak()
         for action in self.actions:
-            started = time.perf_counter()
+            wall, started = time.time(), time.perf_counter()
             self._handlers[action.kind](action, state)
             elapsed = time.perf_counter() - started
+            state.spans.append((str(action), wall, wall + elapsed))
+            state.by_kind[action.kind] = state.by_kind.get(action.kind, 0.0) + elapsed
             if action.kind in COMPUTE:
                 state.compute += elapsed
             elif action.kind in WAITS:
@@ -147,6 +153,8 @@ class StageRuntime:
             bytes_sent=sent,
             bytes_stashed=state.stashed,
             weight_version=self.version,
+            action_seconds={str(k): v for k, v in state.by_kind.items()},
+            spans=state.spans,
         )
 
     def _account(self, state: _StepState | None) -> None:

@@ -101,6 +101,7 @@ def run_cluster(job: JobConfig, out: Path, show: bool) -> dict[str, Any]:
             for msg in client.train(job_id):
                 step = step_dict(msg)
                 report["steps"].append(step)
+                report["timeline"] = timeline(msg)
                 bar.update(step, job.steps)
         report["job_id"] = job_id
         report["plan"] = plan_from_proto(client.status(job_id).plan).to_dict()
@@ -118,8 +119,18 @@ def step_dict(msg: Any) -> dict[str, Any]:
                      "compute_seconds": w.compute_seconds, "idle_seconds": w.idle_seconds,
                      "peak_memory_bytes": w.peak_memory_bytes,
                      "memory_bytes": dict(w.memory_bytes), "bytes_sent": w.bytes_sent,
-                     "bytes_stashed": w.bytes_stashed} for w in msg.workers],
+                     "bytes_stashed": w.bytes_stashed,
+                     "action_seconds": dict(w.action_seconds)} for w in msg.workers],
     }
+
+
+def timeline(msg: Any) -> dict[str, Any]:
+    """One step's executed actions per rank, times relative to the step's first action."""
+    t0 = min((s.start for w in msg.workers for s in w.spans), default=0.0)
+    return {"step": msg.step, "ranks": [
+        {"rank": w.rank, "role": w.role, "stage": w.stage,
+         "spans": [[s.action, s.start - t0, s.end - t0] for s in w.spans]}
+        for w in msg.workers]}
 
 
 def peak_by_rank(steps: list[dict[str, Any]]) -> dict[str, int]:

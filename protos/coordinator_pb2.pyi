@@ -1,5 +1,6 @@
 from protos import job_pb2 as _job_pb2
 from protos import tensor_pb2 as _tensor_pb2
+from protos import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -83,7 +84,7 @@ class StepReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
-    __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed")
+    __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed", "action_seconds", "spans")
     class MemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +92,13 @@ class WorkerStepStats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ActionSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +109,8 @@ class WorkerStepStats(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_STASHED_FIELD_NUMBER: _ClassVar[int]
+    ACTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     worker_id: int
     role: str
@@ -111,7 +121,9 @@ class WorkerStepStats(_message.Message):
     memory_bytes: _containers.ScalarMap[str, int]
     bytes_sent: int
     bytes_stashed: int
-    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ...) -> None: ...
+    action_seconds: _containers.ScalarMap[str, float]
+    spans: _containers.RepeatedCompositeFieldContainer[_worker_pb2.ActionSpan]
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[_worker_pb2.ActionSpan, _Mapping]]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -43,7 +43,7 @@ class StepRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "losses", "compute_seconds", "idle_seconds", "memory_bytes", "peak_memory_bytes", "bytes_sent", "bytes_stashed", "weight_version")
+    __slots__ = ("step", "losses", "compute_seconds", "idle_seconds", "memory_bytes", "peak_memory_bytes", "bytes_sent", "bytes_stashed", "weight_version", "action_seconds", "spans")
     class MemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,13 @@ class StepReply(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ActionSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSSES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +67,8 @@ class StepReply(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_STASHED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
     step: int
     losses: _containers.RepeatedScalarFieldContainer[float]
     compute_seconds: float
@@ -69,7 +78,19 @@ class StepReply(_message.Message):
     bytes_sent: int
     bytes_stashed: int
     weight_version: int
-    def __init__(self, step: _Optional[int] = ..., losses: _Optional[_Iterable[float]] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., peak_memory_bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    action_seconds: _containers.ScalarMap[str, float]
+    spans: _containers.RepeatedCompositeFieldContainer[ActionSpan]
+    def __init__(self, step: _Optional[int] = ..., losses: _Optional[_Iterable[float]] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., peak_memory_bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., weight_version: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[ActionSpan, _Mapping]]] = ...) -> None: ...
+
+class ActionSpan(_message.Message):
+    __slots__ = ("action", "start", "end")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    start: float
+    end: float
+    def __init__(self, action: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("job_id", "reason")

@@ -95,6 +95,12 @@ def test_local_train_writes_the_report_and_matches_single(tmp_path: Path) -> Non
     report, weights = runs["pipefb"]
     assert report["workers"] == 4 and sorted(report["peak_memory_bytes"]) == ["0", "1", "2", "3"]
     assert report["plan"]["schedule"] == "pipefb"
+    assert (tmp_path / "pipefb" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    spans = {r["rank"]: [a for a, _, _ in r["spans"]] for r in report["timeline"]["ranks"]}
+    assert spans[0][:3] == ["0RECV_W", "0F0", "0STASH0"] and spans[3][-2:] == ["1OPT", "1PUSH_W"]
+    last = report["steps"][-1]["workers"]
+    assert all(w["action_seconds"]["F"] > 0 for w in last if w["role"] == "forward")
+    assert all(w["action_seconds"]["B"] > 0 for w in last if w["role"] == "backward")
     assert [a["role"] for a in report["plan"]["assignment"]] == ["forward"] * 2 + ["backward"] * 2
     job = JobConfig(model="gpt", model_config={"n_layer": 2, "n_embd": 32, "block_size": 16})
     names = {f"layers.{i}.{n}" for i, layer in enumerate(build_layers(job))

@@ -9,6 +9,7 @@ import threading
 import time
 
 import grpc
+import torch
 
 from protos import coordinator_pb2, coordinator_pb2_grpc, server, worker_pb2_grpc
 from worker.service import StageWorkerServicer
@@ -26,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--coordinator", default=os.environ.get("PIPEFB_COORDINATOR", ""),
                    help="host:port of the coordinator to register with")
     p.add_argument("--name", default=os.environ.get("PIPEFB_NAME", f"worker-{os.getpid()}"))
+    p.add_argument("--threads", type=int, default=int(os.environ.get("PIPEFB_THREADS", "0")),
+                   help="torch intra-op threads (0: torch's default)")
     return p.parse_args(argv)
 
 
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     servicer = StageWorkerServicer()
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen)

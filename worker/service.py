@@ -78,6 +78,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             idle_seconds=r.idle_seconds, memory_bytes=r.memory_bytes,
             peak_memory_bytes=r.peak_memory_bytes, bytes_sent=r.bytes_sent,
             bytes_stashed=r.bytes_stashed, weight_version=r.weight_version,
+            action_seconds=r.action_seconds,
+            spans=[worker_pb2.ActionSpan(action=a, start=s, end=e) for a, s, e in r.spans],
         )
 
     def _receive(self, messages: Iterator[tensor_pb2.TensorChunk], kinds: tuple[str, ...]

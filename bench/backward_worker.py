@@ -1,0 +1,115 @@
+"""Backward-only worker compute per micro-batch vs the same layers' eager backward alone.
+
+The claim checked: a PipeFB backward worker runs only the captured backward graphs of its
+layers from the fetched stash (no hidden forward recompute), so its `B` time per
+micro-batch is within 15% of `loss.backward()` over the same layers in one process.
+
+A real local cluster runs a `pipefb` job with 2 workers (1 forward, 1 backward: the
+backward stage holds every layer); the backward rank's `B` seconds per micro-batch come
+from its step reports. The baseline builds the same layers in this process and times
+only `backward()` (the forward is run untimed first), on the same micro-batches. With one
+micro-batch per step the forward worker is idle while the backward runs, so the two
+measurements do not compete for the 2 cores. Every process uses one torch thread.
+
+Run: python bench/backward_worker.py [--steps 12] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipefb.config import JobConfig, build_layers
+from pipefb.data import build_dataset
+from pipefb.local import LocalCluster
+from pipefb.seeding import derive_seed
+
+TARGET = 1.15  # backward-only worker time / eager backward time, per micro-batch
+
+
+def make_job(steps: int, microbatches: int) -> JobConfig:
+    """A GPT big enough that compute dominates Python overhead."""
+    return JobConfig(model="gpt", dataset="text", loss="cross_entropy", schedule="pipefb",
+                     workers=2, batch_size=8 * microbatches, microbatches=microbatches,
+                     steps=steps, optimizer="adamw", lr=1e-3, seed=0,
+                     model_config={"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64},
+                     dataset_config={"block_size": 64, "max_bytes": 500_000})
+
+
+def worker_backward_seconds(job: JobConfig, warmup: int) -> list[float]:
+    """The backward rank's B seconds per micro-batch, per step after warm-up."""
+    from coordinator.client import CoordinatorClient
+
+    with tempfile.TemporaryDirectory() as logs, \
+            LocalCluster(job.workers, Path(logs), extra_env={"PIPEFB_THREADS": "1"}) as cluster, \
+            CoordinatorClient(cluster.coordinator) as client:
+        client.wait_for_workers(job.workers)
+        job_id = client.submit(job).job_id
+        reports = list(client.train(job_id))
+    per_mb = []
+    for report in reports[warmup:]:
+        (backward,) = [w for w in report.workers if w.role == "backward"]
+        per_mb.append(backward.action_seconds["B"] / job.microbatches)
+    return per_mb
+
+
+def eager_backward_seconds(job: JobConfig, warmup: int) -> list[float]:
+    """`backward()` of the same layers in this process, per micro-batch after warm-up."""
+    torch.set_num_threads(1)
+    layers = build_layers(job)
+    data = build_dataset(job.dataset, job.dataset_config, job.seed)
+    times = []
+    for step in range(job.steps):
+        for m in range(job.microbatches):
+            x, y = data.microbatch(step, m, job.microbatch_size)
+            for i, layer in enumerate(layers):
+                torch.manual_seed(derive_seed(job.seed, step, m, i))
+                x = layer(x, y) if i == len(layers) - 1 else layer(x)
+            started = time.perf_counter()
+            (x / job.microbatches).backward()
+            if step >= warmup:
+                times.append(time.perf_counter() - started)
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+    return times
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median and range in milliseconds."""
+    return {"median_ms": 1e3 * statistics.median(values), "min_ms": 1e3 * min(values),
+            "max_ms": 1e3 * max(values), "n": len(values)}
+
+
+def main() -> None:
+    """Runs both measurements and prints the ratio against the 15% target."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    job = make_job(args.steps, args.microbatches)
+    worker = worker_backward_seconds(job, args.warmup)
+    eager = eager_backward_seconds(job, args.warmup)
+    ratio = statistics.median(worker) / statistics.median(eager)
+    result: dict[str, Any] = {"worker_backward": summary(worker), "eager_backward": summary(eager),
+                              "ratio_median": ratio, "target": TARGET,
+                              "job": job.to_dict()}
+    print(json.dumps(result, indent=2))
+    verdict = "within" if ratio <= TARGET else "NOT within"
+    print(f"backward-only worker / eager backward, per micro-batch: {ratio:.3f} "
+          f"({verdict} the {TARGET:.2f} target)")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "backward_worker.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
