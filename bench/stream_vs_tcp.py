@@ -1,0 +1,235 @@
+"""MB/s of one float32 activation through pipefb's gRPC tensor stream vs a raw loopback socket.
+
+The receiver is a separate process holding both servers: a `StageWorker` servicer whose
+`Activations` is the real decode path (`protos.wire.decode_stream`, then an Ack), and a TCP
+server that reads a length header, allocates the tensor and `recv_into`s its bytes. Both
+clocks stop when the receiver has materialised the tensor and acknowledged it. Also times
+each piece of the gRPC path in one process (encode, serialise, parse, decode) to show where
+time goes. Run: `python bench/stream_vs_tcp.py [--quick] [--out DIR]`. Target gRPC/TCP >= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+import torch
+
+from bench import machine
+from bench.stats import fmt, ratio, summary
+from pipefb import codec
+from protos import server, tensor_pb2, wire, worker_pb2_grpc
+
+TARGET = 0.5  # gRPC stream MB/s / raw TCP MB/s
+_LEN = struct.Struct("<q")  # TCP frame: payload byte count, then the bytes; ack: bytes received
+MiB = 1 << 20
+
+
+class ActivationsOnly(worker_pb2_grpc.StageWorkerServicer):
+    """A StageWorker that only receives activations, through the workers' decode path."""
+
+    def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
+                    context: grpc.ServicerContext) -> tensor_pb2.Ack:
+        _, tensors = wire.decode_stream(request_iterator)
+        return tensor_pb2.Ack(bytes=sum(t.nbytes for t in tensors.values()),
+                              tensors=len(tensors))
+
+
+def _recv_exact(conn: socket.socket, view: memoryview) -> None:
+    while view:
+        n = conn.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed mid-frame")
+        view = view[n:]
+
+
+def _tcp_serve(listener: socket.socket) -> None:
+    """Per frame: read the length, allocate a float32 tensor, fill it, ack its byte count."""
+    conn, _ = listener.accept()
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        header = bytearray(_LEN.size)
+        while True:
+            try:
+                _recv_exact(conn, memoryview(header))
+            except ConnectionError:
+                return
+            (nbytes,) = _LEN.unpack(header)
+            tensor = torch.empty(nbytes // 4, dtype=torch.float32)
+            _recv_exact(conn, memoryview(tensor.view(torch.uint8).numpy()))
+            conn.sendall(_LEN.pack(tensor.nbytes))
+
+
+def _receiver(ports: Any, stop: Any) -> None:
+    """The receiving process: both servers, until `stop` is set."""
+    torch.set_num_threads(1)
+    srv, port, health = server.create_server(
+        lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(ActivationsOnly(), s))
+    server.ready(health)
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_tcp_serve, args=(listener,), daemon=True).start()
+    ports.put((port, listener.getsockname()[1]))
+    stop.wait()
+    srv.stop(0)
+
+
+def chunked_encode(transfer: tensor_pb2.Transfer, tensors: dict[str, torch.Tensor]
+                   ) -> Iterator[tensor_pb2.TensorChunk]:
+    """A proposed `wire.encode_stream` (bench only, NOT in protos/): the same messages, but
+    each chunk's bytes are copied once straight from the tensor's memory, instead of one
+    whole-tensor `tobytes` copy plus a `bytes()` copy per chunk. Contiguous tensors only."""
+    transfer.tensor_count = len(tensors)
+    for n, (name, tensor) in enumerate(tensors.items()):
+        view = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        header = tensor_pb2.TensorHeader(name=name, dtype=codec.CODES[codec.NAMES[tensor.dtype]],
+                                         shape=tensor.shape, nbytes=view.nbytes)
+        for start in range(0, view.nbytes, codec.CHUNK_BYTES):
+            msg = tensor_pb2.TensorChunk(data=view[start:start + codec.CHUNK_BYTES].tobytes())
+            if start == 0:
+                msg.header.CopyFrom(header)
+            if n == 0 and start == 0:
+                msg.transfer.CopyFrom(transfer)
+            yield msg
+
+
+def grpc_sender(port: int, encode: Callable[..., Iterator[tensor_pb2.TensorChunk]]
+                ) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
+    """(send one tensor encoded by `encode` and wait for its Ack, close)."""
+    chan = server.channel(f"127.0.0.1:{port}")
+    stub = worker_pb2_grpc.StageWorkerStub(chan)
+
+    def send(t: torch.Tensor) -> None:
+        transfer = tensor_pb2.Transfer(job_id="bench", kind="RECV_F", tensor_count=1)
+        ack = stub.Activations(encode(transfer, {"x": t}), timeout=60)
+        if ack.bytes != t.nbytes:
+            raise RuntimeError(f"gRPC receiver got {ack.bytes} of {t.nbytes} bytes")
+
+    return send, chan.close
+
+
+def tcp_sender(port: int) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
+    """(send one tensor's bytes and wait for the ack, close)."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = bytearray(_LEN.size)
+
+    def send(t: torch.Tensor) -> None:
+        conn.sendall(_LEN.pack(t.nbytes))
+        conn.sendall(memoryview(t.contiguous().view(torch.uint8).numpy()))
+        _recv_exact(conn, memoryview(ack))
+        if _LEN.unpack(ack)[0] != t.nbytes:
+            raise RuntimeError("TCP receiver got the wrong byte count")
+
+    return send, conn.close
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def breakdown(t: torch.Tensor, repeats: int) -> dict[str, dict[str, float]]:
+    """Seconds of each piece of the gRPC path, in this process, without the network."""
+    transfer = tensor_pb2.Transfer(job_id="bench", kind="RECV_F", tensor_count=1)
+    msgs = list(wire.encode_stream(transfer, {"x": t}))
+    wire_bytes = [m.SerializeToString() for m in msgs]
+    pieces: dict[str, Callable[[], Any]] = {
+        "memcpy (t.clone)": t.clone,
+        "encode_stream (codec copy + bytes() per chunk)":
+            lambda: list(wire.encode_stream(transfer, {"x": t})),
+        "proposed chunked_encode (one copy per chunk)":
+            lambda: list(chunked_encode(transfer, {"x": t})),
+        "SerializeToString": lambda: [m.SerializeToString() for m in msgs],
+        "TensorChunk.FromString": lambda: [tensor_pb2.TensorChunk.FromString(b)
+                                           for b in wire_bytes],
+        "decode_stream": lambda: wire.decode_stream(iter(msgs)),
+    }
+    return {name: summary([_timed(fn) for _ in range(repeats)]) for name, fn in pieces.items()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Times both paths `args.repeats` times, interleaved, after one warm-up each."""
+    torch.set_num_threads(1)
+    t = torch.randn(args.mib * MiB // 4)  # (N,) float32
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_receiver, args=(ports, stop), daemon=True)
+    proc.start()
+    try:
+        grpc_port, tcp_port = ports.get(timeout=120)
+        senders = {"grpc": grpc_sender(grpc_port, wire.encode_stream),
+                   "tcp": tcp_sender(tcp_port),
+                   "grpc_proposed_encode": grpc_sender(grpc_port, chunked_encode)}
+        times: dict[str, list[float]] = {k: [] for k in senders}
+        for i in range(args.repeats + 1):
+            for name, (send, _) in senders.items():
+                seconds = _timed(lambda send=send: send(t))
+                if i:  # the first transfer of each path warms it up
+                    times[name].append(seconds)
+        for _, close in senders.values():
+            close()
+    finally:
+        stop.set()
+        proc.join(10)
+    mbps = {k: [t.nbytes / 1e6 / s for s in v] for k, v in times.items()}
+    per_repeat = [g / c for g, c in zip(mbps["grpc"], mbps["tcp"], strict=True)]
+    proposed = [g / c for g, c in zip(mbps["grpc_proposed_encode"], mbps["tcp"], strict=True)]
+    return {"bench": "stream_vs_tcp", "machine": machine.describe(), "args": {
+                k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "command": " ".join(["python", "bench/stream_vs_tcp.py", *sys.argv[1:]]),
+            "tensor_bytes": t.nbytes, "target": TARGET,
+            "mb_per_second": {k: summary(v) for k, v in mbps.items()},
+            "seconds": {k: summary(v) for k, v in times.items()},
+            "ratio_grpc_over_tcp": summary(per_repeat),
+            "ratio_grpc_proposed_encode_over_tcp": summary(proposed),
+            "pooled_ratio_range": ratio(mbps["grpc"], mbps["tcp"]),
+            "breakdown_seconds": breakdown(t, args.repeats)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses the bench's flags; `--quick` sends 1 MiB 3 times."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="1 MiB, 3 repeats (CI)")
+    p.add_argument("--out", type=Path, default=None, help="write results.json here")
+    p.add_argument("--mib", type=int, default=16, help="tensor size in MiB (float32)")
+    p.add_argument("--repeats", type=int, default=15, help="timed transfers per path (>= 10)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.mib, args.repeats = 1, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the bench, prints it, writes `results.json` to `--out`."""
+    args = parse_args(argv)
+    res = run(args)
+    for k, v in res["mb_per_second"].items():
+        print(f"{k:20s} {fmt(v)} MB/s  ({fmt(res['seconds'][k], 1e3)} ms per transfer)")
+    r = res["ratio_grpc_over_tcp"]
+    print(f"gRPC/TCP {fmt(r, digits=2)}  target >= {TARGET}: "
+          f"{'meets' if r['median'] >= TARGET else 'MISSES'}")
+    r = res["ratio_grpc_proposed_encode_over_tcp"]
+    print(f"gRPC (proposed encode)/TCP {fmt(r, digits=2)}")
+    for name, s in res["breakdown_seconds"].items():
+        print(f"  {name:48s} {fmt(s, 1e3, 2)} ms")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

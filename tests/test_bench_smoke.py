@@ -1,0 +1,56 @@
+"""Smoke test of the benches at `--quick` size: they run, and their outputs are complete and
+sane. No timing assertions: the figures depend on the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_quick(bench: str, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    subprocess.run([sys.executable, f"bench/{bench}.py", "--quick", "--out", str(out)],
+                   cwd=ROOT, env=env, check=True, timeout=120)
+    return json.loads((out / "results.json").read_text())
+
+
+def assert_summary(s: dict) -> None:
+    assert set(s) == {"median", "min", "max", "n"}
+    assert 0 < s["min"] <= s["median"] <= s["max"] and s["n"] >= 1
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_throughput_quick(tmp_path: Path) -> None:
+    from bench.pipeline_throughput import RATIOS, SYSTEMS
+
+    res = run_quick("pipeline_throughput", tmp_path)
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert {"machine", "args", "command", "models", "targets"} <= set(res)
+    for model in res["models"].values():
+        assert set(model["samples_per_second"]) == set(SYSTEMS)
+        for s in SYSTEMS:
+            assert_summary(model["samples_per_second"][s])
+            assert model["max_loss_diff_vs_single"][s] < 1e-3  # every system trains the same
+        assert set(model["ratios"]) == {f"{a}/{b}" for a, b in RATIOS}
+        assert all(r["median"] > 0 for r in model["ratios"].values())
+        assert 0 < model["boundary"] < model["layers"]
+
+
+@pytest.mark.timeout(120)
+def test_stream_vs_tcp_quick(tmp_path: Path) -> None:
+    res = run_quick("stream_vs_tcp", tmp_path)
+    assert res["tensor_bytes"] == 1 << 20
+    assert set(res["mb_per_second"]) == {"grpc", "tcp", "grpc_proposed_encode"}
+    for s in (*res["mb_per_second"].values(), *res["seconds"].values(),
+              *res["breakdown_seconds"].values()):
+        assert_summary(s)
+    assert res["ratio_grpc_over_tcp"]["median"] > 0
+    assert res["ratio_grpc_proposed_encode_over_tcp"]["median"] > 0
