@@ -17,7 +17,7 @@ from pipefb.config import JobConfig, build_layers
 from pipefb.data import build_dataset
 from pipefb.memory import tensor_bytes
 from pipefb.optim import build_optimizer, optimizer_state_bytes
-from pipefb.seeding import derive_seed
+from pipefb.seeding import derive_seed, seed_random_ops
 
 
 @dataclass
@@ -46,7 +46,7 @@ class SingleProcess:
         x, targets = self.dataset.microbatch(step, microbatch, self.job.microbatch_size)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            torch.manual_seed(derive_seed(self.job.seed, step, microbatch, i))
+            seed_random_ops(derive_seed(self.job.seed, step, microbatch, i))
             x = layer(x, targets) if i == last else layer(x)
         return x
 

@@ -20,7 +20,7 @@ from pipefb.memory import MemoryAccount, tensor_bytes
 from pipefb.optim import build_optimizer, optimizer_state_bytes
 from pipefb.plan import Plan, schedule_for
 from pipefb.schedule import Action, Kind
-from pipefb.seeding import derive_seed
+from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.shapes import TensorSpec, infer_input_specs, spec_of
 from pipefb.split import LayerSplit
 from pipefb.transport import Transport
@@ -101,6 +101,9 @@ class StageRuntime:
         )
         self.version = 0
         self.memory = MemoryAccount()
+        self._param_bytes = tensor_bytes(p for layer in self.layers.values()
+                                         for p in layer.parameters())
+        self._grad_bytes = self._optimizer_bytes = 0  # updated where they change
         self._handlers: dict[Kind, Callable[[Action, _StepState], None]] = {
             Kind.F: self._forward, Kind.B: self._backward, Kind.OPT: self._optimizer_step,
             Kind.SEND_F: self._send_activation, Kind.RECV_F: self._recv_activation,
@@ -158,12 +161,10 @@ class StageRuntime:
         )
 
     def _account(self, state: _StepState | None) -> None:
-        params = [p for layer in self.layers.values() for p in layer.parameters()]
-        grads = [g for bufs in self.grad_buffers.values() for g in bufs if g is not None]
         self.memory.set({
-            "parameters": tensor_bytes(params),
-            "gradients": tensor_bytes(grads),
-            "optimizer_state": optimizer_state_bytes(self.optimizer) if self.optimizer else 0,
+            "parameters": self._param_bytes,
+            "gradients": self._grad_bytes,
+            "optimizer_state": self._optimizer_bytes,
             "activations": tensor_bytes(state.live_tensors()) if state else 0,
         })
 
@@ -173,7 +174,8 @@ class StageRuntime:
         m = _mb(action)
         x, targets = self._stage_input(action.stage, m, state)
         for i in self.fwd_layers:
-            torch.manual_seed(derive_seed(self.job.seed, state.step, m, i))
+            if self.splits[i].has_random_ops:
+                seed_random_ops(derive_seed(self.job.seed, state.step, m, i))
             inputs = [x, targets] if i == self.n_layers - 1 else [x]
             x, stash = self.splits[i].forward(inputs)
             state.saved[(m, i)] = stash
@@ -208,6 +210,7 @@ class StageRuntime:
         buffers = self.grad_buffers.get(layer)
         if buffers is None:
             self.grad_buffers[layer] = [g.clone() for g in param_grads]
+            self._grad_bytes += tensor_bytes(self.grad_buffers[layer])
             return
         for buf, g in zip(buffers, param_grads, strict=True):
             buf.add_(g)
@@ -220,6 +223,8 @@ class StageRuntime:
                 p.grad = grads[j] if grads is not None else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._grad_bytes = 0
+        self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         self.version += 1
 
     # -- communication ---------------------------------------------------------------------

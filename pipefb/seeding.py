@@ -35,3 +35,16 @@ def derive_seed(*parts: int) -> int:
         except OverflowError:
             raise ConfigError(f"seed part {part} does not fit in {_PART_BYTES} bytes") from None
     return int.from_bytes(digest.digest(), "little") >> (64 - _SEED_BITS)
+
+
+def seed_random_ops(seed: int) -> None:
+    """Seeds the generators random ops draw from: the CPU one, and CUDA's once initialised.
+
+    Cheaper than `torch.manual_seed`, which on a build without a GPU records a Python
+    traceback for a deferred CUDA call on every use (about a millisecond each).
+    """
+    import torch
+
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed(seed)

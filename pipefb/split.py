@@ -199,6 +199,10 @@ class LayerSplit:
         self.input_requires_grad = self._grad_flags(input_requires_grad)
         self.param_names = [n for n, _ in layer.named_parameters()]
         self.buffer_names = [n for n, _ in layer.named_buffers()]
+        # [Note: weights in place] New weight versions are copied into these same tensors
+        # (optimizer steps, weight pushes), so the lists are taken once, not per call.
+        self._param_list = [p for _, p in layer.named_parameters()]
+        self._buffer_list = [b for _, b in layer.named_buffers()]
         self.param_specs = [spec_of(p) for p in self._own_params()]
         graphs = self._trace()
         self.forward_graph, self.backward_graph = graphs["fw"], graphs["bw"]
@@ -206,6 +210,8 @@ class LayerSplit:
         self._slots = self._saved_slots()
         self.stash_names = [s.name for s in self._slots if s.kind == "stash"]
         self.derived_names = [s.name for s in self._slots if s.kind == "derived"]
+        # Whether the forward draws random numbers: only then must the caller seed it.
+        self.has_random_ops = any(is_random(n) for n in self.forward_graph.graph.nodes)
         self._index_bounds = self._embedding_bounds()
         self._cache: OrderedDict[tuple[tuple[int, int], ...], Any] = OrderedDict()
         self._cache_size = cache_size
@@ -393,12 +399,12 @@ class LayerSplit:
         return weights[0].device if weights else torch.device("cpu")
 
     def _own_params(self) -> list[torch.Tensor]:
-        """The layer's current parameters, in `param_names` order."""
-        return [p for _, p in self.layer.named_parameters()]
+        """The layer's parameters, in `param_names` order (see [Note: weights in place])."""
+        return self._param_list
 
     def _buffers(self) -> list[torch.Tensor]:
-        """The layer's current buffers, in `buffer_names` order."""
-        return [b for _, b in self.layer.named_buffers()]
+        """The layer's buffers, in `buffer_names` order."""
+        return self._buffer_list
 
     def _params(self, params: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
         """The given weight version (validated) or the layer's current one."""

@@ -443,3 +443,9 @@ def test_forward_accepts_a_non_contiguous_input_view() -> None:
     split = LayerSplit(emb, [TensorSpec((2, 8), torch.int64)])
     out, _ = split.forward([window])
     torch.testing.assert_close(out, emb(window), rtol=0, atol=0)
+
+
+def test_has_random_ops_only_for_layers_that_draw_random_numbers() -> None:
+    spec = [TensorSpec((2, 8), torch.float32)]
+    assert not LayerSplit(nn.Linear(8, 8), spec).has_random_ops
+    assert LayerSplit(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)), spec).has_random_ops
