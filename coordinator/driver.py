@@ -12,13 +12,16 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.registry import Registry, WorkerRecord
+from coordinator.stepping import StepPump
 from offload_store import OffloadStore, connect
 from pipefb.config import JobConfig, build_layers
 from pipefb.errors import WorkerFailed
@@ -151,19 +154,25 @@ class Driver:
         job.set_state("RUNNING")
 
     def _run_steps(self, job: Job, ranks: Ranks) -> None:
-        for step in range(job.config.steps):
-            if job.stop_requested:
-                job.set_state("STOPPED", "stopped by request")
-                return
-            started = time.perf_counter()
-            calls = [stub.Step.future(worker_pb2.StepRequest(job_id=job.job_id, step=step))
-                     for stub in ranks.stubs]
-            replies = _wait_all(calls, ranks, self.registry)
-            report = _report(job, step, time.perf_counter() - started, replies, ranks)
+        def on_step(step: int, replies: list[worker_pb2.StepReply], seconds: float) -> None:
+            report = _report(job, step, seconds, replies, ranks)
             with job.cond:
                 job.reports.append(report)
                 job.step = step + 1
                 job.cond.notify_all()
+
+        pump = StepPump(job.job_id, ranks.stubs, job.config.steps, on_step)
+
+        def poll() -> None:
+            if job.stop_requested:
+                pump.stop()
+            _check_heartbeats(self.registry, ranks, range(len(ranks.workers)))
+
+        failures = pump.run(poll)
+        if failures:
+            raise _first_failure(failures, ranks)
+        if job.step < job.config.steps:
+            job.set_state("STOPPED", "stopped by request")
 
     def _collect_weights(self, job: Job, ranks: Ranks) -> dict[str, torch.Tensor]:
         weights: dict[str, torch.Tensor] = {}
@@ -215,31 +224,35 @@ def _answers(address: str) -> bool:
             return False
 
 
-def _wait_all(calls: list[grpc.Future], ranks: Ranks, registry: Registry | None = None) -> list:
-    """Waits for one call per rank; the first failure (non-ABORTED first) becomes an error."""
-    changed = threading.Event()
+def _wait_all(calls: list[grpc.Future], ranks: Ranks) -> list[Any]:
+    """Waits for one call per rank; any failure becomes the job's error."""
+    done = threading.Event()
+    remaining = [len(calls)]
+    lock = threading.Lock()
+
+    def finished(_: grpc.Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0 or _.exception() is not None:
+                done.set()
+
     for call in calls:
-        call.add_done_callback(lambda _: changed.set())
-    while not all(c.done() for c in calls):
-        changed.wait(0.5)
-        changed.clear()
-        if any(c.done() and c.exception() is not None for c in calls):
-            _raise_first(calls, ranks)
-        if registry is not None:
-            _check_heartbeats(registry, ranks, {r for r, c in enumerate(calls) if not c.done()})
-    if any(c.exception() is not None for c in calls):
-        _raise_first(calls, ranks)
+        call.add_done_callback(finished)
+    done.wait()
+    failures = [(r, c.exception()) for r, c in enumerate(calls)
+                if c.done() and c.exception() is not None]
+    if failures:
+        raise _first_failure(failures, ranks)
     return [c.result() for c in calls]
 
 
-def _raise_first(calls: list[grpc.Future], ranks: Ranks) -> None:
-    failed = [(r, c.exception()) for r, c in enumerate(calls) if c.done() and c.exception()]
-    failed.sort(key=lambda f: f[1].code() == grpc.StatusCode.ABORTED)  # root causes first
-    rank, error = failed[0]
-    raise WorkerFailed(f"{ranks.describe(rank)} failed: {error.code().name}: {error.details()}")
+def _first_failure(failures: list[tuple[int, Any]], ranks: Ranks) -> WorkerFailed:
+    """The root cause among failed calls: a rank that aborted was only waiting on another."""
+    rank, error = sorted(failures, key=lambda f: f[1].code() == grpc.StatusCode.ABORTED)[0]
+    return WorkerFailed(f"{ranks.describe(rank)} failed: {error.code().name}: {error.details()}")
 
 
-def _check_heartbeats(registry: Registry, ranks: Ranks, pending: set[int]) -> None:
+def _check_heartbeats(registry: Registry, ranks: Ranks, pending: Iterable[int]) -> None:
     known = {w.worker_id: w for w in registry.workers()}
     for r in pending:
         rec = known.get(ranks.workers[r].worker_id)

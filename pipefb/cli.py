@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     _job_flags(train)
     train.add_argument("--out", type=Path, default=Path("runs/latest"), help="report directory")
     train.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
+    train.add_argument("--threads", type=int, default=0,
+                       help="torch threads per process, workers and single alike "
+                            "(default: cores / workers)")
     submit = sub.add_parser("submit", help="submit a job to a running coordinator")
     submit.add_argument("--coordinator", required=True, help="host:port")
     submit.add_argument("job_file", nargs="?", type=Path, help="JSON/YAML job (flags override)")
@@ -105,7 +108,9 @@ def cmd_local_train(args: argparse.Namespace) -> int:
 
     job = job_from_args(args)
     check_job(job)
-    return run_local(job, args.out, progress=not args.no_progress)
+    if args.threads < 0:
+        raise ConfigError(f"--threads {args.threads} must be >= 0")
+    return run_local(job, args.out, progress=not args.no_progress, threads=args.threads)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

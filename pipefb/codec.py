@@ -58,8 +58,10 @@ class EncodedTensor:
     data: bytes
 
 
-def encode(tensor: torch.Tensor) -> EncodedTensor:
-    """Encodes a tensor of any strides as dtype name, shape and raw bytes.
+def raw_view(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
+    """The dtype name, shape and a byte view of a tensor: no copy if it is already dense.
+
+    The view aliases the tensor's memory; it stays valid while the caller holds it.
 
     Raises:
         CodecError: the dtype is not on the allow-list.
@@ -70,7 +72,17 @@ def encode(tensor: torch.Tensor) -> EncodedTensor:
     flat = tensor.detach().to("cpu").reshape(-1)
     if flat.stride() != (1,):  # size-1 dims can leave a stride torch calls contiguous
         flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
-    return EncodedTensor(name, tuple(tensor.shape), flat.view(torch.uint8).numpy().tobytes())
+    return name, tuple(tensor.shape), memoryview(flat.view(torch.uint8).numpy())
+
+
+def encode(tensor: torch.Tensor) -> EncodedTensor:
+    """Encodes a tensor of any strides as dtype name, shape and raw bytes (one copy).
+
+    Raises:
+        CodecError: the dtype is not on the allow-list.
+    """
+    name, shape, view = raw_view(tensor)
+    return EncodedTensor(name, shape, view.tobytes())
 
 
 def check_header(dtype: str, shape: tuple[int, ...] | list[int], max_bytes: int) -> int:

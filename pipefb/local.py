@@ -36,6 +36,16 @@ def _read_ready(stream: IO[str], lines: queue.Queue[str]) -> None:
     lines.put("")
 
 
+def default_threads(workers: int) -> int:
+    """Torch threads per worker: the machine's cores shared out (at least one).
+
+    Oversubscribed threads make every stage slower; and results are bit-identical to
+    `--schedule single` only when both use the same thread count, because multi-threaded
+    reductions sum in another order.
+    """
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
 class Process:
     """One child process that prints `ready ADDRESS` once it serves."""
 
@@ -95,10 +105,11 @@ class LocalCluster:
     """Context manager: the offload store, a coordinator and `workers` workers, all local."""
 
     def __init__(self, workers: int, log_dir: Path, *, store_maxmemory: str = "2gb",
-                 extra_env: dict[str, str] | None = None) -> None:
+                 threads: int = 0, extra_env: dict[str, str] | None = None) -> None:
         self.n_workers, self.log_dir = workers, log_dir
         self.store_maxmemory = store_maxmemory
-        self.env = {**os.environ, **(extra_env or {})}
+        threads = threads or default_threads(workers)
+        self.env = {**os.environ, "PIPEFB_THREADS": str(threads), **(extra_env or {})}
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(Path(__file__).resolve().parent.parent),
                         self.env.get("PYTHONPATH", "")) if p)

@@ -10,11 +10,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipefb.config import JobConfig
-from pipefb.local import LocalCluster
+from pipefb.local import LocalCluster, default_threads
 from pipefb.reference import SingleProcess
 from pipefb.report import write_report
 
@@ -57,10 +58,19 @@ def base_report(job: JobConfig, workers: int) -> dict[str, Any]:
     return {"schedule": job.schedule, "workers": workers, "job": job.to_dict(), "steps": []}
 
 
-def run_local(job: JobConfig, out: Path, *, progress: bool = True) -> int:
-    """Runs the job and writes report.json, weights.safetensors and loss.png into `out`."""
-    report = run_single(job, progress) if job.schedule == "single" else run_cluster(job, out,
-                                                                                     progress)
+def run_local(job: JobConfig, out: Path, *, progress: bool = True, threads: int = 0) -> int:
+    """Runs the job and writes report.json, weights.safetensors and loss.png into `out`.
+
+    `threads` (0: cores / workers) is every process's torch thread count, the single
+    process's included, so `single` and a pipeline compute bit-identical results.
+    """
+    threads = threads or default_threads(job.workers)
+    if job.schedule == "single":
+        torch.set_num_threads(threads)
+        report = run_single(job, progress)
+    else:
+        report = run_cluster(job, out, progress, threads)
+    report["threads_per_process"] = threads
     weights = report.pop("_weights")
     path = write_report(out, report, weights)
     console.print(f"final loss {report['steps'][-1]['loss']:.4f}, "
@@ -87,13 +97,13 @@ def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
     return report
 
 
-def run_cluster(job: JobConfig, out: Path, show: bool) -> dict[str, Any]:
+def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict[str, Any]:
     """A fresh local cluster with `job.workers` workers runs the job to the end."""
     from coordinator.client import CoordinatorClient
     from protos.convert import plan_from_proto
 
     report = base_report(job, job.workers)
-    with LocalCluster(job.workers, out / "logs") as cluster, \
+    with LocalCluster(job.workers, out / "logs", threads=threads) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(job.workers)
         job_id = client.submit(job).job_id

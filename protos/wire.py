@@ -45,11 +45,11 @@ def encode_stream(
         yield tensor_pb2.TensorChunk(transfer=transfer)
         return
     for name, tensor in tensors.items():
-        enc = codec.encode(tensor)
+        dtype, shape, view = codec.raw_view(tensor)  # chunks are copied straight from it
         header = tensor_pb2.TensorHeader(
-            name=name, dtype=_dtype_enum(enc.dtype), shape=enc.shape, nbytes=len(enc.data)
+            name=name, dtype=_dtype_enum(dtype), shape=shape, nbytes=len(view)
         )
-        for i, piece in enumerate(codec.chunks(enc.data)):
+        for i, piece in enumerate(codec.chunks(view)):
             msg = tensor_pb2.TensorChunk(data=bytes(piece))
             if i == 0:
                 msg.header.CopyFrom(header)
@@ -100,39 +100,104 @@ def _finish(pending: _Pending, out: dict[str, torch.Tensor]) -> None:
     out[pending.name] = pending.tensor
 
 
+class TransferDecoder:
+    """Reassembles consecutive transfers from one stream, message by message.
+
+    A transfer starts with a message carrying `transfer` and ends with the last byte of its
+    `tensor_count`-th tensor; the next message may start the next transfer. Every header
+    is validated before its tensor is allocated.
+    """
+
+    def __init__(self, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self.transfer: tensor_pb2.Transfer | None = None
+        self.out: dict[str, torch.Tensor] = {}
+        self.pending: _Pending | None = None
+
+    def feed(self, msg: tensor_pb2.TensorChunk
+             ) -> tuple[tensor_pb2.Transfer, dict[str, torch.Tensor]] | None:
+        """Takes one message; returns the transfer it completes, if any.
+
+        Raises:
+            CodecError: a message outside a transfer, a transfer header inside one, a bad
+                tensor header, too many bytes or tensors, a chunk over 1 MiB, a duplicate name.
+        """
+        count = self._start_transfer(msg)
+        if msg.HasField("header"):
+            if self.pending is not None:
+                _finish(self.pending, self.out)
+            if len(self.out) >= count:
+                raise CodecError(f"more tensors than the announced {count}")
+            self.pending = _start_tensor(msg.header, self.max_bytes)
+        elif msg.data and self.pending is None:
+            raise CodecError("data chunk before any tensor header")
+        if self.pending is not None:
+            _append(self.pending, msg.data)
+        return self._complete()
+
+    def _start_transfer(self, msg: tensor_pb2.TensorChunk) -> int:
+        """Opens a transfer on its header message; returns the current one's tensor count."""
+        if msg.HasField("transfer"):
+            if self.transfer is not None:
+                raise CodecError("a transfer header arrived inside an unfinished transfer")
+            if not 0 <= msg.transfer.tensor_count <= MAX_TENSORS:
+                raise CodecError(
+                    f"tensor_count {msg.transfer.tensor_count} is not in 0..{MAX_TENSORS}")
+            self.transfer = msg.transfer
+        elif self.transfer is None:
+            raise CodecError("message outside any transfer (no transfer header)")
+        return self.transfer.tensor_count
+
+    def _complete(self) -> tuple[tensor_pb2.Transfer, dict[str, torch.Tensor]] | None:
+        assert self.transfer is not None
+        pending = self.pending
+        held = len(self.out) + (pending is not None)
+        if held < self.transfer.tensor_count:
+            return None
+        if pending is not None:
+            if pending.filled < len(pending.buffer):
+                return None
+            _finish(pending, self.out)
+        done = (self.transfer, self.out)
+        self._reset()
+        return done
+
+    def close(self) -> None:
+        """Raises CodecError if the stream ended inside a transfer."""
+        if self.transfer is not None:
+            count = len(self.out) + (self.pending is not None)
+            raise CodecError(f"stream ended inside a transfer: {count} of "
+                             f"{self.transfer.tensor_count} tensors, the last incomplete")
+
+
+def decode_transfers(
+    messages: Iterable[tensor_pb2.TensorChunk], *, max_bytes: int = codec.DEFAULT_MAX_BYTES
+) -> Iterator[tuple[tensor_pb2.Transfer, dict[str, torch.Tensor]]]:
+    """Yields each complete transfer of a stream as soon as its last byte arrives."""
+    decoder = TransferDecoder(max_bytes)
+    for msg in messages:
+        done = decoder.feed(msg)
+        if done is not None:
+            yield done
+    decoder.close()
+
+
 def decode_stream(
     messages: Iterable[tensor_pb2.TensorChunk], *, max_bytes: int = codec.DEFAULT_MAX_BYTES
 ) -> tuple[tensor_pb2.Transfer, dict[str, torch.Tensor]]:
-    """Reassembles one transfer; every header is validated before its tensor is allocated.
+    """Reassembles a stream that carries exactly one transfer.
 
     Raises:
-        CodecError: a missing transfer header, a bad tensor header, too many or too few
-            bytes, a chunk over 1 MiB, a duplicate name, or a tensor count that differs.
+        CodecError: any error of `TransferDecoder`, an empty stream or a second transfer.
     """
-    transfer: tensor_pb2.Transfer | None = None
-    out: dict[str, torch.Tensor] = {}
-    pending: _Pending | None = None
-    for msg in messages:
-        if transfer is None:
-            if not msg.HasField("transfer"):
-                raise CodecError("stream does not start with a transfer header")
-            transfer = msg.transfer
-            if not 0 <= transfer.tensor_count <= MAX_TENSORS:
-                raise CodecError(f"tensor_count {transfer.tensor_count} is not in 0..{MAX_TENSORS}")
-        if msg.HasField("header"):
-            if pending is not None:
-                _finish(pending, out)
-            if len(out) >= transfer.tensor_count:
-                raise CodecError(f"more tensors than the announced {transfer.tensor_count}")
-            pending = _start_tensor(msg.header, max_bytes)
-        elif msg.data and pending is None:
-            raise CodecError("data chunk before any tensor header")
-        if pending is not None:
-            _append(pending, msg.data)
-    if transfer is None:
+    found = None
+    for done in decode_transfers(messages, max_bytes=max_bytes):
+        if found is not None:
+            raise CodecError("stream carried more than one transfer")
+        found = done
+    if found is None:
         raise CodecError("empty stream")
-    if pending is not None:
-        _finish(pending, out)
-    if len(out) != transfer.tensor_count:
-        raise CodecError(f"stream carried {len(out)} tensors, announced {transfer.tensor_count}")
-    return transfer, out
+    return found

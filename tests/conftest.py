@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 PLUGIN_PATH = Path(__file__).parent / "plugin_pkg"  # a distribution with a pipefb.models entry
+WORKER_THREADS = 1  # torch threads per worker; references must use as many to be bit-equal
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +27,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, plugin_path: Path) -> Iter
     from pipefb.local import LocalCluster
 
     env = {"PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")])}
-    with LocalCluster(4, tmp_path_factory.mktemp("cluster"), extra_env=env) as c:
+    with LocalCluster(4, tmp_path_factory.mktemp("cluster"), threads=WORKER_THREADS,
+                      extra_env=env) as c:
         yield c
 
 

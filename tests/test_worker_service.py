@@ -52,7 +52,7 @@ MALFORMED = {
     "bad dtype": [chunk(dtype=0)],
     "huge shape": [chunk(shape=(2**40, 2**40), nbytes=8)],
     "byte count mismatch": [chunk(nbytes=12)],
-    "extra data": [chunk(), tensor_pb2.TensorChunk(data=b"\0")],
+    "extra data": [chunk(data=b"\0" * 9)],
     "no transfer": [tensor_pb2.TensorChunk(data=b"\0")],
 }
 

@@ -82,9 +82,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             spans=[worker_pb2.ActionSpan(action=a, start=s, end=e) for a, s, e in r.spans],
         )
 
-    def _receive(self, messages: Iterator[tensor_pb2.TensorChunk], kinds: tuple[str, ...]
-                 ) -> tuple[Assigned, tensor_pb2.Transfer, wire.Tensors]:
-        transfer, tensors = wire.decode_stream(messages)
+    def _check(self, transfer: tensor_pb2.Transfer, kinds: tuple[str, ...]) -> Assigned:
+        """The rank a received transfer is for, after checking it belongs here."""
         if transfer.kind not in kinds:
             raise CodecError(f"transfer kind {transfer.kind!r} is not one of {kinds}")
         assigned = self._current(transfer.job_id)
@@ -92,26 +91,35 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if transfer.kind != str(Kind.RECV_W) and not 0 <= transfer.microbatch < plan.microbatches:
             raise CodecError(
                 f"microbatch {transfer.microbatch} is not in 0..{plan.microbatches - 1}")
-        return assigned, transfer, tensors
+        return assigned
+
+    def _deliver(self, messages: Iterator[tensor_pb2.TensorChunk], kinds: tuple[str, ...]
+                 ) -> tensor_pb2.Ack:
+        """Puts every transfer of a (long-lived) stream into the inbox as it completes."""
+        total, count = 0, 0
+        for transfer, tensors in wire.decode_transfers(messages):
+            assigned = self._check(transfer, kinds)
+            if transfer.kind == str(Kind.RECV_W):
+                for name, tensor in tensors.items():
+                    assigned.inbox.put(weight_key(transfer.version, name), {name: tensor})
+            else:
+                assigned.inbox.put(inbox_key(transfer.kind, transfer.step, transfer.stage,
+                                             transfer.microbatch), tensors)
+            total += sum(t.nelement() * t.element_size() for t in tensors.values())
+            count += len(tensors)
+        return tensor_pb2.Ack(bytes=total, tensors=count)
 
     def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
                     context: grpc.ServicerContext) -> tensor_pb2.Ack:
-        assigned, t, tensors = self._receive(request_iterator, ACTIVATION_KINDS)
-        assigned.inbox.put(inbox_key(t.kind, t.step, t.stage, t.microbatch), tensors)
-        return _ack(tensors)
+        return self._deliver(request_iterator, ACTIVATION_KINDS)
 
     def Gradients(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
                   context: grpc.ServicerContext) -> tensor_pb2.Ack:
-        assigned, t, tensors = self._receive(request_iterator, (str(Kind.RECV_B),))
-        assigned.inbox.put(inbox_key(t.kind, t.step, t.stage, t.microbatch), tensors)
-        return _ack(tensors)
+        return self._deliver(request_iterator, (str(Kind.RECV_B),))
 
     def Weights(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
                 context: grpc.ServicerContext) -> tensor_pb2.Ack:
-        assigned, t, tensors = self._receive(request_iterator, (str(Kind.RECV_W),))
-        for name, tensor in tensors.items():
-            assigned.inbox.put(weight_key(t.version, name), {name: tensor})
-        return _ack(tensors)
+        return self._deliver(request_iterator, (str(Kind.RECV_W),))
 
     def ExportWeights(self, request: job_pb2.ExportWeightsRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
@@ -134,8 +142,3 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             self._assigned.inbox.abort(reason)
             self._assigned.transport.close()
             self._assigned = None
-
-
-def _ack(tensors: wire.Tensors) -> tensor_pb2.Ack:
-    return tensor_pb2.Ack(bytes=sum(t.nelement() * t.element_size() for t in tensors.values()),
-                          tensors=len(tensors))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 import torch
@@ -15,7 +16,7 @@ from pipefb.transport import LayerTensors, Tensors
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
 from worker.inbox import Inbox
 
-SEND_TIMEOUT_SECONDS = 300.0  # a peer that takes longer to accept a stream has failed
+SEND_TIMEOUT_SECONDS = 300.0  # a peer that takes no data for this long has failed
 
 
 def inbox_key(kind: str, step: int, stage: int, microbatch: int) -> tuple[str, int, int, int]:
@@ -28,15 +29,75 @@ def weight_key(version: int, name: str) -> tuple[str, int, str]:
     return ("RECV_W", version, name)
 
 
+class PeerStream:
+    """One long-lived client stream to a peer's RPC that carries every transfer of a job.
+
+    A new call per transfer costs about 1.8 ms on loopback; a transfer on an open stream
+    about 0.35 ms (bench numbers in docs/benchmarks.md). Transfers keep their order.
+
+    [Note: send buffers] gRPC's sending thread encodes each transfer's tensors when it
+    takes them, so the caller must not modify a sent tensor until `drain` returns; the
+    runtime guarantees it by flushing at the end of every step.
+    """
+
+    def __init__(self, call: grpc.StreamUnaryMultiCallable, peer: str) -> None:
+        self.peer = peer
+        self._queue: queue.SimpleQueue[Iterator[tensor_pb2.TensorChunk] | None] = (
+            queue.SimpleQueue())
+        self._cond = threading.Condition()
+        self._queued = self._taken = 0
+        self.future = call.future(self._messages())
+        self.future.add_done_callback(lambda _: self._notify())
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _messages(self) -> Iterator[tensor_pb2.TensorChunk]:
+        while (item := self._queue.get()) is not None:
+            yield from item
+            with self._cond:
+                self._taken += 1
+                self._cond.notify_all()
+
+    def put(self, messages: Iterator[tensor_pb2.TensorChunk]) -> None:
+        """Queues one transfer's messages."""
+        with self._cond:
+            self._queued += 1
+        self._queue.put(messages)
+
+    def drain(self, timeout: float) -> None:
+        """Waits until gRPC took every queued transfer.
+
+        Raises:
+            WorkerFailed: the stream ended (the peer failed or refused a transfer) or the
+                peer did not take the data within `timeout`.
+        """
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._taken == self._queued or self.future.done(),
+                                     timeout)
+        if self.future.done():
+            error = self.future.exception()
+            detail = (f"{error.code().name} {error.details()}" if isinstance(error, grpc.RpcError)
+                      else "stream closed")
+            raise WorkerFailed(f"{self.peer} failed to receive: {detail}")
+        if not ok:
+            raise WorkerFailed(f"{self.peer} took no data for {timeout:.0f} s")
+
+    def close(self) -> None:
+        """Ends the stream after the queued transfers."""
+        self._queue.put(None)
+
+
 class GrpcTransport:
-    """Sends with non-blocking gRPC stream futures; receives through the worker's inbox."""
+    """Sends over one PeerStream per (peer, RPC); receives through the worker's inbox."""
 
     def __init__(self, job_id: str, peers: Sequence[str], store: OffloadStore | None,
                  inbox: Inbox) -> None:
         self.job_id, self.peers, self.store, self.inbox = job_id, list(peers), store, inbox
         self._stubs: dict[int, worker_pb2_grpc.StageWorkerStub] = {}
         self._channels: list[grpc.Channel] = []
-        self._pending: list[tuple[int, grpc.Future]] = []
+        self._streams: dict[tuple[int, str], PeerStream] = {}
         self._sent = 0
         self._lock = threading.Lock()
 
@@ -49,11 +110,14 @@ class GrpcTransport:
 
     def _start(self, rank: int, method: str, transfer: tensor_pb2.Transfer,
                tensors: Tensors) -> None:
-        call = getattr(self._stub(rank), method)
-        future = call.future(wire.encode_stream(transfer, tensors), timeout=SEND_TIMEOUT_SECONDS)
         with self._lock:
-            self._pending.append((rank, future))
+            stream = self._streams.get((rank, method))
+            if stream is None:
+                stream = PeerStream(getattr(self._stub(rank), method),
+                                    f"rank {rank} at {self.peers[rank]}")
+                self._streams[(rank, method)] = stream
             self._sent += nbytes(tensors)
+        stream.put(wire.encode_stream(transfer, tensors))
 
     def send(self, kind: Kind, rank: int, step: int, stage: int, microbatch: int, version: int,
              tensors: Tensors) -> None:
@@ -87,18 +151,12 @@ class GrpcTransport:
         return {name: self.inbox.take(weight_key(version, name))[name] for name in names}
 
     def flush(self) -> int:
-        """Waits for every stream started this step; a failed peer raises WorkerFailed."""
+        """Waits until every transfer of this step left; a failed peer raises WorkerFailed."""
         with self._lock:
-            pending, self._pending = self._pending, []
+            streams = list(self._streams.values())
             sent, self._sent = self._sent, 0
-        for rank, future in pending:
-            try:
-                future.result()
-            except grpc.RpcError as error:
-                raise WorkerFailed(
-                    f"rank {rank} at {self.peers[rank]} failed to receive: "
-                    f"{error.code().name} {error.details()}"
-                ) from None
+        for stream in streams:
+            stream.drain(SEND_TIMEOUT_SECONDS)
         return sent
 
     def _store(self) -> OffloadStore:
@@ -107,9 +165,11 @@ class GrpcTransport:
         return self.store
 
     def close(self) -> None:
-        """Cancels outstanding sends and closes peer channels."""
-        for _, future in self._pending:
-            future.cancel()
+        """Ends every peer stream and closes the channels."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
         for ch in self._channels:
             ch.close()
 

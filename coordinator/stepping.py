@@ -1,0 +1,112 @@
+"""Drives steps on every rank without a global barrier between steps.
+
+[Note: no step barrier] Each rank gets `Step(v+1)` as soon as it returns from `Step(v)`.
+This is safe because every tensor a step exchanges is keyed by its step and every
+dependency between steps is an action in the schedule (a combined rank's `OPT` ends its
+step; a forward rank's `RECV_W` waits for the new weight version), so a rank that starts
+early simply blocks on its first receive. It removes a coordinator round trip and the
+flush bubble between steps. A stop takes effect at a step every rank runs: the highest
+step already issued to any rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import worker_pb2
+
+OnStep = Callable[[int, list[worker_pb2.StepReply], float], None]
+
+
+@dataclass
+class _Progress:
+    """Shared state of the rank loops; guarded by `cond`."""
+
+    stop_at: int
+    issued: list[int]
+    replies: dict[int, dict[int, worker_pb2.StepReply]] = field(default_factory=dict)
+    errors: list[tuple[int, grpc.RpcError]] = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+@dataclass
+class _Outcome:
+    """What waiting for a step gave: the end (with failures, if any), a step, or nothing."""
+
+    finished: bool = False
+    failures: list[tuple[int, grpc.RpcError]] = field(default_factory=list)
+    replies: list[worker_pb2.StepReply] = field(default_factory=list)
+
+
+class StepPump:
+    """Runs steps `0 .. steps-1` on every rank, reporting each step once all ranks did it."""
+
+    def __init__(self, job_id: str, stubs: list, steps: int, on_step: OnStep) -> None:
+        self.job_id, self.stubs, self.on_step = job_id, stubs, on_step
+        self.progress = _Progress(stop_at=steps, issued=[-1] * len(stubs))
+
+    def _rank_loop(self, rank: int) -> None:
+        p, step = self.progress, 0
+        while True:
+            with p.cond:
+                if p.errors or step >= p.stop_at:
+                    return
+                p.issued[rank] = step
+            try:
+                reply = self.stubs[rank].Step(worker_pb2.StepRequest(job_id=self.job_id, step=step))
+            except grpc.RpcError as error:
+                with p.cond:
+                    p.errors.append((rank, error))
+                    p.cond.notify_all()
+                return
+            with p.cond:
+                p.replies.setdefault(step, {})[rank] = reply
+                p.cond.notify_all()
+            step += 1
+
+    def stop(self) -> int:
+        """Stops after the highest step already issued; returns the steps that will run."""
+        with self.progress.cond:
+            self.progress.stop_at = min(self.progress.stop_at, max(self.progress.issued) + 1)
+            self.progress.cond.notify_all()
+            return self.progress.stop_at
+
+    def run(self, poll: Callable[[], None]) -> list[tuple[int, grpc.RpcError]]:
+        """Runs until every step is reported or a rank fails; `poll` runs every half second
+        (it may call `stop`, or raise to abandon the run).
+
+        Returns:
+            The failures by rank, in the order they happened (empty on success).
+        """
+        threads = [threading.Thread(target=self._rank_loop, args=(r,), daemon=True,
+                                    name=f"{self.job_id}-rank{r}") for r in range(len(self.stubs))]
+        for t in threads:
+            t.start()
+        reported, last = 0, time.perf_counter()
+        while True:
+            outcome = self._wait(reported)
+            if outcome.finished:
+                return outcome.failures
+            if outcome.replies:
+                now = time.perf_counter()
+                self.on_step(reported, outcome.replies, now - last)
+                reported, last = reported + 1, now
+            poll()
+
+    def _wait(self, step: int) -> _Outcome:
+        """Waits up to half a second for `step` to complete on every rank."""
+        p, n = self.progress, len(self.stubs)
+        with p.cond:
+            p.cond.wait_for(lambda: bool(p.errors) or step >= p.stop_at
+                            or len(p.replies.get(step, {})) == n, 0.5)
+            if p.errors or step >= p.stop_at:
+                return _Outcome(finished=True, failures=list(p.errors))
+            if len(p.replies.get(step, {})) < n:
+                return _Outcome()
+            replies = p.replies.pop(step)
+        return _Outcome(replies=[replies[r] for r in range(n)])
