@@ -5,14 +5,16 @@ This is safe because every tensor a step exchanges is keyed by its step and ever
 dependency between steps is an action in the schedule (a combined rank's `OPT` ends its
 step; a forward rank's `RECV_W` waits for the new weight version), so a rank that starts
 early simply blocks on its first receive. It removes a coordinator round trip and the
-flush bubble between steps. A stop takes effect at a step every rank runs: the highest
-step already issued to any rank.
+flush bubble between steps; with two calls in flight per rank the worker starts the next
+step the moment it ends one (it runs them strictly in order). A stop takes effect at a
+step every rank runs: the highest step already issued to any rank.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +22,7 @@ import grpc
 
 from protos import worker_pb2
 
+IN_FLIGHT = 2  # Step calls pending per rank: the next one waits on the worker, no round trip
 OnStep = Callable[[int, list[worker_pb2.StepReply], float], None]
 
 
@@ -50,24 +53,37 @@ class StepPump:
         self.job_id, self.stubs, self.on_step = job_id, stubs, on_step
         self.progress = _Progress(stop_at=steps, issued=[-1] * len(stubs))
 
+    def _issue(self, rank: int, step: int, inflight: deque[tuple[int, grpc.Future]]) -> int:
+        """Starts Step calls on `rank` until IN_FLIGHT are pending; returns the next step."""
+        p = self.progress
+        with p.cond:
+            while len(inflight) < IN_FLIGHT and step < p.stop_at and not p.errors:
+                p.issued[rank] = step
+                request = worker_pb2.StepRequest(job_id=self.job_id, step=step)
+                inflight.append((step, self.stubs[rank].Step.future(request)))
+                step += 1
+        return step
+
     def _rank_loop(self, rank: int) -> None:
         p, step = self.progress, 0
+        inflight: deque[tuple[int, grpc.Future]] = deque()
         while True:
-            with p.cond:
-                if p.errors or step >= p.stop_at:
-                    return
-                p.issued[rank] = step
+            step = self._issue(rank, step, inflight)
+            if not inflight:
+                return
+            done, future = inflight.popleft()
             try:
-                reply = self.stubs[rank].Step(worker_pb2.StepRequest(job_id=self.job_id, step=step))
+                reply = future.result()
             except grpc.RpcError as error:
+                for _, later in inflight:
+                    later.cancel()
                 with p.cond:
                     p.errors.append((rank, error))
                     p.cond.notify_all()
                 return
             with p.cond:
-                p.replies.setdefault(step, {})[rank] = reply
+                p.replies.setdefault(done, {})[rank] = reply
                 p.cond.notify_all()
-            step += 1
 
     def stop(self) -> int:
         """Stops after the highest step already issued; returns the steps that will run."""

@@ -16,13 +16,13 @@ import torch
 
 from pipefb.config import JobConfig, build_layers
 from pipefb.data import build_dataset
+from pipefb.execs import AutogradExec, LayerExec, SplitExec
 from pipefb.memory import MemoryAccount, tensor_bytes
 from pipefb.optim import build_optimizer, optimizer_state_bytes
 from pipefb.plan import Plan, schedule_for
 from pipefb.schedule import Action, Kind
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.shapes import TensorSpec, infer_input_specs, spec_of
-from pipefb.split import LayerSplit
 from pipefb.transport import Transport
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
@@ -90,13 +90,10 @@ class StageRuntime:
         specs = self._layer_specs(all_layers)
         held = sorted(set(self.fwd_layers) | set(self.bwd_layers))
         self.layers = {i: all_layers[i] for i in held}
-        self.splits = {
-            i: LayerSplit(all_layers[i], specs[i], input_requires_grad=_needs_grad(i, specs[i]))
-            for i in held
-        }
-        self.grad_buffers: dict[int, list[torch.Tensor | None]] = {}
+        self.execs = {i: self._executor(i, all_layers[i], specs[i]) for i in held}
+        self._owned = self._owned_params()
         self.optimizer = (
-            build_optimizer(job.optimizer, self._owned_params(), job.lr, job.optimizer_config)
+            build_optimizer(job.optimizer, self._owned, job.lr, job.optimizer_config)
             if self.bwd_layers else None
         )
         self.version = 0
@@ -124,6 +121,14 @@ class StageRuntime:
     def _layer_specs(self, layers: list[torch.nn.Module]) -> list[list[TensorSpec]]:
         x, y = self.dataset.microbatch(0, 0, self.plan.microbatch_size)
         return infer_input_specs(layers, spec_of(x), spec_of(y))
+
+    def _executor(self, i: int, layer: torch.nn.Module, specs: list[TensorSpec]) -> LayerExec:
+        """Autograd where saved tensors stay here, the split where they travel (see
+        [Note: two executors] in pipefb.execs)."""
+        needs = _needs_grad(i, specs)
+        if self.role == "combined" and self.plan.policy[i] == "keep":
+            return AutogradExec(layer, needs)
+        return SplitExec(layer, specs, needs)
 
     def _owned_params(self) -> list[torch.nn.Parameter]:
         return [p for i in self.bwd_layers for p in self.layers[i].parameters()]
@@ -174,10 +179,10 @@ class StageRuntime:
         m = _mb(action)
         x, targets = self._stage_input(action.stage, m, state)
         for i in self.fwd_layers:
-            if self.splits[i].has_random_ops:
+            if self.execs[i].has_random_ops:
                 seed_random_ops(derive_seed(self.job.seed, state.step, m, i))
             inputs = [x, targets] if i == self.n_layers - 1 else [x]
-            x, stash = self.splits[i].forward(inputs)
+            x, stash = self.execs[i].forward(inputs)
             state.saved[(m, i)] = stash
         if self.fwd_layers and self.fwd_layers[-1] == self.n_layers - 1:
             state.losses[m] = float(x)
@@ -200,27 +205,13 @@ class StageRuntime:
         else:
             grad = state.grads.pop((action.stage, m))
         for i in reversed(self.bwd_layers):
-            input_grads, param_grads = self.splits[i].backward(state.saved.pop((m, i)), grad)
-            self._accumulate(i, param_grads)
-            grad = input_grads[0]
+            grad = self.execs[i].backward(state.saved.pop((m, i)), grad)[0]
+        self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)
         if grad is not None and action.stage > 0:
             state.input_grads[(action.stage, m)] = grad
 
-    def _accumulate(self, layer: int, param_grads: list[torch.Tensor]) -> None:
-        buffers = self.grad_buffers.get(layer)
-        if buffers is None:
-            self.grad_buffers[layer] = [g.clone() for g in param_grads]
-            self._grad_bytes += tensor_bytes(self.grad_buffers[layer])
-            return
-        for buf, g in zip(buffers, param_grads, strict=True):
-            buf.add_(g)
-
     def _optimizer_step(self, action: Action, state: _StepState) -> None:
         assert self.optimizer is not None  # OPT only on ranks owning weights
-        for i in self.bwd_layers:
-            grads = self.grad_buffers.pop(i, None)
-            for j, p in enumerate(self.layers[i].parameters()):
-                p.grad = grads[j] if grads is not None else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._grad_bytes = 0
@@ -270,7 +261,7 @@ class StageRuntime:
 
     def _fetch(self, action: Action, state: _StepState) -> None:
         m = _mb(action)
-        names = {i: self.splits[i].stash_names for i in self.bwd_layers}
+        names = {i: self.execs[i].stash_names for i in self.bwd_layers}
         got = self.transport.fetch(state.step, m, self.version, names)
         for i, stash in got.items():
             state.saved[(m, i)] = stash

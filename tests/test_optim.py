@@ -15,12 +15,12 @@ TORCH = {
     "adamw": lambda p, lr, **kw: torch.optim.AdamW(p, lr=lr, **kw),
 }
 DEFAULTS = {
-    "sgd": {"momentum": 0.9, "weight_decay": 0.0, "nesterov": False},
-    "adamw": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+    "sgd": {"momentum": 0.9, "weight_decay": 0.0, "nesterov": False, "fused": True},
+    "adamw": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "fused": True},
 }
-CUSTOM = {
-    "sgd": {"momentum": 0.5, "weight_decay": 0.1, "nesterov": True},
-    "adamw": {"betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.0},
+CUSTOM = {  # also covers the unfused implementations
+    "sgd": {"momentum": 0.5, "weight_decay": 0.1, "nesterov": True, "fused": False},
+    "adamw": {"betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.0, "fused": False},
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -15,6 +16,7 @@ from protos import coordinator_pb2, coordinator_pb2_grpc, server, worker_pb2_grp
 from worker.service import StageWorkerServicer
 
 log = logging.getLogger("worker")
+SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    # gRPC's threads hand received tensors to the compute thread; with Python's default
+    # 5 ms GIL switch interval each hand-off can wait that long behind Python-level work.
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     servicer = StageWorkerServicer()
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen)

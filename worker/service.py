@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
 
 from offload_store import OffloadStore, connect
-from pipefb.errors import CodecError
+from pipefb.errors import Aborted, CodecError
 from pipefb.runtime import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -24,6 +25,42 @@ log = logging.getLogger(__name__)
 ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
 
 
+class StepGate:
+    """Runs Step calls strictly in step order, one at a time; Drain aborts the waiters.
+
+    The coordinator keeps a second Step call in flight per rank (see coordinator.stepping),
+    so step v+1 may arrive while step v runs; it waits here for its turn.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0
+        self._aborted: str | None = None
+
+    @contextmanager
+    def turn(self, step: int) -> Iterator[None]:
+        """Waits until `step` is next, holds the turn while the body runs, then passes it."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._next >= step or self._aborted is not None)
+            if self._aborted is not None:
+                raise Aborted(self._aborted)
+            if self._next != step:
+                raise FailedPrecondition(f"step {step} already ran; the next is {self._next}")
+            self._next = -1  # taken: later steps keep waiting, this one runs
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._next = step + 1
+                self._cond.notify_all()
+
+    def abort(self, reason: str) -> None:
+        """Wakes every waiting Step with Aborted."""
+        with self._cond:
+            self._aborted = reason
+            self._cond.notify_all()
+
+
 @dataclass
 class Assigned:
     """The job rank this worker serves now."""
@@ -33,7 +70,7 @@ class Assigned:
     runtime: StageRuntime
     transport: GrpcTransport
     inbox: Inbox
-    step_lock: threading.Lock
+    gate: StepGate
 
 
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
@@ -61,7 +98,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         with self._lock:
             self._drop("reassigned")
             self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
-                                      threading.Lock())
+                                      StepGate())
         log.info("assigned job %s rank %d as %s", job.job_id, request.rank, runtime.role)
         params = sum(p.numel() * p.element_size() for layer in runtime.layers.values()
                      for p in layer.parameters())
@@ -71,7 +108,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext
              ) -> worker_pb2.StepReply:
         assigned = self._current(request.job_id)
-        with assigned.step_lock:
+        with assigned.gate.turn(request.step):
             r = assigned.runtime.run_step(request.step)
         return worker_pb2.StepReply(
             step=r.step, losses=r.losses, compute_seconds=r.compute_seconds,
@@ -140,5 +177,6 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if self._assigned is not None:
             log.info("dropping job %s: %s", self._assigned.job_id, reason)
             self._assigned.inbox.abort(reason)
+            self._assigned.gate.abort(reason)
             self._assigned.transport.close()
             self._assigned = None

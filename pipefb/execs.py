@@ -1,0 +1,93 @@
+"""Layer executors: how a rank runs one layer's forward and backward.
+
+[Note: two executors] A layer whose saved tensors stay in the worker (policy `keep` on a
+combined rank) runs under eager autograd, exactly as one process would: nothing crosses a
+process, and the C++ autograd engine is faster than interpreting captured graphs. A layer
+whose saved tensors leave the worker (a PipeFB forward or backward rank, policy `offload`)
+runs through its explicit forward/backward split (`pipefb.split.LayerSplit`): the forward
+returns the stash, the backward needs only the stash. Both accumulate parameter gradients
+into `param.grad`, micro-batch after micro-batch, like `loss.backward()` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from pipefb.shapes import TensorSpec
+from pipefb.split import LayerSplit
+
+Saved = dict[str, torch.Tensor]
+
+
+class LayerExec(Protocol):
+    """Runs one layer; `saved` is whatever the backward of that micro-batch needs."""
+
+    has_random_ops: bool  # whether the forward draws random numbers (seed it first)
+    stash_names: list[str]  # names of the tensors that leave the worker (split only)
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Saved]:
+        """Runs the forward; returns the output and what the backward needs."""
+        ...
+
+    def backward(self, saved: Saved, grad_output: torch.Tensor) -> list[torch.Tensor | None]:
+        """Runs the backward, accumulating into `param.grad`; returns the input grads."""
+        ...
+
+
+class AutogradExec:
+    """Eager autograd; the saved tensors are the autograd graph's own (counted, not moved)."""
+
+    def __init__(self, layer: torch.nn.Module, input_requires_grad: Sequence[bool],
+                 has_random_ops: bool = True) -> None:
+        self.layer = layer
+        self.stash_names: list[str] = []  # nothing leaves the worker
+        self.input_requires_grad = list(input_requires_grad)
+        self.has_random_ops = has_random_ops  # unknown without tracing: seed to be safe
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Saved]:
+        leaves = [x.detach().requires_grad_(g) for x, g in zip(inputs, self.input_requires_grad,
+                                                               strict=True)]
+        kept: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept.append(t)  # only to account their bytes; autograd holds them anyway
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.layer(*leaves)
+        saved = {f"input_{i}": x for i, x in enumerate(leaves)}
+        saved.update({f"saved_{i}": t for i, t in enumerate(kept)})
+        saved["output"] = out
+        return out.detach(), saved
+
+    def backward(self, saved: Saved, grad_output: torch.Tensor) -> list[torch.Tensor | None]:
+        torch.autograd.backward(saved["output"], grad_output)
+        return [saved[f"input_{i}"].grad if g else None
+                for i, g in enumerate(self.input_requires_grad)]
+
+
+class SplitExec:
+    """The explicit forward/backward split; the stash may travel through the offload store."""
+
+    def __init__(self, layer: torch.nn.Module, input_specs: list[TensorSpec],
+                 input_requires_grad: Sequence[bool]) -> None:
+        self.split = LayerSplit(layer, input_specs, input_requires_grad=input_requires_grad)
+        self.params = list(layer.parameters())
+        self.has_random_ops = self.split.has_random_ops
+        self.stash_names = self.split.stash_names
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Saved]:
+        return self.split.forward(inputs)
+
+    def backward(self, saved: Saved, grad_output: torch.Tensor) -> list[torch.Tensor | None]:
+        input_grads, param_grads = self.split.backward(saved, grad_output)
+        with torch.no_grad():
+            for p, g in zip(self.params, param_grads, strict=True):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
+        return input_grads
