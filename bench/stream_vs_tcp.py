@@ -29,8 +29,8 @@ import torch
 
 from bench import machine
 from bench.stats import fmt, ratio, summary
-from pipefb import codec
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
+from worker.transport import PeerStream
 
 TARGET = 0.5  # gRPC stream MB/s / raw TCP MB/s
 _LEN = struct.Struct("<q")  # TCP frame: payload byte count, then the bytes; ack: bytes received
@@ -38,13 +38,21 @@ MiB = 1 << 20
 
 
 class ActivationsOnly(worker_pb2_grpc.StageWorkerServicer):
-    """A StageWorker that only receives activations, through the workers' decode path."""
+    """A StageWorker that only receives activations, through the workers' decode path
+    (`wire.decode_transfers`: one stream may carry many transfers); it reports each
+    materialised transfer's byte count on `done`."""
+
+    def __init__(self, done: Any) -> None:
+        self.done = done
 
     def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
                     context: grpc.ServicerContext) -> tensor_pb2.Ack:
-        _, tensors = wire.decode_stream(request_iterator)
-        return tensor_pb2.Ack(bytes=sum(t.nbytes for t in tensors.values()),
-                              tensors=len(tensors))
+        total = 0
+        for _, tensors in wire.decode_transfers(request_iterator):
+            nbytes = sum(t.nbytes for t in tensors.values())
+            self.done.put(nbytes)
+            total += nbytes
+        return tensor_pb2.Ack(bytes=total)
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> None:
@@ -72,11 +80,11 @@ def _tcp_serve(listener: socket.socket) -> None:
             conn.sendall(_LEN.pack(tensor.nbytes))
 
 
-def _receiver(ports: Any, stop: Any) -> None:
+def _receiver(ports: Any, done: Any, stop: Any) -> None:
     """The receiving process: both servers, until `stop` is set."""
     torch.set_num_threads(1)
     srv, port, health = server.create_server(
-        lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(ActivationsOnly(), s))
+        lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(ActivationsOnly(done), s))
     server.ready(health)
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_tcp_serve, args=(listener,), daemon=True).start()
@@ -85,38 +93,43 @@ def _receiver(ports: Any, stop: Any) -> None:
     srv.stop(0)
 
 
-def chunked_encode(transfer: tensor_pb2.Transfer, tensors: dict[str, torch.Tensor]
-                   ) -> Iterator[tensor_pb2.TensorChunk]:
-    """A proposed `wire.encode_stream` (bench only, NOT in protos/): the same messages, but
-    each chunk's bytes are copied once straight from the tensor's memory, instead of one
-    whole-tensor `tobytes` copy plus a `bytes()` copy per chunk. Contiguous tensors only."""
-    transfer.tensor_count = len(tensors)
-    for n, (name, tensor) in enumerate(tensors.items()):
-        view = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        header = tensor_pb2.TensorHeader(name=name, dtype=codec.CODES[codec.NAMES[tensor.dtype]],
-                                         shape=tensor.shape, nbytes=view.nbytes)
-        for start in range(0, view.nbytes, codec.CHUNK_BYTES):
-            msg = tensor_pb2.TensorChunk(data=view[start:start + codec.CHUNK_BYTES].tobytes())
-            if start == 0:
-                msg.header.CopyFrom(header)
-            if n == 0 and start == 0:
-                msg.transfer.CopyFrom(transfer)
-            yield msg
+def _check(done: Any, nbytes: int) -> None:
+    got = done.get(timeout=60)
+    if got != nbytes:
+        raise RuntimeError(f"gRPC receiver got {got} of {nbytes} bytes")
 
 
-def grpc_sender(port: int, encode: Callable[..., Iterator[tensor_pb2.TensorChunk]]
-                ) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
-    """(send one tensor encoded by `encode` and wait for its Ack, close)."""
+def grpc_call_sender(port: int, done: Any) -> tuple[Callable[[torch.Tensor], None],
+                                                      Callable[[], None]]:
+    """(send one tensor in a new Activations call and wait until it is materialised, close)."""
     chan = server.channel(f"127.0.0.1:{port}")
     stub = worker_pb2_grpc.StageWorkerStub(chan)
 
     def send(t: torch.Tensor) -> None:
         transfer = tensor_pb2.Transfer(job_id="bench", kind="RECV_F", tensor_count=1)
-        ack = stub.Activations(encode(transfer, {"x": t}), timeout=60)
-        if ack.bytes != t.nbytes:
-            raise RuntimeError(f"gRPC receiver got {ack.bytes} of {t.nbytes} bytes")
+        stub.Activations(wire.encode_stream(transfer, {"x": t}), timeout=60)
+        _check(done, t.nbytes)
 
     return send, chan.close
+
+
+def grpc_stream_sender(port: int, done: Any) -> tuple[Callable[[torch.Tensor], None],
+                                                        Callable[[], None]]:
+    """(send one tensor on the workers' long-lived PeerStream, wait until materialised, close)."""
+    chan = server.channel(f"127.0.0.1:{port}")
+    stream = PeerStream(worker_pb2_grpc.StageWorkerStub(chan).Activations, "bench receiver")
+
+    def send(t: torch.Tensor) -> None:
+        transfer = tensor_pb2.Transfer(job_id="bench", kind="RECV_F", tensor_count=1)
+        stream.put(wire.encode_stream(transfer, {"x": t}))
+        _check(done, t.nbytes)
+
+    def close() -> None:
+        stream.close()
+        stream.future.result(timeout=60)
+        chan.close()
+
+    return send, close
 
 
 def tcp_sender(port: int) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
@@ -148,10 +161,8 @@ def breakdown(t: torch.Tensor, repeats: int) -> dict[str, dict[str, float]]:
     wire_bytes = [m.SerializeToString() for m in msgs]
     pieces: dict[str, Callable[[], Any]] = {
         "memcpy (t.clone)": t.clone,
-        "encode_stream (codec copy + bytes() per chunk)":
+        "encode_stream (one copy per chunk)":
             lambda: list(wire.encode_stream(transfer, {"x": t})),
-        "proposed chunked_encode (one copy per chunk)":
-            lambda: list(chunked_encode(transfer, {"x": t})),
         "SerializeToString": lambda: [m.SerializeToString() for m in msgs],
         "TensorChunk.FromString": lambda: [tensor_pb2.TensorChunk.FromString(b)
                                            for b in wire_bytes],
@@ -165,14 +176,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     t = torch.randn(args.mib * MiB // 4)  # (N,) float32
     ctx = mp.get_context("spawn")
-    ports, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_receiver, args=(ports, stop), daemon=True)
+    ports, done, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_receiver, args=(ports, done, stop), daemon=True)
     proc.start()
     try:
         grpc_port, tcp_port = ports.get(timeout=120)
-        senders = {"grpc": grpc_sender(grpc_port, wire.encode_stream),
+        senders = {"grpc": grpc_stream_sender(grpc_port, done),
                    "tcp": tcp_sender(tcp_port),
-                   "grpc_proposed_encode": grpc_sender(grpc_port, chunked_encode)}
+                   "grpc_call_per_transfer": grpc_call_sender(grpc_port, done)}
         times: dict[str, list[float]] = {k: [] for k in senders}
         for i in range(args.repeats + 1):
             for name, (send, _) in senders.items():
@@ -186,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         proc.join(10)
     mbps = {k: [t.nbytes / 1e6 / s for s in v] for k, v in times.items()}
     per_repeat = [g / c for g, c in zip(mbps["grpc"], mbps["tcp"], strict=True)]
-    proposed = [g / c for g, c in zip(mbps["grpc_proposed_encode"], mbps["tcp"], strict=True)]
+    per_call = [g / c for g, c in zip(mbps["grpc_call_per_transfer"], mbps["tcp"], strict=True)]
     return {"bench": "stream_vs_tcp", "machine": machine.describe(), "args": {
                 k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "command": " ".join(["python", "bench/stream_vs_tcp.py", *sys.argv[1:]]),
@@ -194,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "mb_per_second": {k: summary(v) for k, v in mbps.items()},
             "seconds": {k: summary(v) for k, v in times.items()},
             "ratio_grpc_over_tcp": summary(per_repeat),
-            "ratio_grpc_proposed_encode_over_tcp": summary(proposed),
+            "ratio_grpc_call_per_transfer_over_tcp": summary(per_call),
             "pooled_ratio_range": ratio(mbps["grpc"], mbps["tcp"]),
             "breakdown_seconds": breakdown(t, args.repeats)}
 
@@ -221,8 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     r = res["ratio_grpc_over_tcp"]
     print(f"gRPC/TCP {fmt(r, digits=2)}  target >= {TARGET}: "
           f"{'meets' if r['median'] >= TARGET else 'MISSES'}")
-    r = res["ratio_grpc_proposed_encode_over_tcp"]
-    print(f"gRPC (proposed encode)/TCP {fmt(r, digits=2)}")
+    r = res["ratio_grpc_call_per_transfer_over_tcp"]
+    print(f"gRPC (a new call per transfer)/TCP {fmt(r, digits=2)}")
     for name, s in res["breakdown_seconds"].items():
         print(f"  {name:48s} {fmt(s, 1e3, 2)} ms")
     if args.out is not None:

@@ -48,9 +48,9 @@ def test_pipeline_throughput_quick(tmp_path: Path) -> None:
 def test_stream_vs_tcp_quick(tmp_path: Path) -> None:
     res = run_quick("stream_vs_tcp", tmp_path)
     assert res["tensor_bytes"] == 1 << 20
-    assert set(res["mb_per_second"]) == {"grpc", "tcp", "grpc_proposed_encode"}
+    assert set(res["mb_per_second"]) == {"grpc", "tcp", "grpc_call_per_transfer"}
     for s in (*res["mb_per_second"].values(), *res["seconds"].values(),
               *res["breakdown_seconds"].values()):
         assert_summary(s)
     assert res["ratio_grpc_over_tcp"]["median"] > 0
-    assert res["ratio_grpc_proposed_encode_over_tcp"]["median"] > 0
+    assert res["ratio_grpc_call_per_transfer_over_tcp"]["median"] > 0
