@@ -108,3 +108,35 @@ def test_bad_assignment_is_invalid_argument(stub: worker_pb2_grpc.StageWorkerStu
                     timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in info.value.details()
+
+
+def one_rank_assignment() -> worker_pb2.AssignRequest:
+    spec = job_pb2.JobSpec(job_id="win", model="mlp", dataset="digits", loss="cross_entropy",
+                           optimizer="sgd", lr=0.1, batch_size=8, microbatches=4, steps=1,
+                           schedule="gpipe", workers=1, mode="sync")
+    plan = job_pb2.Plan(schedule="gpipe", microbatches=4, microbatch_size=2,
+                        forward_partition=[0, 5], backward_partition=[0, 5],
+                        policy=["keep"] * 5,
+                        assignment=[job_pb2.WorkerAssignment(rank=0, role="combined")])
+    return worker_pb2.AssignRequest(job=spec, plan=plan, rank=0, peers=["127.0.0.1:1"])
+
+
+def transfer_at(step: int, microbatch: int = 0) -> list[tensor_pb2.TensorChunk]:
+    msg = chunk(job="win")
+    msg.transfer.step, msg.transfer.microbatch = step, microbatch
+    return [msg]
+
+
+def test_transfers_outside_the_step_window_are_refused(
+        stub: worker_pb2_grpc.StageWorkerStub) -> None:
+    stub.Assign(one_rank_assignment(), timeout=60)
+    try:
+        ack = stub.Activations(iter(transfer_at(1)), timeout=10)  # one step ahead: fine
+        assert ack.bytes == 8 and ack.tensors == 1
+        for step, microbatch in ((3, 0), (10**9, 0), (0, 4)):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Activations(iter(transfer_at(step, microbatch)), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert str(step if microbatch < 4 else microbatch) in info.value.details()
+    finally:
+        stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10)

@@ -23,6 +23,7 @@ from worker.transport import GrpcTransport, inbox_key, weight_key
 log = logging.getLogger(__name__)
 
 ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
+MAX_LEAD = 2  # steps a transfer may be ahead of the receiving rank (sync leads by one)
 
 
 class StepGate:
@@ -35,7 +36,13 @@ class StepGate:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._next = 0
+        self._running = -1  # the step running now, -1 between steps
         self._aborted: str | None = None
+
+    def horizon(self) -> int:
+        """The lowest step this rank may still run: the running one, or else the next."""
+        with self._cond:
+            return self._running if self._running >= 0 else self._next
 
     @contextmanager
     def turn(self, step: int) -> Iterator[None]:
@@ -46,12 +53,12 @@ class StepGate:
                 raise Aborted(self._aborted)
             if self._next != step:
                 raise FailedPrecondition(f"step {step} already ran; the next is {self._next}")
-            self._next = -1  # taken: later steps keep waiting, this one runs
+            self._next, self._running = -1, step  # taken: later steps wait, this one runs
         try:
             yield
         finally:
             with self._cond:
-                self._next = step + 1
+                self._next, self._running = step + 1, -1
                 self._cond.notify_all()
 
     def abort(self, reason: str) -> None:
@@ -128,6 +135,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if transfer.kind != str(Kind.RECV_W) and not 0 <= transfer.microbatch < plan.microbatches:
             raise CodecError(
                 f"microbatch {transfer.microbatch} is not in 0..{plan.microbatches - 1}")
+        # [Note: receive window] In sync mode a rank leads its peers by at most one step,
+        # so anything outside [horizon, horizon + MAX_LEAD] is stale or hostile; refusing
+        # it bounds what the inbox can hold.
+        step = transfer.version if transfer.kind == str(Kind.RECV_W) else transfer.step
+        low = assigned.gate.horizon()
+        if not low <= step <= low + MAX_LEAD:
+            raise CodecError(f"step {step} is outside this rank's window {low}..{low + MAX_LEAD}")
         return assigned
 
     def _deliver(self, messages: Iterator[tensor_pb2.TensorChunk], kinds: tuple[str, ...]
