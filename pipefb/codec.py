@@ -72,7 +72,7 @@ def raw_view(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
     flat = tensor.detach().to("cpu").reshape(-1)
     if flat.stride() != (1,):  # size-1 dims can leave a stride torch calls contiguous
         flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
-    return name, tuple(tensor.shape), memoryview(flat.view(torch.uint8).numpy())
+    return name, tuple(tensor.shape), flat.view(torch.uint8).numpy().data
 
 
 def encode(tensor: torch.Tensor) -> EncodedTensor:

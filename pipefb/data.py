@@ -68,7 +68,7 @@ class DigitsConfig:
 
 @functools.cache
 def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits  # type: ignore[import-untyped]  # imported lazily: sklearn is slow to import
+    from sklearn.datasets import load_digits  # imported lazily: sklearn is slow to import
 
     bunch = load_digits()
     inputs = torch.tensor(bunch.data, dtype=torch.float32) / 16.0  # (1797, 64) in [0, 1]

@@ -56,7 +56,7 @@ class SingleProcess:
         losses = []
         for m in range(self.job.microbatches):
             loss = self.loss(step, m)
-            (loss / self.job.microbatches).backward()
+            torch.autograd.backward(loss / self.job.microbatches)
             losses.append(loss.item())
         grads = [p.grad for p in self.params if p.grad is not None]
         memory = tensor_bytes(self.params) + tensor_bytes(grads)

@@ -181,7 +181,11 @@ class StageRuntime:
         for i in self.fwd_layers:
             if self.execs[i].has_random_ops:
                 seed_random_ops(derive_seed(self.job.seed, state.step, m, i))
-            inputs = [x, targets] if i == self.n_layers - 1 else [x]
+            if i == self.n_layers - 1:
+                assert targets is not None  # the loss layer's rank always loads the data
+                inputs = [x, targets]
+            else:
+                inputs = [x]
             x, stash = self.execs[i].forward(inputs)
             state.saved[(m, i)] = stash
         if self.fwd_layers and self.fwd_layers[-1] == self.n_layers - 1:
@@ -200,11 +204,13 @@ class StageRuntime:
     def _backward(self, action: Action, state: _StepState) -> None:
         m = _mb(action)
         last = len(self.topology.backward_workers) - 1
+        grad: torch.Tensor | None
         if action.stage == last:
             grad = torch.full((), 1.0 / self.plan.microbatches)  # d(mean over micro-batches)
         else:
             grad = state.grads.pop((action.stage, m))
         for i in reversed(self.bwd_layers):
+            assert grad is not None  # only the model's first layer (data input) gets no grad
             grad = self.execs[i].backward(state.saved.pop((m, i)), grad)[0]
         self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)
         if grad is not None and action.stage > 0:

@@ -46,5 +46,6 @@ def seed_random_ops(seed: int) -> None:
     import torch
 
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # torch.cuda.is_initialized has no annotations in torch 2.13
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.manual_seed(seed)

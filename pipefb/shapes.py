@@ -121,7 +121,7 @@ def output_spec(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> TensorSp
         TypeError: the layer returns something other than one tensor.
     """
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        state = {n: mode.from_tensor(t) for n, t in _state(layer).items()}
+        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in _state(layer).items()}
         inputs = tuple(torch.empty(s.shape, dtype=s.dtype) for s in input_specs)
         out = functional_call(layer, state, inputs)
     if not isinstance(out, torch.Tensor):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from functorch.compile import aot_function, make_boxed_func
@@ -138,7 +138,7 @@ def _capture(
     with torch.random.fork_rng(devices=cuda):  # tracing must not move the caller's RNG
         out = compiled(*args)
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.backward(torch.ones_like(out))
+            torch.autograd.backward(out, torch.ones_like(out))
     return graphs
 
 
@@ -201,8 +201,8 @@ class LayerSplit:
         self.buffer_names = [n for n, _ in layer.named_buffers()]
         # [Note: weights in place] New weight versions are copied into these same tensors
         # (optimizer steps, weight pushes), so the lists are taken once, not per call.
-        self._param_list = [p for _, p in layer.named_parameters()]
-        self._buffer_list = [b for _, b in layer.named_buffers()]
+        self._param_list: list[torch.Tensor] = [p for _, p in layer.named_parameters()]
+        self._buffer_list: list[torch.Tensor] = [b for _, b in layer.named_buffers()]
         self.param_specs = [spec_of(p) for p in self._own_params()]
         graphs = self._trace()
         self.forward_graph, self.backward_graph = graphs["fw"], graphs["bw"]
@@ -213,7 +213,9 @@ class LayerSplit:
         # Whether the forward draws random numbers: only then must the caller seed it.
         self.has_random_ops = any(is_random(n) for n in self.forward_graph.graph.nodes)
         self._index_bounds = self._embedding_bounds()
-        self._cache: OrderedDict[tuple[tuple[int, int], ...], Any] = OrderedDict()
+        self._cache: OrderedDict[
+            tuple[tuple[int, int], ...], tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]
+        ] = OrderedDict()
         self._cache_size = cache_size
 
     @property
@@ -344,15 +346,16 @@ class LayerSplit:
         """Classifies every saved tensor (see [Note: what travels])."""
         saved = self._saved_nodes()
         placeholders = _placeholders(self.forward_graph)
-        outs = list(self.forward_graph.graph.output_node().args[0])
-        n_grads = len(self.backward_graph.graph.output_node().args[0])
+        outs = list(cast("Sequence[fx.Node]", self.forward_graph.graph.output_node().args[0]))
+        n_grads = len(cast("Sequence[object]", self.backward_graph.graph.output_node().args[0]))
         if n_grads != len(placeholders):
             raise SplitError(f"backward returns {n_grads} grads for {len(placeholders)} primals")
         if len(outs) - len(saved) != 1 or [o.name for o in outs[1:]] != [n.name for n in saved]:
             raise SplitError(f"forward outputs {[o.name for o in outs]} are not (output, *{saved})")
         n_p, n_w = len(self.param_names), len(self.param_names) + len(self.buffer_names)
         only = weight_only_nodes(self.forward_graph.graph, n_w)
-        slots, derived = [], []
+        slots: list[SavedSlot] = []
+        derived: list[fx.Node] = []
         for node in outs[1:]:
             spec, stride = _val_spec(node)
             pos = placeholders.index(node) if node.op == "placeholder" else -1
@@ -462,7 +465,7 @@ class LayerSplit:
             self._cache.move_to_end(key)
             return self._cache[key][1]
         with torch.no_grad():
-            derived = list(self.derive_graph(*weights))
+            derived: list[torch.Tensor] = list(self.derive_graph(*weights))
         self._cache[key] = (weights, derived)  # holding `weights` keeps their ids unique
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

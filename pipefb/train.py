@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from pipefb.config import JobConfig
 from pipefb.local import LocalCluster, default_threads
@@ -25,7 +32,7 @@ console = Console(stderr=True)
 class StepProgress:
     """A progress bar (step, loss, samples/s), or one line per step without a terminal."""
 
-    def __init__(self, bar: Progress | None, task: int | None) -> None:
+    def __init__(self, bar: Progress | None, task: TaskID | None) -> None:
         self.bar, self.task = bar, task
 
     def update(self, step: dict[str, Any], total: int) -> None:
