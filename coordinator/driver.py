@@ -8,6 +8,7 @@ and fails the job with that message.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import threading
@@ -32,6 +33,11 @@ from protos.convert import job_to_proto, plan_to_proto
 log = logging.getLogger(__name__)
 
 TERMINAL = ("DONE", "FAILED", "STOPPED")
+DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
+
+
+class StoppedWhilePending(RuntimeError):
+    """StopJob arrived before the job had its workers."""
 
 
 @dataclass
@@ -100,7 +106,12 @@ class Driver:
                          daemon=True).start()
 
     def run(self, job: Job) -> None:
-        """The job's whole life; never raises (failures land in the job's state)."""
+        """The job's whole life; never raises (failures land in the job's state).
+
+        [Note: first failure] applies: the first failure is kept, every rank is drained
+        (which waits, bounded, for running steps to stop), and only then are the job's
+        stash keys deleted, so no late stash outlives the job.
+        """
         ranks: Ranks | None = None
         try:
             job.workers = self._wait_for_workers(job)
@@ -111,18 +122,19 @@ class Driver:
                 job.weights = self._collect_weights(job, ranks)
                 self._check_store_empty(job)
                 job.set_state("DONE")
+        except StoppedWhilePending:
+            job.set_state("STOPPED", "stopped before it started")
         except Exception as error:
             message = self._diagnose(error, ranks)
             log.error("job %s failed: %s", job.job_id, message)
             job.set_state("FAILED", message)
-            self._clear_store(job)
         finally:
             if ranks is not None:
                 self._drain(job, ranks)
                 ranks.close()
-            self.registry.release(job.job_id)
-            if job.state == "STOPPED":
+            if job.state in ("FAILED", "STOPPED"):
                 self._clear_store(job)
+            self.registry.release(job.job_id)
 
     def _wait_for_workers(self, job: Job) -> list[WorkerRecord]:
         deadline = time.monotonic() + self.worker_wait_seconds
@@ -135,7 +147,7 @@ class Driver:
                 raise WorkerFailed(f"job needs {job.config.workers} idle workers; "
                                    f"{alive} alive after {self.worker_wait_seconds:.0f} s")
             time.sleep(0.1)
-        raise WorkerFailed("stopped while waiting for workers")
+        raise StoppedWhilePending(job.job_id)
 
     def _plan_and_assign(self, job: Job, ranks: Ranks) -> None:
         job.set_state("PLANNING")
@@ -198,11 +210,12 @@ class Driver:
         return OffloadStore(connect(self.store_address), job.job_id)
 
     def _drain(self, job: Job, ranks: Ranks) -> None:
-        for stub in ranks.stubs:
-            try:
-                stub.Drain(worker_pb2.DrainRequest(job_id=job.job_id, reason=job.state), timeout=5)
-            except grpc.RpcError:
-                pass  # a dead worker has nothing to drain
+        """Drains every rank at once; a dead worker has nothing to drain."""
+        calls = [stub.Drain.future(worker_pb2.DrainRequest(job_id=job.job_id, reason=job.state),
+                                   timeout=DRAIN_TIMEOUT_SECONDS) for stub in ranks.stubs]
+        for call in calls:
+            with contextlib.suppress(grpc.RpcError):
+                call.result()
 
     def _diagnose(self, error: Exception, ranks: Ranks | None) -> str:
         if ranks is None:

@@ -17,6 +17,8 @@ from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, tensor_pb2, w
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
 from protos.server import FailedPrecondition
 
+KEEP_FINISHED_JOBS = 32  # finished jobs whose status, reports and weights stay queryable
+
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Jobs by id, workers by registry."""
@@ -56,9 +58,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if job_id in self._jobs:
                 raise FailedPrecondition(f"job id {job_id!r} is already in use")
             job = Job(replace(config, job_id=job_id))
+            self._forget_old_jobs()
             self._jobs[job_id] = job
         self.driver.start(job)
         return _status(job)
+
+    def _forget_old_jobs(self) -> None:
+        """Keeps the newest KEEP_FINISHED_JOBS finished jobs (their weights and reports)."""
+        finished = [j for j in self._jobs.values() if j.state in TERMINAL]
+        for job in finished[:max(0, len(finished) - KEEP_FINISHED_JOBS)]:
+            del self._jobs[job.job_id]
 
     def Train(self, request: coordinator_pb2.TrainRequest, context: grpc.ServicerContext
               ) -> Iterator[coordinator_pb2.StepReport]:

@@ -262,6 +262,10 @@ class OffloadStore:
         keys = self._client.scan_iter(match=job_pattern(self.job), count=SCAN_COUNT)
         return sum(int(self._client.unlink(*batch)) for batch in _batches(keys, UNLINK_BATCH))
 
+    def close(self) -> None:
+        """Closes the Redis client's connections."""
+        self._client.close()
+
     def count_keys(self) -> int:
         """The number of keys of this job in the store, any attempt."""
         keys = self._client.scan_iter(match=job_pattern(self.job), count=SCAN_COUNT)

@@ -36,6 +36,10 @@ class LayerExec(Protocol):
         """Runs the backward, accumulating into `param.grad`; returns the input grads."""
         ...
 
+    def weights_changed(self) -> None:
+        """Drops anything derived from the weights (called after every in-place update)."""
+        ...
+
 
 class AutogradExec:
     """Eager autograd; the saved tensors are the autograd graph's own (counted, not moved)."""
@@ -68,6 +72,9 @@ class AutogradExec:
         return [saved[f"input_{i}"].grad if g else None
                 for i, g in enumerate(self.input_requires_grad)]
 
+    def weights_changed(self) -> None:
+        """Autograd derives nothing ahead of time."""
+
 
 class SplitExec:
     """The explicit forward/backward split; the stash may travel through the offload store."""
@@ -84,10 +91,17 @@ class SplitExec:
 
     def backward(self, saved: Saved, grad_output: torch.Tensor) -> list[torch.Tensor | None]:
         input_grads, param_grads = self.split.backward(saved, grad_output)
+        self._accumulate(param_grads)
+        return input_grads
+
+    def weights_changed(self) -> None:
+        """Forgets the weight-derived tensors of the old version."""
+        self.split.weights_changed()
+
+    def _accumulate(self, param_grads: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for p, g in zip(self.params, param_grads, strict=True):
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.add_(g)
-        return input_grads

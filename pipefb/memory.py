@@ -10,14 +10,20 @@ import torch
 KINDS = ("parameters", "gradients", "optimizer_state", "weight_versions", "activations")
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storage the tensors reach (a shared storage is counted once)."""
-    seen: set[int] = set()
+def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = ()) -> int:
+    """Bytes of the storage the tensors reach (a shared storage is counted once).
+
+    Args:
+        tensors: the tensors to count.
+        exclude: storage data pointers already counted elsewhere (e.g. the parameters,
+            which autograd also saves for backward).
+    """
+    seen: set[int] = set(exclude)
     total = 0
     for t in tensors:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in seen and key:
+        if key in seen:
             continue
         seen.add(key)
         total += storage.nbytes()

@@ -16,13 +16,14 @@ import torch
 
 from pipefb.config import JobConfig, build_layers
 from pipefb.data import build_dataset
+from pipefb.errors import CodecError, ConfigError
 from pipefb.execs import AutogradExec, LayerExec, SplitExec
 from pipefb.memory import MemoryAccount, tensor_bytes
 from pipefb.optim import build_optimizer, optimizer_state_bytes
 from pipefb.plan import Plan, schedule_for
 from pipefb.schedule import Action, Kind
 from pipefb.seeding import derive_seed, seed_random_ops
-from pipefb.shapes import TensorSpec, infer_input_specs, spec_of
+from pipefb.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
 from pipefb.transport import Transport
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
@@ -77,6 +78,9 @@ class StageRuntime:
     def __init__(self, job: JobConfig, plan: Plan, rank: int, transport: Transport) -> None:
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
         self.topology = plan.topology()
+        if rank not in self.topology.workers():
+            raise ConfigError(f"rank {rank} has no stage in the plan "
+                              f"(ranks {sorted(self.topology.workers())})")
         self.actions: list[Action] = schedule_for(plan)[rank]
         self.fwd_stage = _stage_of(self.topology.forward_workers, rank)
         self.bwd_stage = _stage_of(self.topology.backward_workers, rank)
@@ -91,6 +95,9 @@ class StageRuntime:
         held = sorted(set(self.fwd_layers) | set(self.bwd_layers))
         self.layers = {i: all_layers[i] for i in held}
         self.execs = {i: self._executor(i, all_layers[i], specs[i]) for i in held}
+        self.receives = self._receive_specs(specs, output_spec(all_layers[-1], specs[-1]))
+        self.max_receive_bytes = max((s.nbytes for named in self.receives.values()
+                                      for s in named.values()), default=0)
         self._owned = self._owned_params()
         self.optimizer = (
             build_optimizer(job.optimizer, self._owned, job.lr, job.optimizer_config)
@@ -98,8 +105,9 @@ class StageRuntime:
         )
         self.version = 0
         self.memory = MemoryAccount()
-        self._param_bytes = tensor_bytes(p for layer in self.layers.values()
-                                         for p in layer.parameters())
+        params = [p for layer in self.layers.values() for p in layer.parameters()]
+        self.param_bytes = tensor_bytes(params)
+        self._param_storage = {p.untyped_storage().data_ptr() for p in params}
         self._grad_bytes = self._optimizer_bytes = 0  # updated where they change
         self._handlers: dict[Kind, Callable[[Action, _StepState], None]] = {
             Kind.F: self._forward, Kind.B: self._backward, Kind.OPT: self._optimizer_step,
@@ -129,6 +137,45 @@ class StageRuntime:
         if self.role == "combined" and self.plan.policy[i] == "keep":
             return AutogradExec(layer, needs)
         return SplitExec(layer, specs, needs)
+
+    def _receive_specs(self, specs: list[list[TensorSpec]], loss: TensorSpec
+                       ) -> dict[tuple[str, int], dict[str, TensorSpec]]:
+        """What this rank may receive: (receive kind, stage) -> tensor name -> spec.
+
+        [Note: receive window] in worker/service.py checks every transfer against it.
+        """
+        out: dict[tuple[str, int], dict[str, TensorSpec]] = {}
+        last_bwd = len(self.topology.backward_workers) - 1
+        if self.fwd_stage is not None and self.fwd_stage > 0:
+            out[(Kind.RECV_F, self.fwd_stage)] = {"x": specs[self.fwd_layers[0]][0]}
+        if self.bwd_stage is not None and self.bwd_stage < last_bwd:
+            out[(Kind.RECV_B, self.bwd_stage)] = {"g": specs[self.bwd_layers[-1] + 1][0]}
+        if self.role == "backward" and self.bwd_stage == last_bwd:
+            out[(Kind.RECV_L, self.bwd_stage)] = {"loss": loss}
+        if self.role == "forward":
+            out[(Kind.RECV_W, 0)] = {f"{i}.{n}": spec_of(p) for i in self.fwd_layers
+                                     for n, p in self.layers[i].named_parameters()}
+        return out
+
+    def check_received(self, kind: str, stage: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuses a transfer this rank does not expect, naming what is wrong.
+
+        Weights may arrive in parts (one per overlapping backward stage); anything else
+        must carry exactly the expected tensors.
+
+        Raises:
+            CodecError: an unexpected kind or stage, name, shape or dtype.
+        """
+        expected = self.receives.get((kind, stage))
+        if expected is None:
+            raise CodecError(f"rank {self.rank} receives no {kind} at stage {stage}")
+        names = set(tensors)
+        if names - set(expected) or (kind != Kind.RECV_W and names != set(expected)):
+            raise CodecError(f"{kind} carries {sorted(names)}, expected {sorted(expected)}")
+        for name, tensor in tensors.items():
+            if not expected[name].matches(tensor):
+                raise CodecError(f"{kind} tensor {name!r} is {list(tensor.shape)} "
+                                 f"{tensor.dtype}, expected {expected[name]}")
 
     def _owned_params(self) -> list[torch.nn.Parameter]:
         return [p for i in self.bwd_layers for p in self.layers[i].parameters()]
@@ -167,10 +214,11 @@ class StageRuntime:
 
     def _account(self, state: _StepState | None) -> None:
         self.memory.set({
-            "parameters": self._param_bytes,
+            "parameters": self.param_bytes,
             "gradients": self._grad_bytes,
             "optimizer_state": self._optimizer_bytes,
-            "activations": tensor_bytes(state.live_tensors()) if state else 0,
+            "activations": (tensor_bytes(state.live_tensors(), exclude=self._param_storage)
+                            if state else 0),
         })
 
     # -- compute ---------------------------------------------------------------------------
@@ -220,6 +268,8 @@ class StageRuntime:
         assert self.optimizer is not None  # OPT only on ranks owning weights
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for i in self.bwd_layers:
+            self.execs[i].weights_changed()
         self._grad_bytes = 0
         self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         self.version += 1
@@ -289,6 +339,7 @@ class StageRuntime:
             for i in self.fwd_layers:
                 for name, p in self.layers[i].named_parameters():
                     p.copy_(got[f"{i}.{name}"])
+                self.execs[i].weights_changed()
         self.version = state.step
 
     # -- weights ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,11 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of a dense tensor of this spec."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def is_floating(self) -> bool:

@@ -453,6 +453,14 @@ class LayerSplit:
         if bound is not None and tensor.numel() and (tensor.min() < 0 or tensor.max() >= bound):
             raise StashError(f"stash {name!r} holds indices outside [0, {bound})")
 
+    def weights_changed(self) -> None:
+        """Forgets every derived tensor: call after updating weights in place.
+
+        `_version` alone does not catch every in-place update (fused optimizer steps and
+        writes through `.data` leave it unchanged), so the owner of the weights says so.
+        """
+        self._cache.clear()
+
     def _derived(
         self, params: list[torch.Tensor], buffers: list[torch.Tensor]
     ) -> list[torch.Tensor]:

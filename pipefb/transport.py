@@ -17,8 +17,10 @@ class Transport(Protocol):
     """What a stage runtime needs from its host; the worker implements it over gRPC + Redis.
 
     [Note: transport ordering] `send` and `push_weights` are non-blocking and must deliver
-    in the order they were called per destination; `recv`, `fetch` and `wait_weights`
-    block until the data is there or the step is aborted (raising `Aborted`). `flush`
+    in the order they were called per destination; `recv` and `wait_weights` block until
+    the data is there or the step is aborted (raising `Aborted`). `fetch` does not wait:
+    the schedule only fetches after the loss hand-off, which follows every stash of that
+    micro-batch, and a missing key raises `KeyError`. `flush`
     waits for every send of the step and raises `WorkerFailed` naming a peer that failed.
     """
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipefb.local import Process
-from protos import job_pb2, server, tensor_pb2, worker_pb2, worker_pb2_grpc
+from protos import job_pb2, server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -110,33 +111,49 @@ def test_bad_assignment_is_invalid_argument(stub: worker_pb2_grpc.StageWorkerStu
     assert named in info.value.details()
 
 
-def one_rank_assignment() -> worker_pb2.AssignRequest:
+def second_rank_assignment() -> worker_pb2.AssignRequest:
+    """Rank 1 (stage 1: layers 2.. of the default mlp) of a 2-stage gpipe job."""
     spec = job_pb2.JobSpec(job_id="win", model="mlp", dataset="digits", loss="cross_entropy",
                            optimizer="sgd", lr=0.1, batch_size=8, microbatches=4, steps=1,
-                           schedule="gpipe", workers=1, mode="sync")
+                           schedule="gpipe", workers=2, mode="sync")
     plan = job_pb2.Plan(schedule="gpipe", microbatches=4, microbatch_size=2,
-                        forward_partition=[0, 5], backward_partition=[0, 5],
+                        forward_partition=[0, 2, 5], backward_partition=[0, 2, 5],
                         policy=["keep"] * 5,
-                        assignment=[job_pb2.WorkerAssignment(rank=0, role="combined")])
-    return worker_pb2.AssignRequest(job=spec, plan=plan, rank=0, peers=["127.0.0.1:1"])
+                        assignment=[job_pb2.WorkerAssignment(rank=0, role="combined", stage=0),
+                                    job_pb2.WorkerAssignment(rank=1, role="combined", stage=1)])
+    return worker_pb2.AssignRequest(job=spec, plan=plan, rank=1,
+                                    peers=["127.0.0.1:1", "127.0.0.1:2"])
 
 
-def transfer_at(step: int, microbatch: int = 0) -> list[tensor_pb2.TensorChunk]:
-    msg = chunk(job="win")
-    msg.transfer.step, msg.transfer.microbatch = step, microbatch
-    return [msg]
+def activation(step: int = 0, microbatch: int = 0, stage: int = 1, name: str = "x",
+               shape: tuple[int, ...] = (2, 128)) -> list[tensor_pb2.TensorChunk]:
+    """A RECV_F transfer for job "win" (the default mlp's hidden width is 128)."""
+    tensors = {name: torch.zeros(shape)}
+    transfer = tensor_pb2.Transfer(job_id="win", kind="RECV_F", step=step,
+                                   microbatch=microbatch, stage=stage)
+    return list(wire.encode_stream(transfer, tensors))
 
 
-def test_transfers_outside_the_step_window_are_refused(
-        stub: worker_pb2_grpc.StageWorkerStub) -> None:
-    stub.Assign(one_rank_assignment(), timeout=60)
+REFUSED = {  # what the worker must refuse, and a word its message names
+    "step beyond the window": (activation(step=3), "window"),
+    "absurd step": (activation(step=10**9), "window"),
+    "microbatch out of range": (activation(microbatch=4), "microbatch 4"),
+    "stage it does not own": (activation(stage=0), "stage 0"),
+    "wrong tensor name": (activation(name="y"), "['y']"),
+    "wrong shape": (activation(shape=(2, 64)), "[2, 64]"),
+    "tensor over the rank's largest": (activation(shape=(2, 1 << 20)), "exceeds"),
+}
+
+
+def test_only_expected_transfers_are_accepted(stub: worker_pb2_grpc.StageWorkerStub) -> None:
+    stub.Assign(second_rank_assignment(), timeout=60)
     try:
-        ack = stub.Activations(iter(transfer_at(1)), timeout=10)  # one step ahead: fine
-        assert ack.bytes == 8 and ack.tensors == 1
-        for step, microbatch in ((3, 0), (10**9, 0), (0, 4)):
+        ack = stub.Activations(iter(activation(step=1)), timeout=10)  # a step ahead: fine
+        assert ack.bytes == 2 * 128 * 4 and ack.tensors == 1
+        for case, (messages, named) in REFUSED.items():
             with pytest.raises(grpc.RpcError) as info:
-                stub.Activations(iter(transfer_at(step, microbatch)), timeout=10)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert str(step if microbatch < 4 else microbatch) in info.value.details()
+                stub.Activations(iter(messages), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+            assert named in info.value.details(), (case, info.value.details())
     finally:
-        stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10)
+        stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=30)

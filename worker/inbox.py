@@ -15,7 +15,8 @@ Tensors = dict[str, torch.Tensor]
 class Inbox:
     """A keyed rendezvous: `put` by the gRPC handler threads, blocking `take` by the runtime.
 
-    `abort` wakes every waiter with `Aborted`; the inbox stays aborted until `reset`.
+    `abort` wakes every waiter with `Aborted`; an inbox stays aborted (each job gets a new
+    one).
     """
 
     def __init__(self, timeout_seconds: float = 300.0) -> None:
@@ -53,6 +54,11 @@ class Inbox:
             self._aborted = reason
             self._items.clear()
             self._cond.notify_all()
+
+    @property
+    def aborted(self) -> str | None:
+        """Why the inbox was aborted, or None."""
+        return self._aborted
 
     def pending(self) -> int:
         """How many deliveries are waiting to be taken."""

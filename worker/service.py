@@ -11,18 +11,20 @@ from dataclasses import dataclass
 import grpc
 
 from offload_store import OffloadStore, connect
-from pipefb.errors import Aborted, CodecError
+from pipefb import codec
+from pipefb.errors import Aborted, CodecError, ConfigError
 from pipefb.runtime import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_from_proto, plan_from_proto
 from protos.server import FailedPrecondition
 from worker.inbox import Inbox
-from worker.transport import GrpcTransport, inbox_key, weight_key
+from worker.transport import GrpcTransport, inbox_key, nbytes, weight_key
 
 log = logging.getLogger(__name__)
 
 ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
+DRAIN_WAIT_SECONDS = 10.0  # how long Drain waits for a running step to reach an abort point
 MAX_LEAD = 2  # steps a transfer may be ahead of the receiving rank (sync leads by one)
 
 
@@ -56,10 +58,20 @@ class StepGate:
             self._next, self._running = -1, step  # taken: later steps wait, this one runs
         try:
             yield
-        finally:
-            with self._cond:
-                self._next, self._running = step + 1, -1
+        except BaseException as error:
+            with self._cond:  # a failed step leaves half-updated state: no later step runs
+                self._aborted = self._aborted or f"step {step} failed: {error}"
+                self._running = -1
                 self._cond.notify_all()
+            raise
+        with self._cond:
+            self._next, self._running = step + 1, -1
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no step runs; False if one still runs after `timeout` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._running < 0, timeout)
 
     def abort(self, reason: str) -> None:
         """Wakes every waiting Step with Aborted."""
@@ -97,6 +109,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                ) -> worker_pb2.AssignReply:
         job = job_from_proto(request.job)
         plan = plan_from_proto(request.plan)
+        if len(request.peers) != len(plan.assignment):
+            raise ConfigError(f"{len(request.peers)} peer addresses for "
+                              f"{len(plan.assignment)} ranks")
         inbox = Inbox()
         store = (OffloadStore(connect(request.store_address), job.job_id, request.attempt)
                  if request.store_address else None)
@@ -107,10 +122,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
                                       StepGate())
         log.info("assigned job %s rank %d as %s", job.job_id, request.rank, runtime.role)
-        params = sum(p.numel() * p.element_size() for layer in runtime.layers.values()
-                     for p in layer.parameters())
         return worker_pb2.AssignReply(role=runtime.role, actions=[str(a) for a in runtime.actions],
-                                      parameter_bytes=params)
+                                      parameter_bytes=runtime.param_bytes)
 
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext
              ) -> worker_pb2.StepReply:
@@ -148,15 +161,19 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                  ) -> tensor_pb2.Ack:
         """Puts every transfer of a (long-lived) stream into the inbox as it completes."""
         total, count = 0, 0
-        for transfer, tensors in wire.decode_transfers(messages):
+        current = self._assigned  # no tensor may exceed the largest this rank can expect
+        limit = current.runtime.max_receive_bytes if current else codec.CHUNK_BYTES
+        for transfer, tensors in wire.decode_transfers(messages, max_bytes=limit):
             assigned = self._check(transfer, kinds)
+            stage = 0 if transfer.kind == str(Kind.RECV_W) else transfer.stage
+            assigned.runtime.check_received(transfer.kind, stage, tensors)
             if transfer.kind == str(Kind.RECV_W):
                 for name, tensor in tensors.items():
                     assigned.inbox.put(weight_key(transfer.version, name), {name: tensor})
             else:
                 assigned.inbox.put(inbox_key(transfer.kind, transfer.step, transfer.stage,
                                              transfer.microbatch), tensors)
-            total += sum(t.nelement() * t.element_size() for t in tensors.values())
+            total += nbytes(tensors)
             count += len(tensors)
         return tensor_pb2.Ack(bytes=total, tensors=count)
 
@@ -188,9 +205,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         return worker_pb2.DrainReply(drained=True)
 
     def _drop(self, reason: str) -> None:
+        """Aborts the job's waits, lets a running step stop (bounded), then forgets it."""
         if self._assigned is not None:
             log.info("dropping job %s: %s", self._assigned.job_id, reason)
             self._assigned.inbox.abort(reason)
             self._assigned.gate.abort(reason)
+            if not self._assigned.gate.wait_idle(DRAIN_WAIT_SECONDS):
+                log.warning("a step of job %s still runs after %.0f s", self._assigned.job_id,
+                            DRAIN_WAIT_SECONDS)
             self._assigned.transport.close()
             self._assigned = None

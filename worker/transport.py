@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from offload_store import OffloadStore
-from pipefb.errors import WorkerFailed
+from pipefb.errors import Aborted, WorkerFailed
 from pipefb.schedule import Kind
 from pipefb.transport import LayerTensors, Tensors
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
@@ -108,8 +108,14 @@ class GrpcTransport:
             self._stubs[rank] = worker_pb2_grpc.StageWorkerStub(ch)
         return self._stubs[rank]
 
+    def _check_open(self) -> None:
+        """After Drain the step must stop at its next send, stash or fetch."""
+        if self.inbox.aborted is not None:
+            raise Aborted(self.inbox.aborted)
+
     def _start(self, rank: int, method: str, transfer: tensor_pb2.Transfer,
                tensors: Tensors) -> None:
+        self._check_open()
         with self._lock:
             stream = self._streams.get((rank, method))
             if stream is None:
@@ -133,11 +139,13 @@ class GrpcTransport:
 
     def stash(self, step: int, microbatch: int, version: int, tensors: LayerTensors) -> int:
         """Puts saved tensors into the offload store (pipelined, with backpressure)."""
+        self._check_open()
         return self._store().put(step, microbatch, version, tensors)
 
     def fetch(self, step: int, microbatch: int, version: int,
               names: Mapping[int, Sequence[str]]) -> LayerTensors:
         """Takes saved tensors from the offload store (delete on consume)."""
+        self._check_open()
         return self._store().take(step, microbatch, version, names)
 
     def push_weights(self, rank: int, version: int, tensors: Tensors) -> None:
@@ -172,6 +180,8 @@ class GrpcTransport:
             stream.close()
         for ch in self._channels:
             ch.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
