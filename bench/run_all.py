@@ -108,6 +108,26 @@ def backward_section(cmd: str, res: dict[str, Any]) -> list[str]:
             "forward is re-run (tests/test_split.py checks the graphs).", ""]
 
 
+READING = [
+    "## Reading these figures", "",
+    "- The machine has 2 cores shared with other tenants (CPU steal is visible in `vmstat`); "
+    "a pipeline of 2 workers plus a coordinator, Redis and the client shares those 2 cores, "
+    "so a pipeline cannot beat one process by much here; what matters are the ratios "
+    "between systems measured in the same run.",
+    "- `pipefb-1f1b` vs `torch-1f1b`: both run the same schedule with eager autograd on the "
+    "same split. The difference is transport: torch sends through gloo from C++ in the "
+    "calling thread; pipefb sends over gRPC, where each transfer passes Python threads "
+    "(the stream's sender, the receiver's handler, the compute thread). On the tiny `mlp` "
+    "(steps of a few ms) that latency dominates; on `gpt` it is a small share.",
+    "- `pipefb-pipefb` is the `sync` mode: the forward of step v+1 waits for the weights of "
+    "step v, so forward and backward workers mostly alternate instead of overlapping, and "
+    "every saved tensor goes through Redis. Its purpose here is correctness (equal to "
+    "`single`); the asynchronous modes that let the two roles overlap are the next issue.",
+    "- gRPC vs TCP: the CPU pieces of the gRPC path (one copy into each chunk, protobuf "
+    "serialise and parse, one copy into the tensor) add up to about a third of a transfer; "
+    "the rest is gRPC Python's hand-offs between its threads.", ""]
+
+
 def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]]]) -> None:
     """Writes the markdown page from one run's results."""
     m = results["pipeline_throughput"][1]["machine"]
@@ -121,6 +141,7 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
     lines += pipeline_section(*results["pipeline_throughput"], png)
     lines += stream_section(*results["stream_vs_tcp"])
     lines += backward_section(*results["backward_worker"])
+    lines += READING
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))
 
