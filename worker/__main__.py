@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import sys
@@ -18,28 +17,6 @@ from worker.service import StageWorkerServicer
 
 log = logging.getLogger("worker")
 SWITCH_INTERVAL_SECONDS = 0.0005
-
-
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
-
-
-def tune_malloc() -> bool:
-    """Makes glibc keep freed tensor memory for reuse; returns whether it could.
-
-    By default glibc serves blocks above its mmap threshold with fresh mappings, so every
-    step page-faults its activations in again, and gives each thread its own arena, while
-    Step calls run on varying gRPC pool threads. A worker allocates the same sizes step
-    after step, so it keeps one arena and reuses freed blocks up to glibc's ceiling.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False  # not glibc: nothing to tune
-    return all(libc.mallopt(param, value) == 1 for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX),
-        (_M_TRIM_THRESHOLD, 4 * _MMAP_THRESHOLD_MAX)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,8 +73,6 @@ def main(argv: list[str] | None = None) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = parse_args(argv)
-    if not tune_malloc():
-        log.info("malloc not tuned (not glibc)")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     # gRPC's threads hand received tensors to the compute thread; with Python's default
