@@ -7,7 +7,6 @@ Target: backward-only worker compute within 15% of the same layers' backward alo
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -15,43 +14,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipefb.models.gpt import Block, GPTConfig
 from pipefb.shapes import TensorSpec, infer_input_specs
 from pipefb.split import LayerSplit
 
 TARGET = 1.15  # backward-only worker compute within 15% of the same layers' backward alone
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block with hand-written causal attention (bench copy)."""
-
-    def __init__(self, c: int, t: int, h: int) -> None:
-        super().__init__()
-        self.h = h
-        self.ln1, self.ln2 = nn.LayerNorm(c), nn.LayerNorm(c)
-        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
-        self.fc, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-        mask = torch.tril(torch.ones(t, t, dtype=torch.bool)).view(1, 1, t, t)
-        self.register_buffer("mask", mask, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.h))  # (B, H, T, T)
-        att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
-
-
 def gpt_stage(args: argparse.Namespace) -> tuple[list[nn.Module], TensorSpec]:
     """Two transformer blocks on (B, T, C) activations."""
-    layers: list[nn.Module] = [Block(args.channels, args.seq, args.heads) for _ in range(2)]
+    cfg = GPTConfig(block_size=args.seq, n_embd=args.channels, n_head=args.heads)
+    layers: list[nn.Module] = [Block(cfg) for _ in range(2)]
     return layers, TensorSpec((args.batch, args.seq, args.channels), torch.float32)
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pipefb.codec import pack, unpack
+from pipefb.losses import MSE, CrossEntropy
 from pipefb.shapes import (
     SpecError,
     TensorSpec,
@@ -64,20 +65,6 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
 
 
-class CrossEntropy(nn.Module):
-    """Cross entropy over flattened leading dims: `(x, targets) -> scalar`."""
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(x.reshape(-1, x.shape[-1]), targets.reshape(-1))
-
-
-class Mse(nn.Module):
-    """Mean squared error: `(x, targets) -> scalar`."""
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(x, targets)
-
-
 class Dropped(nn.Module):
     """Linear then dropout: the mask is random and must travel."""
 
@@ -118,7 +105,7 @@ CASES = [
     Case(
         "cross_entropy", CrossEntropy, lambda: [torch.randn(2, T, V), torch.randint(0, V, (2, T))]
     ),
-    Case("mse", Mse, lambda: [torch.randn(4, C), torch.randn(4, C)], flags=[True, False]),
+    Case("mse", MSE, lambda: [torch.randn(4, C), torch.randn(4, C)], flags=[True, False]),
     Case("relu", nn.ReLU, _x(4, C)),
     Case("dropout", Dropped, _x(4, C), seeded=True),
 ]
