@@ -25,7 +25,7 @@ import torch
 from bench import machine, torch_pipelining
 from bench.stats import fmt, ratio, summary
 from pipefb.config import JobConfig, build_layers
-from pipefb.plan import balanced_plan
+from pipefb.plan import balanced_plan, layer_costs
 from pipefb.reference import SingleProcess
 
 SYSTEMS = ("single", "pipefb-1f1b", "pipefb-pipefb", "torch-1f1b")
@@ -59,7 +59,7 @@ def make_job(spec: dict[str, Any], args: argparse.Namespace) -> JobConfig:
 
 def stage_boundary(job: JobConfig) -> int:
     """First layer of stage 1 in the coordinator's 2-worker 1f1b plan."""
-    costs = [1.0 + sum(p.numel() for p in layer.parameters()) for layer in build_layers(job)]
+    costs = layer_costs(build_layers(job))
     plan = balanced_plan("1f1b", WORKERS, costs, job.batch_size, job.microbatches)
     return plan.forward_partition[1]
 

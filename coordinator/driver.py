@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.registry import Registry, WorkerRecord
 from coordinator.stepping import StepPump
 from offload_store import OffloadStore, connect
-from pipefb.config import JobConfig, build_layers
+from pipefb.config import JobConfig
 from pipefb.errors import WorkerFailed
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
@@ -45,6 +45,7 @@ class Job:
     """A job's state as the coordinator tracks it; `cond` guards and signals changes."""
 
     config: JobConfig
+    layer_costs: list[float] = field(default_factory=list)  # from check_job at submit
     state: str = "PENDING"
     step: int = 0
     error: str = ""
@@ -151,9 +152,7 @@ class Driver:
 
     def _plan_and_assign(self, job: Job, ranks: Ranks) -> None:
         job.set_state("PLANNING")
-        layers = build_layers(job.config)
-        costs = [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]
-        plan = balanced_plan(job.config.schedule, job.config.workers, costs,
+        plan = balanced_plan(job.config.schedule, job.config.workers, job.layer_costs,
                              job.config.batch_size, job.config.microbatches)
         schedule_for(plan)  # refuses a plan whose schedule fails validation or deadlocks
         job.plan = plan

@@ -52,12 +52,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         config = job_from_proto(request)
         if config.schedule == "single":
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
-        check_job(config)
+        costs = check_job(config)
         with self._lock:
             job_id = config.job_id or f"job-{next(self._ids)}"
             if job_id in self._jobs:
                 raise FailedPrecondition(f"job id {job_id!r} is already in use")
-            job = Job(replace(config, job_id=job_id))
+            job = Job(replace(config, job_id=job_id), layer_costs=costs)
             self._forget_old_jobs()
             self._jobs[job_id] = job
         self.driver.start(job)

@@ -107,11 +107,12 @@ def build_layers(config: JobConfig) -> list[torch.nn.Module]:
     return [*layers, build_loss(config.loss)]
 
 
-def check_job(config: JobConfig) -> int:
+def check_job(config: JobConfig) -> list[float]:
     """Checks every name and config by building the model, loss and dataset once.
 
     Returns:
-        The number of layers in the layer sequence (loss included).
+        The placeholder planner's cost of each layer (loss included), so the model need
+        not be built again to plan.
 
     Raises:
         ConfigError: naming the bad value (unknown name, bad option, too many stages).
@@ -123,13 +124,13 @@ def check_job(config: JobConfig) -> int:
     build_dataset(config.dataset, config.dataset_config, config.seed)
     build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)], config.lr,
                     config.optimizer_config)
-    if config.schedule != "single":
-        from pipefb.plan import stage_counts
+    from pipefb.plan import layer_costs, stage_counts
 
+    if config.schedule != "single":
         stages = max(stage_counts(config.schedule, config.workers))
         if stages > len(layers):
             raise ConfigError(
                 f"{config.workers} workers make {stages} stages but the model has only "
                 f"{len(layers)} layers (loss included)"
             )
-    return len(layers)
+    return layer_costs(layers)

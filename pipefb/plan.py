@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Any
 
+import torch
+
 from pipefb.errors import ConfigError
 from pipefb.schedule import Schedule, Topology, generate, lower, validate
 
@@ -70,6 +72,11 @@ class Plan:
         for key in ("forward_partition", "backward_partition", "policy"):
             data[key] = tuple(data[key])
         return cls(**data)
+
+
+def layer_costs(layers: Sequence[torch.nn.Module]) -> list[float]:
+    """The placeholder planner's cost of each layer: 1 + its parameter count."""
+    return [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]
 
 
 def stage_counts(schedule: str, workers: int) -> tuple[int, int]:

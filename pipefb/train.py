@@ -114,12 +114,14 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(job.workers)
         job_id = client.submit(job).job_id
+        last = None
         with progress(job, show) as bar:
-            for msg in client.train(job_id):
-                step = step_dict(msg)
+            for last in client.train(job_id):
+                step = step_dict(last)
                 report["steps"].append(step)
-                report["timeline"] = timeline(msg)
                 bar.update(step, job.steps)
+        if last is not None:
+            report["timeline"] = timeline(last)
         report["job_id"] = job_id
         report["plan"] = plan_from_proto(client.status(job_id).plan).to_dict()
         report["_weights"] = client.weights(job_id)
