@@ -9,7 +9,6 @@ Targets: 1f1b / torch-pipelining >= 1.0.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench import machine, torch_pipelining
+from bench.output import write_results
 from bench.stats import fmt, ratio, summary
 from pipefb.config import JobConfig, build_layers
 from pipefb.plan import balanced_plan, layer_costs
@@ -216,10 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)  # the single baseline: same threads per process
     results = run(args)
     print_results(results)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
-        chart(results, args.out / "throughput.png")
+    write_results(args.out, results, chart, "throughput.png")
     return results
 
 

@@ -20,7 +20,7 @@ from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("pipeline_throughput", "stream_vs_tcp", "backward_worker")
+BENCHES = ("pipeline_throughput", "stream_vs_tcp", "backward_worker", "schedules")
 
 
 def run_bench(name: str, out: Path, quick: bool) -> tuple[str, dict[str, Any]]:
@@ -108,6 +108,40 @@ def backward_section(cmd: str, res: dict[str, Any]) -> list[str]:
             "forward is re-run (tests/test_split.py checks the graphs).", ""]
 
 
+def schedules_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
+    """Markdown of the schedules x policies bench (step time and peak memory)."""
+    a, job = res["args"], res["job"]
+    cfg = json.dumps(job["model_config"])
+    lines = ["## Schedules and activation policies: step time and peak memory", "",
+             f"`{cmd}`", "",
+             f"gpt `{cfg}`, batch {job['batch_size']} in {job['microbatches']} micro-batches, "
+             f"AdamW, {a['steps']} timed steps after {a['warmup']} warm-up, {a['repeats']} "
+             f"repeat(s) of every system interleaved, {a['threads']} torch thread per worker; "
+             "async PipeFB with staleness 1. Peak = each rank's highest accounted peak "
+             "(parameters, gradients, optimizer state, weight versions, live and stashed "
+             f"activations). Speed = step time of `{res['baseline']}` / step time of the "
+             "system, per repeat, median [min-max].", ""]
+    for n, r in res["workers"].items():
+        lines += [f"### {n} workers", "",
+                  "| system | ms per step | speed vs " + res["baseline"] +
+                  " | peak per rank, KiB | activation peak per rank, KiB |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, step in r["step_seconds"].items():
+            ranks = r["ranks"][name]
+            peaks = " / ".join(f"{ranks[k]['role']} {ranks[k]['peak'] / 1024:,.0f}"
+                               for k in sorted(ranks, key=int))
+            acts = " / ".join(f"{ranks[k]['activation'] / 1024:,.0f}"
+                              for k in sorted(ranks, key=int))
+            lines.append(f"| {name} | {fmt(step, 1e3)} | "
+                         f"{fmt(r['speedup_vs_baseline'][name], digits=2)} | {peaks} | {acts} |")
+        lines.append("")
+    lo, hi = res["published"]
+    lines += [f"Published (PipeFB paper, GPUs): PipeFB is {lo}-{hi}x faster than PipeDream "
+              "with activation offload at the same peak memory.", "", f"![schedules]({png})",
+              ""]
+    return lines
+
+
 READING = [
     "## Reading these figures", "",
     "- The machine has 2 cores shared with other tenants (CPU steal is visible in `vmstat`); "
@@ -141,6 +175,8 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
     lines += pipeline_section(*results["pipeline_throughput"], png)
     lines += stream_section(*results["stream_vs_tcp"])
     lines += backward_section(*results["backward_worker"])
+    lines += schedules_section(*results["schedules"], os.path.relpath(
+        out / "schedules" / "schedules.png", doc.parent))
     lines += READING
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))

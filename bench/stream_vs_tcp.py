@@ -11,7 +11,6 @@ time goes. Run: `python bench/stream_vs_tcp.py [--quick] [--out DIR]`. Target gR
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import socket
 import struct
@@ -28,6 +27,7 @@ import grpc
 import torch
 
 from bench import machine
+from bench.output import write_results
 from bench.stats import fmt, ratio, summary
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
 from worker.transport import PeerStream
@@ -236,9 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"gRPC (a new call per transfer)/TCP {fmt(r, digits=2)}")
     for name, s in res["breakdown_seconds"].items():
         print(f"  {name:48s} {fmt(s, 1e3, 2)} ms")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(res, indent=1))
+    write_results(args.out, res)
     return res
 
 

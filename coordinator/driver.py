@@ -22,9 +22,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.registry import Registry, WorkerRecord
-from coordinator.stepping import StepPump
+from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
-from pipefb.config import JobConfig
+from pipefb.config import JobConfig, layer_policies
 from pipefb.errors import WorkerFailed
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
@@ -152,8 +152,10 @@ class Driver:
 
     def _plan_and_assign(self, job: Job, ranks: Ranks) -> None:
         job.set_state("PLANNING")
-        plan = balanced_plan(job.config.schedule, job.config.workers, job.layer_costs,
-                             job.config.batch_size, job.config.microbatches)
+        cfg = job.config
+        plan = balanced_plan(cfg.schedule, cfg.workers, job.layer_costs, cfg.batch_size,
+                             cfg.microbatches, layer_policies(cfg, len(job.layer_costs)),
+                             cfg.mode, cfg.staleness)
         schedule_for(plan)  # refuses a plan whose schedule fails validation or deadlocks
         job.plan = plan
         spec, plan_msg = job_to_proto(job.config), plan_to_proto(plan)
@@ -172,7 +174,10 @@ class Driver:
                 job.step = step + 1
                 job.cond.notify_all()
 
-        pump = StepPump(job.job_id, ranks.stubs, job.config.steps, on_step)
+        assert job.plan is not None
+        # async forward ranks may run `staleness` steps ahead of the backward ranks
+        pump = StepPump(job.job_id, ranks.stubs, job.config.steps, on_step,
+                        in_flight=IN_FLIGHT + job.plan.staleness)
 
         def poll() -> None:
             if job.stop_requested:
@@ -281,7 +286,9 @@ def _report(job: Job, step: int, seconds: float, replies: list[worker_pb2.StepRe
         compute_seconds=rep.compute_seconds, idle_seconds=rep.idle_seconds,
         peak_memory_bytes=rep.peak_memory_bytes, memory_bytes=rep.memory_bytes,
         bytes_sent=rep.bytes_sent, bytes_stashed=rep.bytes_stashed,
-        action_seconds=rep.action_seconds, spans=rep.spans)
+        action_seconds=rep.action_seconds, spans=rep.spans, versions=rep.versions,
+        kept_versions=rep.kept_versions, weight_version=rep.weight_version,
+        kind_peak_bytes=rep.kind_peak_bytes, activation_peak_bytes=rep.activation_peak_bytes)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
     return coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),

@@ -49,15 +49,17 @@ class _Outcome:
 class StepPump:
     """Runs steps `0 .. steps-1` on every rank, reporting each step once all ranks did it."""
 
-    def __init__(self, job_id: str, stubs: list, steps: int, on_step: OnStep) -> None:
+    def __init__(self, job_id: str, stubs: list, steps: int, on_step: OnStep,
+                 in_flight: int = IN_FLIGHT) -> None:
         self.job_id, self.stubs, self.on_step = job_id, stubs, on_step
+        self.in_flight = in_flight
         self.progress = _Progress(stop_at=steps, issued=[-1] * len(stubs))
 
     def _issue(self, rank: int, step: int, inflight: deque[tuple[int, grpc.Future]]) -> int:
-        """Starts Step calls on `rank` until IN_FLIGHT are pending; returns the next step."""
+        """Starts Step calls on `rank` until `in_flight` are pending; returns the next step."""
         p = self.progress
         with p.cond:
-            while len(inflight) < IN_FLIGHT and step < p.stop_at and not p.errors:
+            while len(inflight) < self.in_flight and step < p.stop_at and not p.errors:
                 p.issued[rank] = step
                 request = worker_pb2.StepRequest(job_id=self.job_id, step=step)
                 inflight.append((step, self.stubs[rank].Step.future(request)))

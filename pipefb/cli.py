@@ -41,7 +41,14 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-config", default="", help="JSON object of optimizer options")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds weights, data, dropout")
-    p.add_argument("--mode", default=d.mode, help="sync (equal to one process)")
+    p.add_argument("--mode", default="",
+                   help="sync (equal to one process) or async (pipedream, pipefb); "
+                        "default: the schedule's")
+    p.add_argument("--staleness", type=int, default=d.staleness,
+                   help="async pipefb: the forward of step k uses weight version k - S")
+    p.add_argument("--policy", default=d.policy,
+                   help="activation policy: keep, offload, recompute, or a comma list with "
+                        "one per layer (loss included); default keep, offload for pipefb")
     p.add_argument("--job-id", default="", help="job id (default: the coordinator picks)")
 
 
@@ -76,7 +83,8 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     """Builds the JobConfig from flags (over an optional job file); ConfigError if bad."""
     values = dict(base or {})
     for name in ("model", "dataset", "loss", "schedule", "workers", "batch_size",
-                 "microbatches", "steps", "optimizer", "lr", "seed", "mode", "job_id"):
+                 "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
+                 "policy", "job_id"):
         values.setdefault(name, getattr(args, name))
     for name in ("model_config", "dataset_config", "optimizer_config"):
         text = getattr(args, name)

@@ -12,8 +12,13 @@ import torch
 
 from pipefb.errors import ConfigError
 
-SCHEDULES = ("single", "gpipe", "1f1b", "pipefb")  # "single": one process, the reference
-MODES = ("sync",)
+SCHEDULES = ("single", "gpipe", "1f1b", "pipedream", "pipefb")  # single: the reference
+MODES = ("sync", "async")
+#: The modes each schedule runs in; the first is its default.
+SCHEDULE_MODES = {"single": ("sync",), "gpipe": ("sync",), "1f1b": ("sync",),
+                  "pipedream": ("async",), "pipefb": ("sync", "async")}
+POLICIES = ("keep", "offload", "recompute")
+MAX_STALENESS = 8  # bounds the weight versions and stashed steps a job may hold
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -51,7 +56,9 @@ class JobConfig:
     optimizer: str = "adamw"  # sgd or adamw
     lr: float = 1e-3  # learning rate
     seed: int = 0  # seeds weights, data sampling and random ops
-    mode: str = "sync"  # sync: results equal one process
+    mode: str = ""  # sync (results equal one process) or async; "": the schedule's default
+    staleness: int = 1  # async pipefb: the forward of step k uses weight version k - staleness
+    policy: str = ""  # keep, offload, recompute or a comma list per layer; "": schedule default
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -61,8 +68,17 @@ class JobConfig:
         _check_positive(self, ("workers", "batch_size", "microbatches", "steps"))
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
+        if self.mode == "" and self.schedule in SCHEDULE_MODES:
+            object.__setattr__(self, "mode", SCHEDULE_MODES[self.schedule][0])
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {MODES}")
+        if self.schedule in SCHEDULE_MODES and self.mode not in SCHEDULE_MODES[self.schedule]:
+            raise ConfigError(f"schedule {self.schedule!r} cannot run in mode {self.mode!r}; "
+                              f"it runs in {' or '.join(SCHEDULE_MODES[self.schedule])}")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or not (
+                0 <= self.staleness <= MAX_STALENESS):
+            raise ConfigError(f"staleness {self.staleness!r} must be an integer in "
+                              f"0..{MAX_STALENESS}")
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"microbatches {self.microbatches} does not divide batch size {self.batch_size}"
@@ -89,6 +105,35 @@ class JobConfig:
         if unknown:
             raise ConfigError(f"unknown job field {unknown[0]!r}")
         return cls(**data)
+
+
+def layer_policies(config: JobConfig, n_layers: int) -> tuple[str, ...]:
+    """The per-layer activation policy of a job (loss layer included).
+
+    "" gives the schedule's default: `offload` for pipefb (saved tensors must cross to the
+    backward worker), `keep` otherwise. One name applies to every layer; a comma list
+    names one policy per layer.
+
+    Raises:
+        ConfigError: an unknown policy, a list of the wrong length, or `keep` under pipefb.
+    """
+    text = config.policy.strip()
+    if not text:
+        names = ["offload" if config.schedule == "pipefb" else "keep"] * n_layers
+    else:
+        names = [p.strip() for p in text.split(",")]
+        if len(names) == 1:
+            names *= n_layers
+    for i, name in enumerate(names):
+        if name not in POLICIES:
+            raise ConfigError(f"policy {name!r} of layer {i} is not one of {POLICIES}")
+    if len(names) != n_layers:
+        raise ConfigError(f"policy lists {len(names)} layers; the model has {n_layers} "
+                          "(loss included)")
+    if config.schedule == "pipefb" and "keep" in names:
+        raise ConfigError(f"policy 'keep' of layer {names.index('keep')} cannot cross the "
+                          "forward/backward split of pipefb; use offload or recompute")
+    return tuple(names)
 
 
 def _check_positive(config: JobConfig, names: tuple[str, ...]) -> None:
@@ -126,6 +171,7 @@ def check_job(config: JobConfig) -> list[float]:
                     config.optimizer_config)
     from pipefb.plan import layer_costs, stage_counts
 
+    layer_policies(config, len(layers))
     if config.schedule != "single":
         stages = max(stage_counts(config.schedule, config.workers))
         if stages > len(layers):

@@ -20,6 +20,7 @@ from pipefb.shapes import TensorSpec
 from pipefb.split import LayerSplit
 
 Saved = dict[str, torch.Tensor]
+Params = Sequence[torch.Tensor] | None  # a weight version in module order; None: the live one
 
 
 class LayerExec(Protocol):
@@ -28,12 +29,16 @@ class LayerExec(Protocol):
     has_random_ops: bool  # whether the forward draws random numbers (seed it first)
     stash_names: list[str]  # names of the tensors that leave the worker (split only)
 
-    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Saved]:
-        """Runs the forward; returns the output and what the backward needs."""
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
+                ) -> tuple[torch.Tensor, Saved]:
+        """Runs the forward (with weight version `params`, default the live ones); returns
+        the output and what the backward needs."""
         ...
 
-    def backward(self, saved: Saved, grad_output: torch.Tensor) -> list[torch.Tensor | None]:
-        """Runs the backward, accumulating into `param.grad`; returns the input grads."""
+    def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                 ) -> list[torch.Tensor | None]:
+        """Runs the backward with the forward's weight version (default the live one),
+        accumulating into `param.grad`; returns the input grads."""
         ...
 
     def weights_changed(self) -> None:
@@ -51,7 +56,9 @@ class AutogradExec:
         self.input_requires_grad = list(input_requires_grad)
         self.has_random_ops = has_random_ops  # unknown without tracing: seed to be safe
 
-    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Saved]:
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
+                ) -> tuple[torch.Tensor, Saved]:
+        assert params is None  # only sync keep layers run here: weights never lag
         leaves = [x.detach().requires_grad_(g) for x, g in zip(inputs, self.input_requires_grad,
                                                                strict=True)]
         kept: list[torch.Tensor] = []
@@ -67,7 +74,9 @@ class AutogradExec:
         saved["output"] = out
         return out.detach(), saved
 
-    def backward(self, saved: Saved, grad_output: torch.Tensor) -> list[torch.Tensor | None]:
+    def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                 ) -> list[torch.Tensor | None]:
+        assert params is None
         torch.autograd.backward(saved["output"], grad_output)
         return [saved[f"input_{i}"].grad if g else None
                 for i, g in enumerate(self.input_requires_grad)]
@@ -86,11 +95,13 @@ class SplitExec:
         self.has_random_ops = self.split.has_random_ops
         self.stash_names = self.split.stash_names
 
-    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Saved]:
-        return self.split.forward(inputs)
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
+                ) -> tuple[torch.Tensor, Saved]:
+        return self.split.forward(inputs, params)
 
-    def backward(self, saved: Saved, grad_output: torch.Tensor) -> list[torch.Tensor | None]:
-        input_grads, param_grads = self.split.backward(saved, grad_output)
+    def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                 ) -> list[torch.Tensor | None]:
+        input_grads, param_grads = self.split.backward(saved, grad_output, params)
         self._accumulate(param_grads)
         return input_grads
 

@@ -7,18 +7,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-KINDS = ("parameters", "gradients", "optimizer_state", "weight_versions", "activations")
+#: What a rank's memory is made of. `activations`: tensors in flight between actions (stage
+#: inputs and outputs, gradients); `stashed`: saved tensors held in the worker for a later
+#: backward (policy keep, and the inputs of recomputed runs); `weight_versions`: old
+#: weight versions kept for weight stashing.
+KINDS = ("parameters", "gradients", "optimizer_state", "weight_versions", "activations",
+         "stashed")
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = ()) -> int:
+def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = (),
+                 seen: set[int] | None = None) -> int:
     """Bytes of the storage the tensors reach (a shared storage is counted once).
 
     Args:
         tensors: the tensors to count.
         exclude: storage data pointers already counted elsewhere (e.g. the parameters,
             which autograd also saves for backward).
+        seen: if given, the storages counted so far, updated in place, so that one storage
+            reached by two calls counts once.
     """
-    seen: set[int] = set(exclude)
+    if seen is None:
+        seen = set()
+    seen.update(exclude)
     total = 0
     for t in tensors:
         storage = t.untyped_storage()
@@ -30,23 +40,35 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = ()) -
     return total
 
 
+ACTIVATION_KINDS = ("activations", "stashed")  # what activation policies trade
+
+
 @dataclass
 class MemoryAccount:
-    """Current bytes by kind and the peak of their sum since the last `reset_peak`."""
+    """Current bytes by kind; since the last `reset_peak`: the peak of their sum (with the
+    kinds at that moment), each kind's own peak, and the peak of activation memory."""
 
     current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     peak_total: int = 0
     peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    peak_each: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    peak_activation: int = 0  # of activations + stashed
 
     def set(self, values: Mapping[str, int]) -> None:
-        """Records the current bytes of some kinds and updates the peak."""
+        """Records the current bytes of some kinds and updates the peaks."""
         self.current.update(values)
         total = sum(self.current.values())
         if total > self.peak_total:
             self.peak_total = total
             self.peak = dict(self.current)
+        for kind, value in self.current.items():
+            self.peak_each[kind] = max(self.peak_each.get(kind, 0), value)
+        self.peak_activation = max(self.peak_activation,
+                                   sum(self.current.get(k, 0) for k in ACTIVATION_KINDS))
 
     def reset_peak(self) -> None:
         """Starts a new peak window (each step) from the current bytes."""
         self.peak_total = sum(self.current.values())
         self.peak = dict(self.current)
+        self.peak_each = dict(self.current)
+        self.peak_activation = sum(self.current.get(k, 0) for k in ACTIVATION_KINDS)

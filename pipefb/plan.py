@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
+from pipefb.config import POLICIES
 from pipefb.errors import ConfigError
 from pipefb.schedule import Schedule, Topology, generate, lower, validate
 
 ROLES = ("forward", "backward", "combined")
-POLICIES = ("keep", "offload", "recompute")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class WorkerAssignment:
 class Plan:
     """The planner's output, plain data; every worker derives its actions from it."""
 
-    schedule: str  # gpipe, 1f1b or pipefb
+    schedule: str  # gpipe, 1f1b, pipedream or pipefb
     microbatches: int  # micro-batches per step
     microbatch_size: int  # samples per micro-batch
     forward_partition: tuple[int, ...]  # stage boundaries over layers, 0 .. n_layers
@@ -40,6 +40,8 @@ class Plan:
     groups: int = 1  # pipeline groups
     predicted_step_seconds: float = 0.0  # simulator's prediction; 0 when not predicted
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # planner notes
+    mode: str = "sync"  # sync or async
+    staleness: int = 0  # async pipefb: the forward of step k uses weight version k - staleness
 
     def __post_init__(self) -> None:
         if any(p not in POLICIES for p in self.policy):
@@ -48,6 +50,12 @@ class Plan:
             raise ConfigError(
                 f"policy has {len(self.policy)} entries for {self.forward_partition[-1]} layers"
             )
+
+    def offloaded_stages(self) -> frozenset[int]:
+        """Stages of a combined plan holding an `offload` layer (they STASH and FETCH)."""
+        bounds = self.forward_partition
+        return frozenset(s for s in range(len(bounds) - 1)
+                         if "offload" in self.policy[bounds[s]:bounds[s + 1]])
 
     def topology(self) -> Topology:
         """Stage boundaries and the rank of each forward and backward stage."""
@@ -126,11 +134,15 @@ def balanced_plan(
     layer_costs: Sequence[float],
     batch_size: int,
     microbatches: int,
+    policy: Sequence[str] | None = None,
+    mode: str = "sync",
+    staleness: int = 0,
 ) -> Plan:
     """The placeholder planner: contiguous stages balanced by `layer_costs`.
 
-    Combined kinds put stage r on rank r and keep activations in the worker; PipeFB puts the
-    forward stages on the first ranks and the backward stages on the rest, and offloads.
+    Combined kinds put stage r on rank r; PipeFB puts the forward stages on the first ranks
+    and the backward stages on the rest. `policy` (per layer) defaults to keep on combined
+    kinds and offload on PipeFB; `staleness` counts only for async PipeFB.
     """
     n_fwd, n_bwd = stage_counts(schedule, workers)
     fwd = partition(layer_costs, n_fwd)
@@ -139,19 +151,22 @@ def balanced_plan(
         assignment = tuple(WorkerAssignment(r, "forward", r) for r in range(n_fwd)) + tuple(
             WorkerAssignment(n_fwd + s, "backward", s) for s in range(n_bwd)
         )
-        policy = "offload"
+        default = "offload"
     else:
         bwd = fwd
         assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(workers))
-        policy = "keep"
+        default = "keep"
+    lag = staleness if schedule == "pipefb" and mode == "async" else 0
     return Plan(
         schedule=schedule,
         microbatches=microbatches,
         microbatch_size=batch_size // microbatches,
         forward_partition=fwd,
         backward_partition=bwd,
-        policy=(policy,) * len(layer_costs),
+        policy=tuple(policy) if policy is not None else (default,) * len(layer_costs),
         assignment=assignment,
+        mode=mode,
+        staleness=lag,
     )
 
 
@@ -162,6 +177,7 @@ def schedule_for(plan: Plan) -> Schedule:
         ScheduleError: the schedule fails validation or deadlocks in the dry run.
     """
     topology = plan.topology()
-    lowered = lower(generate(plan.schedule, topology, plan.microbatches), topology)
-    validate(lowered, topology, plan.microbatches)
+    compute = generate(plan.schedule, topology, plan.microbatches)
+    lowered = lower(compute, topology, plan.offloaded_stages())
+    validate(lowered, topology, plan.microbatches, plan.staleness)
     return lowered

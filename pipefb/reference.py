@@ -3,6 +3,8 @@
 Every pipeline schedule in `sync` mode must reproduce these losses and weights: same data
 (seeded by (seed, step, micro-batch)), same random ops (seeded by (seed, step,
 micro-batch, layer)), loss averaged over micro-batches, one optimizer step per step.
+With `staleness` S > 0 it is the reference of async PipeFB instead: step k's gradient is
+taken at weight version k - S and applied to the newest weights.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class SingleStep:
 class SingleProcess:
     """The whole layer sequence in one process, trained with gradient accumulation."""
 
-    def __init__(self, job: JobConfig) -> None:
-        self.job = job
+    def __init__(self, job: JobConfig, staleness: int = 0) -> None:
+        self.job, self.staleness = job, staleness
         self.layers = build_layers(job)
         self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
         self.params = [p for layer in self.layers for p in layer.parameters()]
         self.optimizer = build_optimizer(job.optimizer, self.params, job.lr, job.optimizer_config)
+        # the last `staleness` versions before the newest, oldest first
+        self.history: list[list[torch.Tensor]] = []
 
     def loss(self, step: int, microbatch: int) -> torch.Tensor:
         """Forward of one micro-batch through every layer, loss layer last."""
@@ -53,19 +57,34 @@ class SingleProcess:
     def step(self, step: int) -> SingleStep:
         """Runs one optimizer step over `microbatches` accumulated micro-batches."""
         started = time.perf_counter()
+        # the version of step k's forward: k - S, or 0 before step S
+        live = self._swap_in(self.history[0]) if self.history else None
         losses = []
         for m in range(self.job.microbatches):
             loss = self.loss(step, m)
             torch.autograd.backward(loss / self.job.microbatches)
             losses.append(loss.item())
+        if live is not None:
+            self._swap_in(live)
         grads = [p.grad for p in self.params if p.grad is not None]
         memory = tensor_bytes(self.params) + tensor_bytes(grads)
+        if self.staleness:
+            self.history = [*self.history, [p.detach().clone() for p in self.params]]
+            self.history = self.history[-self.staleness:]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         memory += optimizer_state_bytes(self.optimizer)
         seconds = time.perf_counter() - started
         return SingleStep(step, sum(losses) / len(losses), seconds,
                           self.job.batch_size / seconds, memory)
+
+    def _swap_in(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Puts `values` into the parameters; returns what they held."""
+        held = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, v in zip(self.params, values, strict=True):
+                p.copy_(v)
+        return held
 
     def run(self) -> Iterator[SingleStep]:
         """Runs every step of the job, yielding each step's report."""

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from pipefb.schedule import Action
+
 
 def throughput(steps: Sequence[Mapping[str, Any]]) -> float:
     """Median samples/s over the steps, the first (warm-up) excluded when there are more."""
@@ -65,7 +67,7 @@ KIND_COLOURS = {"F": "#4C72B0", "B": "#55A868", "OPT": "#8172B2", "STASH": "#DD8
 
 
 def _kind(action: str) -> str:
-    return action.lstrip("0123456789").rstrip("0123456789")
+    return str(Action.parse(action).kind)
 
 
 def _kind_colour(action: str) -> str:

@@ -17,14 +17,15 @@ import torch
 from pipefb.config import JobConfig, build_layers
 from pipefb.data import build_dataset
 from pipefb.errors import CodecError, ConfigError
-from pipefb.execs import AutogradExec, LayerExec, SplitExec
+from pipefb.execs import AutogradExec, LayerExec, Saved, SplitExec
 from pipefb.memory import MemoryAccount, tensor_bytes
 from pipefb.optim import build_optimizer, optimizer_state_bytes
 from pipefb.plan import Plan, schedule_for
-from pipefb.schedule import Action, Kind
+from pipefb.schedule import Action, Kind, Topology, iteration
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
 from pipefb.transport import Transport
+from pipefb.versions import WeightVersions
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
 WAITS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.RECV_L, Kind.FETCH, Kind.RECV_W})
@@ -32,10 +33,10 @@ WAITS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.RECV_L, Kind.FETCH, Kind.RECV_
 
 @dataclass
 class StepResult:
-    """What a rank did in one step."""
+    """What a rank did in one iteration of the step loop (see [Note: lead])."""
 
     step: int
-    losses: list[float]  # per micro-batch, on the rank that computes the loss
+    losses: list[float]  # per micro-batch of `step`, on the rank that computes the loss
     compute_seconds: float
     idle_seconds: float
     memory_bytes: dict[str, int]  # by kind at the step's peak
@@ -45,31 +46,52 @@ class StepResult:
     weight_version: int
     action_seconds: dict[str, float]  # by action kind: F, B, OPT, RECV_F, FETCH, ...
     spans: list[tuple[str, float, float]]  # (action, wall-clock start, end) in order
+    versions: list[tuple[str, int, int]]  # (F or B action, training step, weight version)
+    kept_versions: list[int]  # old weight versions held after the step
+    kind_peak_bytes: dict[str, int]  # each kind's own peak during the step
+    activation_peak_bytes: int  # peak of activations + stashed during the step
+
+
+# Keys of in-flight tensors: (training step, stage, micro-batch) or (step, micro-batch, layer).
+Key = tuple[int, int, int]
 
 
 @dataclass
-class _StepState:
-    """Tensors in flight during one step, keyed by (stage, microbatch) or (microbatch, layer)."""
+class _InFlight:
+    """Tensors between actions; they outlive an iteration when an action leads (PipeDream)."""
+
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    saved: dict[Key, dict[str, torch.Tensor]] = field(default_factory=dict)  # (step, mb, layer)
+    grads: dict[Key, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
+    losses: dict[tuple[int, int], float] = field(default_factory=dict)
+    forward_version: dict[Key, int] = field(default_factory=dict)  # combined ranks
+    stashed_here: set[tuple[int, int]] = field(default_factory=set)  # (step, mb) in the store
+
+    def live(self) -> list[torch.Tensor]:
+        return [*self.inputs.values(), *self.outputs.values(), *self.grads.values(),
+                *self.input_grads.values()]
+
+    def held(self) -> list[torch.Tensor]:
+        return [t for stash in self.saved.values() for t in stash.values()]
+
+    def empty(self) -> bool:
+        return not (self.inputs or self.outputs or self.saved or self.grads
+                    or self.input_grads or self.forward_version)
+
+
+@dataclass
+class _Iteration:
+    """Timings and tags of one iteration."""
 
     step: int
-    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    saved: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
-    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    losses: dict[int, float] = field(default_factory=dict)
     compute: float = 0.0
     idle: float = 0.0
     by_kind: dict[str, float] = field(default_factory=dict)
     spans: list[tuple[str, float, float]] = field(default_factory=list)
+    versions: list[tuple[str, int, int]] = field(default_factory=list)
     stashed: int = 0
-
-    def live_tensors(self) -> list[torch.Tensor]:
-        found = [*self.inputs.values(), *self.outputs.values(), *self.grads.values(),
-                 *self.input_grads.values()]
-        for stash in self.saved.values():
-            found.extend(stash.values())
-        return found
 
 
 class StageRuntime:
@@ -94,7 +116,9 @@ class StageRuntime:
         specs = self._layer_specs(all_layers)
         held = sorted(set(self.fwd_layers) | set(self.bwd_layers))
         self.layers = {i: all_layers[i] for i in held}
+        self.n_inputs = {i: len(specs[i]) for i in held}
         self.execs = {i: self._executor(i, all_layers[i], specs[i]) for i in held}
+        self.run_start = _recompute_runs(plan, self.topology)
         self.receives = self._receive_specs(specs, output_spec(all_layers[-1], specs[-1]))
         self.max_receive_bytes = max((s.nbytes for named in self.receives.values()
                                       for s in named.values()), default=0)
@@ -104,12 +128,14 @@ class StageRuntime:
             if self.bwd_layers else None
         )
         self.version = 0
+        self.versions = WeightVersions()
+        self.flight = _InFlight()
         self.memory = MemoryAccount()
         params = [p for layer in self.layers.values() for p in layer.parameters()]
         self.param_bytes = tensor_bytes(params)
         self._param_storage = {p.untyped_storage().data_ptr() for p in params}
         self._grad_bytes = self._optimizer_bytes = 0  # updated where they change
-        self._handlers: dict[Kind, Callable[[Action, _StepState], None]] = {
+        self._handlers: dict[Kind, Callable[[Action, int, _Iteration], None]] = {
             Kind.F: self._forward, Kind.B: self._backward, Kind.OPT: self._optimizer_step,
             Kind.SEND_F: self._send_activation, Kind.RECV_F: self._recv_activation,
             Kind.SEND_L: self._send_loss, Kind.RECV_L: self._recv_loss,
@@ -117,7 +143,7 @@ class StageRuntime:
             Kind.STASH: self._stash, Kind.FETCH: self._fetch,
             Kind.PUSH_W: self._push_weights, Kind.RECV_W: self._recv_weights,
         }
-        self._account(None)
+        self._account()
 
     @property
     def role(self) -> str:
@@ -131,10 +157,11 @@ class StageRuntime:
         return infer_input_specs(layers, spec_of(x), spec_of(y))
 
     def _executor(self, i: int, layer: torch.nn.Module, specs: list[TensorSpec]) -> LayerExec:
-        """Autograd where saved tensors stay here, the split where they travel (see
-        [Note: two executors] in pipefb.execs)."""
+        """Autograd where saved tensors stay here and the weights never change under them;
+        the split everywhere else (see [Note: two executors] in pipefb.execs)."""
         needs = _needs_grad(i, specs)
-        if self.role == "combined" and self.plan.policy[i] == "keep":
+        if (self.role == "combined" and self.plan.policy[i] == "keep"
+                and self.plan.mode == "sync"):
             return AutogradExec(layer, needs)
         return SplitExec(layer, specs, needs)
 
@@ -180,92 +207,170 @@ class StageRuntime:
     def _owned_params(self) -> list[torch.nn.Parameter]:
         return [p for i in self.bwd_layers for p in self.layers[i].parameters()]
 
+    def stash_names(self, layer: int) -> list[str]:
+        """What layer `layer` saves per micro-batch for its backward (see `_forward`)."""
+        if self.plan.policy[layer] != "recompute":
+            return self.execs[layer].stash_names
+        if self.run_start[layer] != layer:
+            return []
+        return [f"input_{j}" for j in range(self.n_inputs[layer])]
+
     # -- the interpreter -------------------------------------------------------------------
 
     def run_step(self, step: int) -> StepResult:
-        """Executes this rank's action list for `step` and reports what it did."""
-        state = _StepState(step)
+        """Runs iteration `step` of this rank's action list and reports what it did."""
+        it = _Iteration(step)
         self.memory.reset_peak()
-        for action in self.actions:
+        todo = iteration(self.actions, step, self.job.steps)
+        for index, (at, action) in enumerate(todo):
             wall, started = time.time(), time.perf_counter()
-            self._handlers[action.kind](action, state)
+            self._handlers[action.kind](action, at, it)
+            if action.kind is Kind.FETCH:
+                self._prefetch_next(todo[index + 1:])
             elapsed = time.perf_counter() - started
-            state.spans.append((str(action), wall, wall + elapsed))
-            state.by_kind[action.kind] = state.by_kind.get(action.kind, 0.0) + elapsed
+            label = str(Action(action.stage, action.kind, action.microbatch, at - step))
+            it.spans.append((label, wall, wall + elapsed))
+            it.by_kind[action.kind] = it.by_kind.get(action.kind, 0.0) + elapsed
             if action.kind in COMPUTE:
-                state.compute += elapsed
+                it.compute += elapsed
             elif action.kind in WAITS:
-                state.idle += elapsed
-            self._account(state)
+                it.idle += elapsed
+            self._account()
         sent = self.transport.flush()
+        losses = sorted((m, v) for (t, m), v in self.flight.losses.items() if t == step)
+        for m, _ in losses:
+            del self.flight.losses[(step, m)]
         return StepResult(
             step=step,
-            losses=[state.losses[m] for m in sorted(state.losses)],
-            compute_seconds=state.compute,
-            idle_seconds=state.idle,
+            losses=[v for _, v in losses],
+            compute_seconds=it.compute,
+            idle_seconds=it.idle,
             memory_bytes=dict(self.memory.peak),
             peak_memory_bytes=self.memory.peak_total,
             bytes_sent=sent,
-            bytes_stashed=state.stashed,
+            bytes_stashed=it.stashed,
             weight_version=self.version,
-            action_seconds={str(k): v for k, v in state.by_kind.items()},
-            spans=state.spans,
+            action_seconds={str(k): v for k, v in it.by_kind.items()},
+            spans=it.spans,
+            versions=it.versions,
+            kept_versions=self.versions.versions(),
+            kind_peak_bytes=dict(self.memory.peak_each),
+            activation_peak_bytes=self.memory.peak_activation,
         )
 
-    def _account(self, state: _StepState | None) -> None:
+    def _account(self) -> None:
+        seen: set[int] = set()
+        stashed = tensor_bytes(self.flight.held(), exclude=self._param_storage, seen=seen)
         self.memory.set({
             "parameters": self.param_bytes,
             "gradients": self._grad_bytes,
             "optimizer_state": self._optimizer_bytes,
-            "activations": (tensor_bytes(state.live_tensors(), exclude=self._param_storage)
-                            if state else 0),
+            "weight_versions": self.versions.nbytes(),
+            "stashed": stashed,
+            "activations": tensor_bytes(self.flight.live(), seen=seen),
         })
+
+    def idle(self) -> bool:
+        """Whether the rank holds no tensor of any step and no old weight version."""
+        return self.flight.empty() and not self.versions.versions()
 
     # -- compute ---------------------------------------------------------------------------
 
-    def _forward(self, action: Action, state: _StepState) -> None:
-        m = _mb(action)
-        x, targets = self._stage_input(action.stage, m, state)
-        for i in self.fwd_layers:
-            if self.execs[i].has_random_ops:
-                seed_random_ops(derive_seed(self.job.seed, state.step, m, i))
-            if i == self.n_layers - 1:
-                assert targets is not None  # the loss layer's rank always loads the data
-                inputs = [x, targets]
-            else:
-                inputs = [x]
-            x, stash = self.execs[i].forward(inputs)
-            state.saved[(m, i)] = stash
-        if self.fwd_layers and self.fwd_layers[-1] == self.n_layers - 1:
-            state.losses[m] = float(x)
-        state.outputs[(action.stage, m)] = x
+    def _forward(self, action: Action, step: int, it: _Iteration) -> None:
+        """Runs the stage's layers; each layer's saved tensors follow its policy.
 
-    def _stage_input(self, stage: int, m: int, state: _StepState
+        keep and offload save what the layer's backward needs (STASH moves the offloaded
+        ones to the store); recompute saves only the inputs of the first layer of a run.
+        """
+        m = _mb(action)
+        x, targets = self._stage_input(action.stage, m, step)
+        for i in self.fwd_layers:
+            inputs = [x, targets] if i == self.n_layers - 1 and targets is not None else [x]
+            x, stash = self._run_layer(i, step, m, inputs, None)
+            if self.plan.policy[i] == "recompute":
+                stash = ({f"input_{j}": t for j, t in enumerate(inputs)}
+                         if self.run_start[i] == i else {})
+            if stash:
+                self.flight.saved[(step, m, i)] = stash
+        if self.fwd_layers and self.fwd_layers[-1] == self.n_layers - 1:
+            self.flight.losses[(step, m)] = float(x)
+        self.flight.outputs[(step, action.stage, m)] = x
+        if self.role == "combined":
+            self.flight.forward_version[(step, action.stage, m)] = self.version
+        it.versions.append((str(action.base), step, self.version))
+
+    def _run_layer(self, i: int, step: int, m: int, inputs: list[torch.Tensor],
+                   params: list[torch.Tensor] | None) -> tuple[torch.Tensor, Saved]:
+        if self.execs[i].has_random_ops:
+            seed_random_ops(derive_seed(self.job.seed, step, m, i))
+        return self.execs[i].forward(inputs, params)
+
+    def _stage_input(self, stage: int, m: int, step: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         needs_data = stage == 0 or self.fwd_layers[-1] == self.n_layers - 1
-        inputs, targets = (self.dataset.microbatch(state.step, m, self.plan.microbatch_size)
+        inputs, targets = (self.dataset.microbatch(step, m, self.plan.microbatch_size)
                            if needs_data else (None, None))
-        x = inputs if stage == 0 else state.inputs.pop((stage, m))
+        x = inputs if stage == 0 else self.flight.inputs.pop((step, stage, m))
         assert x is not None  # stage 0 always has data
         return x, targets
 
-    def _backward(self, action: Action, state: _StepState) -> None:
+    def _backward_version(self, step: int, stage: int, m: int) -> int:
+        """The weight version the forward of (step, m) used; its backward uses it too."""
+        if self.role == "combined":
+            return self.flight.forward_version.pop((step, stage, m))
+        return max(0, step - self.plan.staleness)
+
+    def _params(self, version: int, layer: int) -> list[torch.Tensor] | None:
+        """A layer's parameters at `version`; None for the live (newest) ones."""
+        return None if version == self.version else self.versions.params(version, layer)
+
+    def _backward(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
+        version = self._backward_version(step, action.stage, m)
         last = len(self.topology.backward_workers) - 1
         grad: torch.Tensor | None
         if action.stage == last:
             grad = torch.full((), 1.0 / self.plan.microbatches)  # d(mean over micro-batches)
         else:
-            grad = state.grads.pop((action.stage, m))
+            grad = self.flight.grads.pop((step, action.stage, m))
+        recomputed: dict[int, dict[str, torch.Tensor]] = {}
         for i in reversed(self.bwd_layers):
             assert grad is not None  # only the model's first layer (data input) gets no grad
-            grad = self.execs[i].backward(state.saved.pop((m, i)), grad)[0]
+            if self.plan.policy[i] == "recompute":
+                if i not in recomputed:
+                    recomputed.update(self._recompute(step, m, i, version))
+                saved = recomputed.pop(i)
+            else:
+                saved = self.flight.saved.pop((step, m, i))
+            grad = self.execs[i].backward(saved, grad, self._params(version, i))[0]
         self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)
         if grad is not None and action.stage > 0:
-            state.input_grads[(action.stage, m)] = grad
+            self.flight.input_grads[(step, action.stage, m)] = grad
+        it.versions.append((str(action.base), step, version))
+        if self.role == "combined":
+            self.versions.prune(self.flight.forward_version.values())
 
-    def _optimizer_step(self, action: Action, state: _StepState) -> None:
+    def _recompute(self, step: int, m: int, end: int, version: int
+                   ) -> dict[int, dict[str, torch.Tensor]]:
+        """Re-runs the forward of the recomputed run ending at layer `end` from its saved
+        inputs, with the forward's weight version and random seeds; returns each layer's
+        saved tensors."""
+        start = self.run_start[end]
+        saved = self.flight.saved.pop((step, m, start))
+        inputs = [saved[f"input_{j}"] for j in range(self.n_inputs[start])]
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for i in range(start, end + 1):
+            x, out[i] = self._run_layer(i, step, m, inputs, self._params(version, i))
+            inputs = [x]
+            if i + 1 == self.n_layers - 1:  # the loss layer also takes the targets
+                inputs.append(self.dataset.microbatch(step, m, self.plan.microbatch_size)[1])
+        return out
+
+    def _optimizer_step(self, action: Action, step: int, it: _Iteration) -> None:
         assert self.optimizer is not None  # OPT only on ranks owning weights
+        needed = self._versions_needed_after(step)
+        if self.version in needed:
+            self.versions.keep(self.version, {i: self.layers[i] for i in self.bwd_layers})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for i in self.bwd_layers:
@@ -273,56 +378,97 @@ class StageRuntime:
         self._grad_bytes = 0
         self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         self.version += 1
+        self.versions.prune(needed)
+
+    def _versions_needed_after(self, step: int) -> set[int]:
+        """Weight versions some backward after step `step`'s OPT will still use."""
+        if self.role == "combined":
+            return set(self.flight.forward_version.values())
+        lag = self.plan.staleness
+        return {max(0, t - lag) for t in range(step + 1, min(self.job.steps, step + lag + 1))}
 
     # -- communication ---------------------------------------------------------------------
 
-    def _send_activation(self, action: Action, state: _StepState) -> None:
+    def _send_activation(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
         dst = self.topology.forward_workers[action.stage + 1]
-        out = state.outputs.pop((action.stage, m))
-        self.transport.send(Kind.RECV_F, dst, state.step, action.stage + 1, m, self.version,
+        out = self.flight.outputs.pop((step, action.stage, m))
+        self.transport.send(Kind.RECV_F, dst, step, action.stage + 1, m, self.version,
                             {"x": out})
 
-    def _recv_activation(self, action: Action, state: _StepState) -> None:
+    def _recv_activation(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
-        got = self.transport.recv(Kind.RECV_F, state.step, action.stage, m)
-        state.inputs[(action.stage, m)] = got["x"]
+        got = self.transport.recv(Kind.RECV_F, step, action.stage, m)
+        self.flight.inputs[(step, action.stage, m)] = got["x"]
 
-    def _send_loss(self, action: Action, state: _StepState) -> None:
+    def _send_loss(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
         last = len(self.topology.backward_workers) - 1
-        loss = state.outputs.pop((action.stage, m))
-        self.transport.send(Kind.RECV_L, self.topology.backward_workers[last], state.step, last,
+        loss = self.flight.outputs.pop((step, action.stage, m))
+        self.transport.send(Kind.RECV_L, self.topology.backward_workers[last], step, last,
                             m, self.version, {"loss": loss})
 
-    def _recv_loss(self, action: Action, state: _StepState) -> None:
-        self.transport.recv(Kind.RECV_L, state.step, action.stage, _mb(action))
+    def _recv_loss(self, action: Action, step: int, it: _Iteration) -> None:
+        self.transport.recv(Kind.RECV_L, step, action.stage, _mb(action))
 
-    def _send_grad(self, action: Action, state: _StepState) -> None:
+    def _send_grad(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
         dst = self.topology.backward_workers[action.stage - 1]
-        grad = state.input_grads.pop((action.stage, m))
-        self.transport.send(Kind.RECV_B, dst, state.step, action.stage - 1, m, self.version,
+        grad = self.flight.input_grads.pop((step, action.stage, m))
+        self.transport.send(Kind.RECV_B, dst, step, action.stage - 1, m, self.version,
                             {"g": grad})
 
-    def _recv_grad(self, action: Action, state: _StepState) -> None:
+    def _recv_grad(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
-        got = self.transport.recv(Kind.RECV_B, state.step, action.stage, m)
-        state.grads[(action.stage, m)] = got["g"]
+        got = self.transport.recv(Kind.RECV_B, step, action.stage, m)
+        self.flight.grads[(step, action.stage, m)] = got["g"]
 
-    def _stash(self, action: Action, state: _StepState) -> None:
-        m = _mb(action)
-        tensors = {i: state.saved.pop((m, i)) for i in self.fwd_layers}
-        state.stashed += self.transport.stash(state.step, m, self.version, tensors)
+    def _stored_layers(self, layers: range) -> list[int]:
+        """Layers whose saved tensors go through the offload store (all on split ranks)."""
+        split = self.role != "combined"
+        return [i for i in layers if self.stash_names(i)
+                and (split or self.plan.policy[i] == "offload")]
 
-    def _fetch(self, action: Action, state: _StepState) -> None:
+    def _stash(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
-        names = {i: self.execs[i].stash_names for i in self.bwd_layers}
-        got = self.transport.fetch(state.step, m, self.version, names)
+        tensors = {i: self.flight.saved.pop((step, m, i))
+                   for i in self._stored_layers(self.fwd_layers)}
+        it.stashed += self.transport.stash(step, m, self._stash_version(step, action), tensors)
+        self.flight.stashed_here.add((step, m))
+
+    def _stash_version(self, step: int, action: Action) -> int:
+        """The version a stash is keyed by: the weight version of its forward."""
+        if self.role == "combined":
+            return self.flight.forward_version[(step, action.stage, _mb(action))]
+        return self.version
+
+    def _fetch_request(self, step: int, m: int) -> tuple[int, dict[int, list[str]]]:
+        version = (self.flight.forward_version[(step, self.bwd_stage or 0, m)]
+                   if self.role == "combined" else max(0, step - self.plan.staleness))
+        return version, {i: self.stash_names(i) for i in self._stored_layers(self.bwd_layers)}
+
+    def _fetch(self, action: Action, step: int, it: _Iteration) -> None:
+        m = _mb(action)
+        version, names = self._fetch_request(step, m)
+        got = self.transport.fetch(step, m, version, names)
         for i, stash in got.items():
-            state.saved[(m, i)] = stash
+            self.flight.saved[(step, m, i)] = stash
+        self.flight.stashed_here.discard((step, m))
 
-    def _push_weights(self, action: Action, state: _StepState) -> None:
+    def _prefetch_next(self, rest: list[tuple[int, Action]]) -> None:
+        """Starts fetching the next FETCH's tensors while this backward runs, when they
+        are already in the store (a combined rank stashed them itself)."""
+        nxt = next(((t, a) for t, a in rest if a.kind is Kind.FETCH), None)
+        if nxt is None or self.role != "combined":
+            return
+        step, m = nxt[0], _mb(nxt[1])
+        if (step, m) in self.flight.stashed_here:
+            version, names = self._fetch_request(step, m)
+            self.transport.prefetch(step, m, version, names)
+
+    def _push_weights(self, action: Action, step: int, it: _Iteration) -> None:
+        if self.version + self.plan.staleness >= self.job.steps:
+            return  # no forward step uses this version
         for fwd_stage in self.topology.forward_stages_overlapping(action.stage):
             layers = set(self.topology.layers_of_forward(fwd_stage)) & set(self.bwd_layers)
             tensors = {f"{i}.{name}": p.detach() for i in sorted(layers)
@@ -330,17 +476,19 @@ class StageRuntime:
             self.transport.push_weights(self.topology.forward_workers[fwd_stage], self.version,
                                         tensors)
 
-    def _recv_weights(self, action: Action, state: _StepState) -> None:
-        if state.step <= self.version:
-            return  # step 0: initial weights, identical everywhere by construction
+    def _recv_weights(self, action: Action, step: int, it: _Iteration) -> None:
+        """Installs the version step `step`'s forward uses: step - staleness (at least 0)."""
+        version = max(0, step - self.plan.staleness)
+        if version <= self.version:
+            return  # version 0: initial weights, identical everywhere by construction
         names = [f"{i}.{n}" for i in self.fwd_layers for n, _ in self.layers[i].named_parameters()]
-        got = self.transport.wait_weights(state.step, names)
+        got = self.transport.wait_weights(version, names)
         with torch.no_grad():
             for i in self.fwd_layers:
                 for name, p in self.layers[i].named_parameters():
                     p.copy_(got[f"{i}.{name}"])
                 self.execs[i].weights_changed()
-        self.version = state.step
+        self.version = version
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -352,6 +500,21 @@ class StageRuntime:
 
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:
     return workers.index(rank) if rank in workers else None
+
+
+def _recompute_runs(plan: Plan, topology: Topology) -> dict[int, int]:
+    """First layer of the recomputed run of each `recompute` layer.
+
+    A run is a maximal stretch of recompute layers inside one forward stage and one
+    backward stage, so the worker that re-runs it holds all its layers.
+    """
+    starts = set(topology.forward_partition) | set(topology.backward_partition)
+    out: dict[int, int] = {}
+    for i, policy in enumerate(plan.policy):
+        if policy == "recompute":
+            fresh = i in starts or i == 0 or plan.policy[i - 1] != "recompute"
+            out[i] = i if fresh else out[i - 1]
+    return out
 
 
 def _needs_grad(layer: int, specs: list[TensorSpec]) -> list[bool]:

@@ -20,9 +20,12 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.table import Table
 
 from pipefb.config import JobConfig
+from pipefb.evaluate import evaluate
 from pipefb.local import LocalCluster, default_threads
+from pipefb.memory import KINDS
 from pipefb.reference import SingleProcess
 from pipefb.report import write_report
 
@@ -79,10 +82,35 @@ def run_local(job: JobConfig, out: Path, *, progress: bool = True, threads: int 
         report = run_cluster(job, out, progress, threads)
     report["threads_per_process"] = threads
     weights = report.pop("_weights")
+    report["eval"] = evaluate(job, weights)
     path = write_report(out, report, weights)
+    if report.get("peak_memory_by_kind"):
+        console.print(memory_table(report["peak_memory_by_kind"], report["steps"][-1]))
+    held_out = ", ".join(f"held-out {k} {v:.4f}" for k, v in report["eval"].items())
     console.print(f"final loss {report['steps'][-1]['loss']:.4f}, "
-                  f"{report['samples_per_second']:.1f} samples/s; report: {path}")
+                  f"{report['samples_per_second']:.1f} samples/s"
+                  f"{'; ' + held_out if held_out else ''}; report: {path}")
     return 0
+
+
+SHORT_KINDS = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim",
+               "weight_versions": "versions", "activations": "live", "stashed": "stashed"}
+
+
+def memory_table(peaks: dict[str, dict[str, int]], last_step: dict[str, Any]) -> Table:
+    """Per-worker peak memory by kind (KiB), as `pipefb local train` prints at the end."""
+    table = Table(title="peak memory per worker, KiB (F/B/C: forward/backward/combined stage)")
+    table.add_column("rank", justify="right")
+    table.add_column("stage")
+    for kind in KINDS:
+        table.add_column(SHORT_KINDS.get(kind, kind), justify="right")
+    table.add_column("total", justify="right")
+    roles = {str(w["rank"]): f"{w['role'][0].upper()}{w['stage']}" for w in last_step["workers"]}
+    for rank, kinds in peaks.items():
+        cells = [f"{kinds.get(k, 0) / 1024:,.1f}" for k in KINDS]
+        table.add_row(rank, roles.get(rank, ""), *cells,
+                      f"{sum(kinds.values()) / 1024:,.1f}")
+    return table
 
 
 def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
@@ -126,6 +154,7 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
         report["plan"] = plan_from_proto(client.status(job_id).plan).to_dict()
         report["_weights"] = client.weights(job_id)
     report["peak_memory_bytes"] = peak_by_rank(report["steps"])
+    report["peak_memory_by_kind"] = peak_kinds_by_rank(report["steps"])
     return report
 
 
@@ -139,7 +168,12 @@ def step_dict(msg: Any) -> dict[str, Any]:
                      "peak_memory_bytes": w.peak_memory_bytes,
                      "memory_bytes": dict(w.memory_bytes), "bytes_sent": w.bytes_sent,
                      "bytes_stashed": w.bytes_stashed,
-                     "action_seconds": dict(w.action_seconds)} for w in msg.workers],
+                     "action_seconds": dict(w.action_seconds),
+                     "weight_version": w.weight_version,
+                     "versions": [[v.action, v.step, v.version] for v in w.versions],
+                     "kept_versions": list(w.kept_versions),
+                     "kind_peak_bytes": dict(w.kind_peak_bytes),
+                     "activation_peak_bytes": w.activation_peak_bytes} for w in msg.workers],
     }
 
 
@@ -150,6 +184,17 @@ def timeline(msg: Any) -> dict[str, Any]:
         {"rank": w.rank, "role": w.role, "stage": w.stage,
          "spans": [[s.action, s.start - t0, s.end - t0] for s in w.spans]}
         for w in msg.workers]}
+
+
+def peak_kinds_by_rank(steps: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Each rank's bytes by kind at its highest peak over all steps."""
+    best: dict[str, tuple[int, dict[str, int]]] = {}
+    for step in steps:
+        for w in step["workers"]:
+            key = str(w["rank"])
+            if key not in best or w["peak_memory_bytes"] > best[key][0]:
+                best[key] = (w["peak_memory_bytes"], dict(w["memory_bytes"]))
+    return {rank: kinds for rank, (_, kinds) in sorted(best.items(), key=lambda kv: int(kv[0]))}
 
 
 def peak_by_rank(steps: list[dict[str, Any]]) -> dict[str, int]:

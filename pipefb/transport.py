@@ -45,6 +45,13 @@ class Transport(Protocol):
         """Takes (gets and deletes) saved tensors from the offload store."""
         ...
 
+    def prefetch(
+        self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
+    ) -> None:
+        """Starts the `fetch` of these tensors in the background; the next `fetch` of the
+        same (step, microbatch) returns its result."""
+        ...
+
     def push_weights(self, rank: int, version: int, tensors: Tensors) -> None:
         """Sends weight version `version` of some layers (names `{layer}.{param}`)."""
         ...

@@ -18,6 +18,7 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         optimizer_config_json=json.dumps(job.optimizer_config), lr=job.lr, seed=job.seed,
         batch_size=job.batch_size, microbatches=job.microbatches, steps=job.steps,
         schedule=job.schedule, workers=job.workers, mode=job.mode,
+        staleness=job.staleness, policy=job.policy,
     )
 
 
@@ -32,6 +33,7 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         optimizer_config=parse_json_object(spec.optimizer_config_json, "optimizer config"),
         lr=spec.lr, seed=spec.seed, batch_size=spec.batch_size, microbatches=spec.microbatches,
         steps=spec.steps, schedule=spec.schedule, workers=spec.workers, mode=spec.mode or "sync",
+        staleness=spec.staleness, policy=spec.policy,
     )
 
 
@@ -43,7 +45,8 @@ def plan_to_proto(plan: Plan) -> job_pb2.Plan:
         backward_partition=plan.backward_partition, policy=plan.policy, groups=plan.groups,
         assignment=[job_pb2.WorkerAssignment(rank=a.rank, group=a.group, role=a.role,
                                              stage=a.stage) for a in plan.assignment],
-        predicted_step_seconds=plan.predicted_step_seconds,
+        predicted_step_seconds=plan.predicted_step_seconds, mode=plan.mode,
+        staleness=plan.staleness,
     )
 
 
@@ -57,5 +60,6 @@ def plan_from_proto(msg: job_pb2.Plan) -> Plan:
         groups=msg.groups or 1,
         assignment=tuple(WorkerAssignment(rank=a.rank, role=a.role, stage=a.stage,
                                           group=a.group) for a in msg.assignment),
-        predicted_step_seconds=msg.predicted_step_seconds,
+        predicted_step_seconds=msg.predicted_step_seconds, mode=msg.mode or "sync",
+        staleness=msg.staleness,
     )

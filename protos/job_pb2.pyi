@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode")
+    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode", "staleness", "policy")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class JobSpec(_message.Message):
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     model_config_json: str
@@ -40,7 +42,9 @@ class JobSpec(_message.Message):
     schedule: str
     workers: int
     mode: str
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+    staleness: int
+    policy: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class WorkerAssignment(_message.Message):
     __slots__ = ("rank", "group", "role", "stage")
@@ -55,7 +59,7 @@ class WorkerAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., group: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("schedule", "microbatches", "microbatch_size", "forward_partition", "backward_partition", "policy", "groups", "assignment", "predicted_step_seconds")
+    __slots__ = ("schedule", "microbatches", "microbatch_size", "forward_partition", "backward_partition", "policy", "groups", "assignment", "predicted_step_seconds", "mode", "staleness")
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +69,8 @@ class Plan(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     schedule: str
     microbatches: int
     microbatch_size: int
@@ -74,7 +80,9 @@ class Plan(_message.Message):
     groups: int
     assignment: _containers.RepeatedCompositeFieldContainer[WorkerAssignment]
     predicted_step_seconds: float
-    def __init__(self, schedule: _Optional[str] = ..., microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., policy: _Optional[_Iterable[str]] = ..., groups: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[WorkerAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ...) -> None: ...
+    mode: str
+    staleness: int
+    def __init__(self, schedule: _Optional[str] = ..., microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., policy: _Optional[_Iterable[str]] = ..., groups: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[WorkerAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class ExportWeightsRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -54,3 +54,22 @@ def test_stream_vs_tcp_quick(tmp_path: Path) -> None:
         assert_summary(s)
     assert res["ratio_grpc_over_tcp"]["median"] > 0
     assert res["ratio_grpc_call_per_transfer_over_tcp"]["median"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_schedules_quick(tmp_path: Path) -> None:
+    from bench.schedules import BASELINE, SYSTEMS
+
+    res = run_quick("schedules", tmp_path)
+    assert (tmp_path / "schedules.png").stat().st_size > 0
+    assert set(res["workers"]) == {"2", "4"}
+    for n, r in res["workers"].items():
+        assert set(r["step_seconds"]) == set(SYSTEMS)
+        for s in SYSTEMS:
+            assert_summary(r["step_seconds"][s])
+            assert len(r["ranks"][s]) == int(n)
+            assert all(rank["peak"] > 0 for rank in r["ranks"][s].values())
+        assert r["speedup_vs_baseline"][BASELINE]["median"] == 1.0
+        # offload moves PipeDream's stash out of the first worker: less activation memory
+        assert (r["ranks"]["pipedream-offload"]["0"]["activation"]
+                < r["ranks"]["pipedream-keep"]["0"]["activation"])

@@ -34,9 +34,9 @@ STEPS = 3
 def make_job(model: str, schedule: str, workers: int, optimizer: str, **extra: Any) -> JobConfig:
     """A short job: 3 steps of 4 micro-batches of 2 samples."""
     lr = 0.05 if optimizer == "sgd" else 0.01
-    fields = {"model": model, **MODELS.get(model, {}), **extra}
-    return JobConfig(schedule=schedule, workers=workers, optimizer=optimizer, lr=lr, seed=7,
-                     batch_size=8, microbatches=4, steps=STEPS, **fields)
+    fields = {"model": model, "lr": lr, "seed": 7, "batch_size": 8, "microbatches": 4,
+              "steps": STEPS, **MODELS.get(model, {}), **extra}
+    return JobConfig(schedule=schedule, workers=workers, optimizer=optimizer, **fields)
 
 
 def reference(job: JobConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -93,3 +93,32 @@ def test_entry_point_model_trains(client: Any, schedule: str, workers: int) -> N
     reports, weights = run_on_cluster(client, job)
     assert_same_training(job, reports, weights)
     assert "layers.1.scale" in weights
+
+
+# (model, schedule, workers, policy): sync mode under every activation policy, mixed lists
+# included (one entry per layer, loss last). mlp depth 3 has 4 layers + loss; gpt 2 blocks
+# has embedding, 2 blocks, head + loss; convnet has 4 layers + loss.
+POLICY_RUNS = [
+    ("mlp", "gpipe", 2, "offload"),
+    ("gpt", "gpipe", 3, "recompute"),
+    ("gpt", "1f1b", 4, "offload"),
+    ("convnet", "1f1b", 2, "recompute"),
+    ("gpt", "1f1b", 3, "keep,recompute,recompute,offload,keep"),
+    ("gpt", "pipefb", 3, "recompute"),
+    ("mlp", "pipefb", 4, "offload,recompute,recompute,offload,recompute"),
+]
+
+
+@pytest.mark.parametrize(("model", "schedule", "workers", "policy"), POLICY_RUNS)
+def test_every_policy_equals_single_process(client: Any, cluster: Any, model: str, schedule: str,
+                                            workers: int, policy: str) -> None:
+    job = make_job(model, schedule, workers, "adamw", policy=policy)
+    reports, weights = run_on_cluster(client, job)
+    assert_same_training(job, reports, weights)
+    plan = client.status(reports[0].job_id).plan
+    assert len(plan.policy) == len(policy.split(",")) or set(plan.policy) == {policy}
+    stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
+    assert (stashed > 0) == (schedule == "pipefb" or "offload" in policy)
+    store = connect(cluster.store)
+    assert list(store.scan_iter(match=job_pattern(reports[0].job_id))) == []
+    assert all(not w.kept_versions for w in reports[-1].workers)

@@ -137,6 +137,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             bytes_stashed=r.bytes_stashed, weight_version=r.weight_version,
             action_seconds=r.action_seconds,
             spans=[worker_pb2.ActionSpan(action=a, start=s, end=e) for a, s, e in r.spans],
+            versions=[worker_pb2.VersionTag(action=a, step=t, version=v)
+                      for a, t, v in r.versions],
+            kept_versions=r.kept_versions, kind_peak_bytes=r.kind_peak_bytes,
+            activation_peak_bytes=r.activation_peak_bytes,
         )
 
     def _check(self, transfer: tensor_pb2.Transfer, kinds: tuple[str, ...]) -> Assigned:
@@ -150,11 +154,16 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 f"microbatch {transfer.microbatch} is not in 0..{plan.microbatches - 1}")
         # [Note: receive window] In sync mode a rank leads its peers by at most one step,
         # so anything outside [horizon, horizon + MAX_LEAD] is stale or hostile; refusing
-        # it bounds what the inbox can hold.
-        step = transfer.version if transfer.kind == str(Kind.RECV_W) else transfer.step
+        # it bounds what the inbox can hold. Async PipeFB lets forward ranks run
+        # `staleness` steps further ahead, and a weight version v serves step
+        # v + staleness, so the window widens by the staleness.
+        lag = plan.staleness
+        step = (transfer.version + lag if transfer.kind == str(Kind.RECV_W)
+                else transfer.step)
         low = assigned.gate.horizon()
-        if not low <= step <= low + MAX_LEAD:
-            raise CodecError(f"step {step} is outside this rank's window {low}..{low + MAX_LEAD}")
+        high = low + MAX_LEAD + lag
+        if not low <= step <= high:
+            raise CodecError(f"step {step} is outside this rank's window {low}..{high}")
         return assigned
 
     def _deliver(self, messages: Iterator[tensor_pb2.TensorChunk], kinds: tuple[str, ...]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -100,6 +101,8 @@ class GrpcTransport:
         self._streams: dict[tuple[int, str], PeerStream] = {}
         self._sent = 0
         self._lock = threading.Lock()
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetched: dict[tuple[int, int], Future[LayerTensors]] = {}
 
     def _stub(self, rank: int) -> worker_pb2_grpc.StageWorkerStub:
         if rank not in self._stubs:
@@ -144,9 +147,24 @@ class GrpcTransport:
 
     def fetch(self, step: int, microbatch: int, version: int,
               names: Mapping[int, Sequence[str]]) -> LayerTensors:
-        """Takes saved tensors from the offload store (delete on consume)."""
+        """Takes saved tensors from the offload store (delete on consume), or the result of
+        the `prefetch` of the same micro-batch."""
         self._check_open()
+        pending = self._prefetched.pop((step, microbatch), None)
+        if pending is not None:
+            return pending.result()
         return self._store().take(step, microbatch, version, names)
+
+    def prefetch(self, step: int, microbatch: int, version: int,
+                 names: Mapping[int, Sequence[str]]) -> None:
+        """Starts taking saved tensors on a background thread (see `fetch`)."""
+        self._check_open()
+        if (step, microbatch) in self._prefetched:
+            return
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._prefetched[(step, microbatch)] = self._prefetcher.submit(
+            self._store().take, step, microbatch, version, names)
 
     def push_weights(self, rank: int, version: int, tensors: Tensors) -> None:
         """Streams a weight version of some layers to forward peer `rank`."""
@@ -180,6 +198,8 @@ class GrpcTransport:
             stream.close()
         for ch in self._channels:
             ch.close()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
         if self.store is not None:
             self.store.close()
 

@@ -8,7 +8,7 @@ from pipefb.schedule.ir import Action, Kind, Topology
 Requirement = tuple[int, Action]
 
 
-def _peer_requirements(a: Action, topology: Topology) -> list[Requirement]:
+def _peer_requirements(a: Action, topology: Topology, staleness: int) -> list[Requirement]:
     """Requirements on other workers: the matching send, stash or weight push."""
     s, m = a.stage, a.microbatch
     if a.kind is Kind.RECV_F:
@@ -20,7 +20,9 @@ def _peer_requirements(a: Action, topology: Topology) -> list[Requirement]:
     if a.kind is Kind.FETCH:
         return [(0, Action(f, Kind.STASH, m)) for f in topology.forward_stages_overlapping(s)]
     if a.kind is Kind.RECV_W:
-        return [(-1, Action(b, Kind.PUSH_W)) for b in topology.backward_stages_overlapping(s)]
+        # step k's forward uses weight version k - staleness, pushed after step k-1-staleness
+        return [(-1 - staleness, Action(b, Kind.PUSH_W))
+                for b in topology.backward_stages_overlapping(s)]
     return []
 
 
@@ -52,17 +54,21 @@ def _backward_inputs(s: int, m: int | None, topology: Topology) -> list[Action]:
     return [Action(s, Kind.RECV_L, m), Action(s, Kind.FETCH, m)]
 
 
-def requirements(action: Action, topology: Topology) -> list[Requirement]:
+def requirements(action: Action, topology: Topology, staleness: int = 0) -> list[Requirement]:
     """Every action that must have run before `action` may run.
 
-    A requirement with offset -1 refers to the previous training step (RECV_W waits for
-    the PUSH_W of the step before); it is satisfied at step 0.
+    A requirement with a negative offset refers to an earlier training step (RECV_W of
+    step k waits for the PUSH_W of step k - 1 - staleness); before step 0 it is satisfied.
+    Offsets count training steps, not iterations (see [Note: lead] in `ir`).
 
     Args:
-        action: an action whose stage exists in `topology`.
+        action: an action whose stage exists in `topology` (its lead is ignored).
         topology: the topology the schedule runs on.
+        staleness: how many versions a forward may lag (0: sync).
 
     Returns:
         (step offset, action) pairs; the peers of receives first, then local inputs.
     """
-    return _peer_requirements(action, topology) + _local_requirements(action, topology)
+    base = action.base
+    return (_peer_requirements(base, topology, staleness)
+            + _local_requirements(base, topology))

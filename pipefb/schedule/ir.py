@@ -34,29 +34,37 @@ STAGE_KINDS = frozenset({Kind.OPT, Kind.PUSH_W, Kind.RECV_W})
 FORWARD_KINDS = frozenset({Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.SEND_L, Kind.STASH, Kind.RECV_W})
 #: Kinds that make something another action waits for (non-blocking, buffered).
 PRODUCER_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L, Kind.STASH, Kind.PUSH_W})
-#: Kinds that only split topologies use.
-SPLIT_KINDS = frozenset(
-    {Kind.SEND_L, Kind.RECV_L, Kind.STASH, Kind.FETCH, Kind.PUSH_W, Kind.RECV_W}
-)
+#: Kinds that only split topologies use (STASH and FETCH also serve `offload` on combined).
+SPLIT_KINDS = frozenset({Kind.SEND_L, Kind.RECV_L, Kind.PUSH_W, Kind.RECV_W})
+#: Kinds that may run one step early (`lead` 1): PipeDream's warm-up forwards.
+LEAD_KINDS = frozenset({Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.STASH})
 
 # Longest names first so that "SEND_F" is never read as "S" + ... and "F" stays last.
 _KIND_ALTERNATION = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATION})(\d*)")
+_ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATION})(\d*)(?:\+(\d+))?")
 
 
 @dataclass(frozen=True)
 class Action:
     """One step of one worker's list: `str(Action(1, Kind.F, 0)) == "1F0"`.
 
+    [Note: lead] A worker's list is what it runs in iteration k of the step loop; an
+    action with `lead` 1 belongs to training step k + 1 (PipeDream's warm-up forwards of
+    the next step run before this step's optimizer): `str(Action(0, Kind.F, 1, lead=1))
+    == "0F1+1"`. Iteration 0 first runs the lead actions for step 0 (the prologue), and
+    the last iteration skips them (see `iteration`).
+
     Attributes:
         stage: forward stage for forward kinds, backward stage for backward kinds.
         kind: what the action does.
         microbatch: the micro-batch; None exactly for OPT, PUSH_W and RECV_W.
+        lead: 0, or 1 for an action of the next training step (LEAD_KINDS only).
     """
 
     stage: int
     kind: Kind
     microbatch: int | None = None
+    lead: int = 0
 
     def __post_init__(self) -> None:
         if self.stage < 0:
@@ -67,10 +75,19 @@ class Action:
             raise ScheduleError(f"{self.kind} takes {need}, got microbatch={self.microbatch}")
         if self.microbatch is not None and self.microbatch < 0:
             raise ScheduleError(f"micro-batch must be >= 0, got {self.microbatch}")
+        if self.lead not in (0, 1) or (self.lead and self.kind not in LEAD_KINDS):
+            raise ScheduleError(f"{self.kind} cannot have lead {self.lead} "
+                                f"(only {sorted(LEAD_KINDS)} may lead by 1)")
 
     def __str__(self) -> str:
         mb = "" if self.microbatch is None else str(self.microbatch)
-        return f"{self.stage}{self.kind.value}{mb}"
+        lead = f"+{self.lead}" if self.lead else ""
+        return f"{self.stage}{self.kind.value}{mb}{lead}"
+
+    @property
+    def base(self) -> Action:
+        """The same action with lead 0: its identity within a training step."""
+        return Action(self.stage, self.kind, self.microbatch) if self.lead else self
 
     @staticmethod
     def parse(text: str) -> Action:
@@ -82,9 +99,10 @@ class Action:
         match = _ACTION_RE.fullmatch(text)
         if match is None:
             raise ScheduleError(f"not an action: {text!r}")
-        stage, kind, mb = match.groups()
+        stage, kind, mb, lead = match.groups()
         try:
-            action = Action(int(stage), Kind(kind), int(mb) if mb else None)
+            action = Action(int(stage), Kind(kind), int(mb) if mb else None,
+                            int(lead) if lead else 0)
         except ScheduleError as err:
             raise ScheduleError(f"not an action: {text!r} ({err})") from None
         if str(action) != text:
@@ -92,8 +110,16 @@ class Action:
         return action
 
 
-#: Worker id -> that worker's actions for ONE training step, in order.
+#: Worker id -> that worker's actions for ONE iteration of the step loop, in order.
 Schedule = dict[int, list[Action]]
+
+
+def iteration(actions: list[Action], k: int, steps: int) -> list[tuple[int, Action]]:
+    """What a worker runs in iteration `k` of a `steps`-step job, as (training step, base
+    action) pairs (see [Note: lead]): the prologue first in iteration 0, and no action of a
+    step >= `steps`."""
+    prologue = [(0, a.base) for a in actions if a.lead] if k == 0 else []
+    return prologue + [(k + a.lead, a.base) for a in actions if k + a.lead < steps]
 
 
 def _check_partition(name: str, partition: tuple[int, ...]) -> None:

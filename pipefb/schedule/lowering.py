@@ -7,10 +7,12 @@ from collections.abc import Callable
 from pipefb.schedule.ir import Action, Kind, Schedule, Topology
 
 # [Note: lowered order]
-# Around F(s,m):  RECV_F(s,m) if s > 0 | F | STASH (split) | SEND_F if s < last, else
-#                 SEND_L on split topologies. STASH precedes the send, so the stash
+# Around F(s,m):  RECV_F(s,m) if s > 0 | F | STASH if stage s stashes (every forward
+#                 stage of a split topology; a combined stage with an `offload` layer) |
+#                 SEND_F if s < last, else SEND_L on split topologies; all carry F's
+#                 lead. STASH precedes the send, so the stash
 #                 happens-before the backward that the send (or hand-off) unblocks.
-# Around B(s,m):  RECV_B if s < last, else RECV_L (split) | FETCH (split) | B |
+# Around B(s,m):  RECV_B if s < last, else RECV_L (split) | FETCH (if it stashes) | B |
 #                 SEND_B if s > 0.
 # Weights (split): OPT(s) | PUSH_W(s) on backward workers; RECV_W(s) first on forward
 #                 workers. Sends are buffered; RECV_*, FETCH and RECV_W block.
@@ -23,18 +25,30 @@ def _expand(schedule: Schedule, rule: Expansion) -> Schedule:
     return {w: [new for a in actions for new in rule(a)] for w, actions in schedule.items()}
 
 
-def _forward_rule(topology: Topology) -> Expansion:
+def stashing_stages(topology: Topology, offloaded: frozenset[int]) -> frozenset[int]:
+    """Forward stages whose F puts saved tensors in the offload store.
+
+    Args:
+        topology: the topology.
+        offloaded: stages of a combined topology that hold an `offload` layer.
+    """
+    if topology.is_split:
+        return frozenset(range(topology.n_forward_stages))
+    return offloaded
+
+
+def _forward_rule(topology: Topology, stashing: frozenset[int]) -> Expansion:
     last = topology.n_forward_stages - 1
     split = topology.is_split
 
     def rule(a: Action) -> list[Action]:
         if a.kind is not Kind.F:
             return [a]
-        s, m = a.stage, a.microbatch
-        before = [Action(s, Kind.RECV_F, m)] if s > 0 else []
-        after = [Action(s, Kind.STASH, m)] if split else []
+        s, m, lead = a.stage, a.microbatch, a.lead
+        before = [Action(s, Kind.RECV_F, m, lead)] if s > 0 else []
+        after = [Action(s, Kind.STASH, m, lead)] if s in stashing else []
         if s < last:
-            after.append(Action(s, Kind.SEND_F, m))
+            after.append(Action(s, Kind.SEND_F, m, lead))
         elif split:
             after.append(Action(s, Kind.SEND_L, m))
         return [*before, a, *after]
@@ -42,7 +56,7 @@ def _forward_rule(topology: Topology) -> Expansion:
     return rule
 
 
-def _backward_rule(topology: Topology) -> Expansion:
+def _backward_rule(topology: Topology, stashing: frozenset[int]) -> Expansion:
     last = topology.n_backward_stages - 1
     split = topology.is_split
 
@@ -55,7 +69,7 @@ def _backward_rule(topology: Topology) -> Expansion:
             before.append(Action(s, Kind.RECV_B, m))
         elif split:
             before.append(Action(s, Kind.RECV_L, m))
-        if split:
+        if split or s in stashing:
             before.append(Action(s, Kind.FETCH, m))
         after = [Action(s, Kind.SEND_B, m)] if s > 0 else []
         return [*before, a, *after]
@@ -75,7 +89,8 @@ def _add_weight_waits(schedule: Schedule, topology: Topology) -> Schedule:
     return out
 
 
-def lower(schedule: Schedule, topology: Topology) -> Schedule:
+def lower(schedule: Schedule, topology: Topology, offloaded: frozenset[int] = frozenset()
+          ) -> Schedule:
     """Adds every non-compute action to a compute-only schedule (see [Note: lowered order]).
 
     Lowered 1F1B, stage 1 of 2 (worker 1), 2 micro-batches::
@@ -85,12 +100,15 @@ def lower(schedule: Schedule, topology: Topology) -> Schedule:
     Args:
         schedule: worker -> compute-only actions (F, B, OPT), e.g. from `generate`.
         topology: the topology the schedule was generated for.
+        offloaded: stages of a combined topology holding an `offload` layer (they get
+            STASH and FETCH); ignored on split topologies, where every stage stashes.
 
     Returns:
         A new schedule; `schedule` is not modified.
     """
-    lowered = _expand(schedule, _forward_rule(topology))
-    lowered = _expand(lowered, _backward_rule(topology))
+    stashing = stashing_stages(topology, offloaded)
+    lowered = _expand(schedule, _forward_rule(topology, stashing))
+    lowered = _expand(lowered, _backward_rule(topology, stashing))
     if topology.is_split:
         lowered = _expand(lowered, _push_rule)
         lowered = _add_weight_waits(lowered, topology)

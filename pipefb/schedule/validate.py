@@ -59,9 +59,9 @@ def _index(schedule: Schedule, topology: Topology, microbatches: int) -> Index:
             reason = _check_action(a, worker, topology, microbatches)
             if reason is not None:
                 raise _fail(schedule, reason, (worker, i))
-            if a in index:
-                raise _fail(schedule, f"{a} appears twice", index[a], (worker, i))
-            index[a] = (worker, i)
+            if a.base in index:
+                raise _fail(schedule, f"{a} appears twice", index[a.base], (worker, i))
+            index[a.base] = (worker, i)
     return index
 
 
@@ -85,7 +85,8 @@ def _check_compute(schedule: Schedule, index: Index, topology: Topology, mbs: in
                     raise _fail(schedule, f"{a} before {schedule[worker][cell[1]]}", (worker, i))
         if a.kind is Kind.B and topology.is_combined:
             f_cell = index[Action(a.stage, Kind.F, a.microbatch)]
-            if f_cell[1] > i:
+            ahead = schedule[worker][f_cell[1]].lead  # a forward led in the iteration before
+            if f_cell[1] > i and not ahead:
                 raise _fail(schedule, f"{a} before its forward on worker {worker}", (worker, i))
 
 
@@ -93,7 +94,7 @@ def _check_matching(schedule: Schedule, index: Index, topology: Topology) -> Non
     """Every requirement is scheduled; every send, stash and push has a consumer."""
     consumed: set[Action] = set()
     for a, cell in index.items():
-        for _, need in requirements(a, topology):
+        for _, need in requirements(a, topology, 0):
             if need not in index:
                 raise _fail(schedule, f"{a} needs {need}, which is not in the schedule", cell)
             consumed.add(need)
@@ -102,19 +103,22 @@ def _check_matching(schedule: Schedule, index: Index, topology: Topology) -> Non
             raise _fail(schedule, f"{a} has no matching receive", cell)
 
 
-def validate(schedule: Schedule, topology: Topology, microbatches: int) -> None:
+def validate(schedule: Schedule, topology: Topology, microbatches: int, staleness: int = 0
+             ) -> None:
     """Refuses a lowered schedule that is malformed or deadlocks.
 
     Checks, in order: placement (each action on the worker of its stage, stages and
     micro-batches in range), uniqueness, every F/B/OPT exactly once, OPT after all Bs of
     its stage, B after F on combined workers, matched sends and receives (SEND_F(s,m) <->
     RECV_F(s+1,m), SEND_B(s,m) <-> RECV_B(s-1,m), SEND_L <-> RECV_L, STASH <-> FETCH and
-    PUSH_W <-> RECV_W over overlapping layers), then a two-step `dry_run`.
+    PUSH_W <-> RECV_W over overlapping layers), then a `dry_run` of enough steps to cross
+    every step boundary the schedule's leads and `staleness` reach.
 
     Args:
         schedule: a lowered schedule.
         topology: the topology it runs on.
         microbatches: micro-batches per step.
+        staleness: weight versions a forward may lag (async PipeFB); 0 for sync.
 
     Raises:
         ScheduleError: the first problem found; `.grid` marks the cell at fault.
@@ -124,4 +128,6 @@ def validate(schedule: Schedule, topology: Topology, microbatches: int) -> None:
     index = _index(schedule, topology, microbatches)
     _check_compute(schedule, index, topology, microbatches)
     _check_matching(schedule, index, topology)
-    dry_run(schedule, topology, steps=2)
+    if staleness < 0:
+        raise ScheduleError(f"staleness must be >= 0, got {staleness}")
+    dry_run(schedule, topology, steps=3 + staleness, staleness=staleness)
