@@ -26,6 +26,7 @@ from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
 from pipefb.config import JobConfig, layer_policies
 from pipefb.errors import WorkerFailed
+from pipefb.evaluate import evaluate
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_to_proto, plan_to_proto
@@ -169,6 +170,9 @@ class Driver:
     def _run_steps(self, job: Job, ranks: Ranks) -> None:
         def on_step(step: int, replies: list[worker_pb2.StepReply], seconds: float) -> None:
             report = _report(job, step, seconds, replies, ranks)
+            every = job.config.eval_every
+            if every and (step + 1) % every == 0 and step + 1 < job.config.steps:
+                report.eval.update(self._evaluate(job, ranks, step + 1))
             with job.cond:
                 job.reports.append(report)
                 job.step = step + 1
@@ -190,14 +194,24 @@ class Driver:
         if job.step < job.config.steps:
             job.set_state("STOPPED", "stopped by request")
 
-    def _collect_weights(self, job: Job, ranks: Ranks) -> dict[str, torch.Tensor]:
+    def _collect_weights(self, job: Job, ranks: Ranks, version: int = 0
+                         ) -> dict[str, torch.Tensor]:
+        """The whole model's weights from the ranks that own them (0: the current ones)."""
         weights: dict[str, torch.Tensor] = {}
         owners = {a.rank for a in job.plan.assignment if a.role != "forward"} if job.plan else set()
         for rank in sorted(owners):
             stream = ranks.stubs[rank].ExportWeights(
-                job_pb2.ExportWeightsRequest(job_id=job.job_id), timeout=120)
+                job_pb2.ExportWeightsRequest(job_id=job.job_id, version=version), timeout=120)
             weights.update(wire.decode_stream(stream)[1])
         return weights
+
+    def _evaluate(self, job: Job, ranks: Ranks, version: int) -> dict[str, float]:
+        """Held-out metrics of weight version `version` (kept by the owners for this)."""
+        started = time.perf_counter()
+        metrics = evaluate(job.config, self._collect_weights(job, ranks, version))
+        log.info("job %s version %d held-out %s (%.2f s)", job.job_id, version, metrics,
+                 time.perf_counter() - started)
+        return metrics
 
     def _check_store_empty(self, job: Job) -> None:
         left = self._store(job).count_keys()

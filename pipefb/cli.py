@@ -49,6 +49,8 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=d.policy,
                    help="activation policy: keep, offload, recompute, or a comma list with "
                         "one per layer (loss included); default keep, offload for pipefb")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="held-out evaluation every K steps (0: only at the end)")
     p.add_argument("--job-id", default="", help="job id (default: the coordinator picks)")
 
 
@@ -84,7 +86,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     values = dict(base or {})
     for name in ("model", "dataset", "loss", "schedule", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
-                 "policy", "job_id"):
+                 "policy", "eval_every", "job_id"):
         values.setdefault(name, getattr(args, name))
     for name in ("model_config", "dataset_config", "optimizer_config"):
         text = getattr(args, name)

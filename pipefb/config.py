@@ -59,6 +59,7 @@ class JobConfig:
     mode: str = ""  # sync (results equal one process) or async; "": the schedule's default
     staleness: int = 1  # async pipefb: the forward of step k uses weight version k - staleness
     policy: str = ""  # keep, offload, recompute or a comma list per layer; "": schedule default
+    eval_every: int = 0  # held-out evaluation every K steps in the step reports; 0: at the end
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -75,6 +76,9 @@ class JobConfig:
         if self.schedule in SCHEDULE_MODES and self.mode not in SCHEDULE_MODES[self.schedule]:
             raise ConfigError(f"schedule {self.schedule!r} cannot run in mode {self.mode!r}; "
                               f"it runs in {' or '.join(SCHEDULE_MODES[self.schedule])}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or (
+                self.eval_every < 0):
+            raise ConfigError(f"eval_every {self.eval_every!r} must be an integer >= 0")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or not (
                 0 <= self.staleness <= MAX_STALENESS):
             raise ConfigError(f"staleness {self.staleness!r} must be an integer in "

@@ -129,6 +129,7 @@ class StageRuntime:
         )
         self.version = 0
         self.versions = WeightVersions()
+        self._eval_weights: dict[int, dict[str, torch.Tensor]] = {}  # version -> owned weights
         self.flight = _InFlight()
         self.memory = MemoryAccount()
         params = [p for layer in self.layers.values() for p in layer.parameters()]
@@ -265,7 +266,8 @@ class StageRuntime:
             "parameters": self.param_bytes,
             "gradients": self._grad_bytes,
             "optimizer_state": self._optimizer_bytes,
-            "weight_versions": self.versions.nbytes(),
+            "weight_versions": self.versions.nbytes() + tensor_bytes(
+                t for kept in self._eval_weights.values() for t in kept.values()),
             "stashed": stashed,
             "activations": tensor_bytes(self.flight.live(), seen=seen),
         })
@@ -379,6 +381,10 @@ class StageRuntime:
         self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         self.version += 1
         self.versions.prune(needed)
+        every = self.job.eval_every
+        if every and self.version % every == 0 and self.version < self.job.steps:
+            self._eval_weights[self.version] = {k: v.clone()
+                                                for k, v in self.owned_weights().items()}
 
     def _versions_needed_after(self, step: int) -> set[int]:
         """Weight versions some backward after step `step`'s OPT will still use."""
@@ -496,6 +502,17 @@ class StageRuntime:
         """The weights this rank owns (its backward layers), named `layers.{i}.{param}`."""
         return {f"layers.{i}.{name}": p.detach()
                 for i in self.bwd_layers for name, p in self.layers[i].named_parameters()}
+
+    def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:
+        """The owned weights of `version`, kept after its OPT for evaluation (`eval_every`).
+
+        Raises:
+            KeyError: the version was not kept or was already taken.
+        """
+        if version not in self._eval_weights:
+            raise KeyError(f"weight version {version} is not kept for evaluation "
+                           f"(kept: {sorted(self._eval_weights)})")
+        return self._eval_weights.pop(version)
 
 
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:

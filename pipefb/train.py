@@ -46,6 +46,9 @@ class StepProgress:
         else:
             console.print(f"step {step['step'] + 1}/{total} loss {step['loss']:.4f} "
                           f"{step['samples_per_second']:.1f} samples/s")
+        if step.get("eval"):
+            held_out = ", ".join(f"{k} {v:.4f}" for k, v in sorted(step["eval"].items()))
+            console.print(f"step {step['step'] + 1}: held-out {held_out}")
 
 
 @contextmanager
@@ -162,7 +165,7 @@ def step_dict(msg: Any) -> dict[str, Any]:
     """A StepReport message as the report's step entry."""
     return {
         "step": msg.step, "loss": msg.loss, "seconds": msg.seconds,
-        "samples_per_second": msg.samples_per_second,
+        "samples_per_second": msg.samples_per_second, "eval": dict(msg.eval),
         "workers": [{"rank": w.rank, "worker_id": w.worker_id, "role": w.role, "stage": w.stage,
                      "compute_seconds": w.compute_seconds, "idle_seconds": w.idle_seconds,
                      "peak_memory_bytes": w.peak_memory_bytes,

@@ -18,7 +18,7 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         optimizer_config_json=json.dumps(job.optimizer_config), lr=job.lr, seed=job.seed,
         batch_size=job.batch_size, microbatches=job.microbatches, steps=job.steps,
         schedule=job.schedule, workers=job.workers, mode=job.mode,
-        staleness=job.staleness, policy=job.policy,
+        staleness=job.staleness, policy=job.policy, eval_every=job.eval_every,
     )
 
 
@@ -33,7 +33,7 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         optimizer_config=parse_json_object(spec.optimizer_config_json, "optimizer config"),
         lr=spec.lr, seed=spec.seed, batch_size=spec.batch_size, microbatches=spec.microbatches,
         steps=spec.steps, schedule=spec.schedule, workers=spec.workers, mode=spec.mode or "sync",
-        staleness=spec.staleness, policy=spec.policy,
+        staleness=spec.staleness, policy=spec.policy, eval_every=spec.eval_every,
     )
 
 

@@ -68,20 +68,29 @@ class TrainRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("job_id", "step", "loss", "seconds", "samples_per_second", "workers")
+    __slots__ = ("job_id", "step", "loss", "seconds", "samples_per_second", "workers", "eval")
+    class EvalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     loss: float
     seconds: float
     samples_per_second: float
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStepStats]
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ...) -> None: ...
+    eval: _containers.ScalarMap[str, float]
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ..., eval: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
     __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed", "action_seconds", "spans", "versions", "kept_versions", "weight_version", "kind_peak_bytes", "activation_peak_bytes")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode", "staleness", "policy")
+    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode", "staleness", "policy", "eval_every")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class JobSpec(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     model_config_json: str
@@ -44,7 +45,8 @@ class JobSpec(_message.Message):
     mode: str
     staleness: int
     policy: str
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+    eval_every: int
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., policy: _Optional[str] = ..., eval_every: _Optional[int] = ...) -> None: ...
 
 class WorkerAssignment(_message.Message):
     __slots__ = ("rank", "group", "role", "stage")
@@ -85,7 +87,9 @@ class Plan(_message.Message):
     def __init__(self, schedule: _Optional[str] = ..., microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., policy: _Optional[_Iterable[str]] = ..., groups: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[WorkerAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class ExportWeightsRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    version: int
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...

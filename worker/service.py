@@ -201,9 +201,18 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def ExportWeights(self, request: job_pb2.ExportWeightsRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
         assigned = self._current(request.job_id)
-        transfer = tensor_pb2.Transfer(job_id=request.job_id, version=assigned.runtime.version,
+        runtime = assigned.runtime
+        if request.version:
+            try:
+                weights = runtime.take_eval_weights(request.version)
+            except KeyError as error:
+                raise FailedPrecondition(str(error.args[0])) from None
+        else:
+            weights = runtime.owned_weights()
+        transfer = tensor_pb2.Transfer(job_id=request.job_id,
+                                       version=request.version or runtime.version,
                                        microbatch=-1, kind="EXPORT")
-        yield from wire.encode_stream(transfer, assigned.runtime.owned_weights())
+        yield from wire.encode_stream(transfer, weights)
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext
               ) -> worker_pb2.DrainReply:
