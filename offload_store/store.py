@@ -17,8 +17,9 @@ from redis.client import Pipeline
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.retry import Retry
 
+from offload_store.frames import Frame, FramePacker
 from offload_store.keys import check_index, check_name, job_pattern, stash_key
-from pipefb.codec import pack, unpack
+from pipefb.codec import unpack
 from pipefb.errors import StoreFullError
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
@@ -90,7 +91,7 @@ def connect(address: str, **kw: Any) -> redis.Redis:
 
     Args:
         address: ``host:port`` of the Redis server.
-        **kw: overrides of `CLIENT_DEFAULTS` or any other `redis.Redis` argument.
+        **kw: overrides of `CLIENT_DEFAULTS` or any other redis-py connection argument.
 
     Raises:
         ValueError: a bad address, or ``decode_responses=True`` (values are raw bytes).
@@ -99,7 +100,10 @@ def connect(address: str, **kw: Any) -> redis.Redis:
     options = {**CLIENT_DEFAULTS, **kw}
     if options.get("decode_responses"):
         raise ValueError("decode_responses=True would decode tensor bytes as text")
-    return redis.Redis(host=host, port=port, **options)
+    client = redis.Redis(host=host, port=port, **options)
+    # every connection the pool opens writes stash frames without copying them
+    client.connection_pool.connection_kwargs["command_packer"] = FramePacker()
+    return client
 
 
 def _is_oom(error: Exception) -> bool:
@@ -199,8 +203,8 @@ class OffloadStore:
             CodecError: a dtype the codec does not allow.
             ValueError: a bad index or name.
         """
-        items = {
-            self.key(step, microbatch, layer, version, name): pack(tensor)
+        items = {  # see [Note: zero-copy put] in offload_store.frames
+            self.key(step, microbatch, layer, version, name): Frame.of(tensor)
             for layer, named in tensors.items()
             for name, tensor in named.items()
         }
@@ -271,7 +275,7 @@ class OffloadStore:
         keys = self._client.scan_iter(match=job_pattern(self.job), count=SCAN_COUNT)
         return sum(1 for _ in keys)
 
-    def _write_with_backoff(self, items: dict[str, bytes]) -> bool:
+    def _write_with_backoff(self, items: dict[str, Frame]) -> bool:
         """Writes all items, re-sending those refused for OOM with exponential backoff.
 
         Returns:
@@ -290,7 +294,7 @@ class OffloadStore:
             pending = self._set_all(pending)
         return True
 
-    def _set_all(self, items: dict[str, bytes]) -> dict[str, bytes]:
+    def _set_all(self, items: dict[str, Frame]) -> dict[str, Frame]:
         """Sends one SET pipeline (idempotent) and returns the items refused for OOM.
 
         Raises:
@@ -299,7 +303,7 @@ class OffloadStore:
         pipe = self._client.pipeline(transaction=False)
         for key, value in items.items():
             pipe.set(key, value, ex=self.ttl_seconds)
-        refused: dict[str, bytes] = {}
+        refused: dict[str, Frame] = {}
         for (key, value), reply in zip(items.items(), pipe.execute(False), strict=True):
             if isinstance(reply, Exception):
                 if not _is_oom(reply):

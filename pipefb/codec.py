@@ -148,11 +148,18 @@ def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
         raise CodecError(f"tensor data of type {type(data).__name__} is not bytes: {exc}") from exc
 
 
+def pack_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview]:
+    """The frame of `pack` as (header, data view): no copy of a dense tensor's data; the
+    view aliases the tensor and stays valid while the caller holds it."""
+    name, shape, view = raw_view(tensor)
+    dims = b"".join(_DIM.pack(d) for d in shape)
+    return _HEADER.pack(_MAGIC, CODES[name], len(shape)) + dims, view
+
+
 def pack(tensor: torch.Tensor) -> bytes:
     """Frames one tensor as a self-describing value: magic, dtype code, rank, dims, data."""
-    enc = encode(tensor)
-    dims = b"".join(_DIM.pack(d) for d in enc.shape)
-    return _HEADER.pack(_MAGIC, CODES[enc.dtype], len(enc.shape)) + dims + enc.data
+    head, data = pack_parts(tensor)
+    return head + data
 
 
 def unpack(

@@ -25,6 +25,7 @@ from offload_store import (
     parse_address,
     stash_key,
 )
+from offload_store.frames import Frame
 from pipefb.codec import pack
 from pipefb.errors import CodecError, StoreFullError
 
@@ -393,3 +394,23 @@ def test_take_restores_the_connection_retry_policy(client: redis.Redis) -> None:
         assert conn.retry.get_retries() == client.get_retry().get_retries() > 0
     finally:
         client.connection_pool.release(conn)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(3 * 1000, dtype=torch.float32).reshape(3, 1000),  # dense: data not copied
+    torch.arange(24, dtype=torch.int64).reshape(4, 6).t(),  # strided: copied once
+    torch.zeros(0, 5, dtype=torch.bfloat16),  # empty
+    torch.tensor(True),  # 0-d bool
+])
+def test_frames_reach_redis_byte_for_byte_as_pack_writes_them(client: redis.Redis,
+                                                              tensor: torch.Tensor) -> None:
+    """[Note: zero-copy put]: the parts written one after the other are exactly `pack`."""
+    store = OffloadStore(client, "frames")
+    store.put(1, 0, 2, {0: {"x": tensor}})
+    raw = client.get(store.key(1, 0, 0, 2, "x"))
+    assert raw == pack(tensor)
+    assert len(Frame.of(tensor)) == len(raw)
+    got = store.take(1, 0, 2, {0: ["x"]})[0]["x"]
+    assert torch.equal(got, tensor) and got.dtype == tensor.dtype
+    client.set("plain", b"value")  # other commands still go through redis-py's own packing
+    assert client.getdel("plain") == b"value"
