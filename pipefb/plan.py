@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
@@ -102,30 +101,53 @@ def stage_counts(schedule: str, workers: int) -> tuple[int, int]:
 def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
     """Splits `costs` into `stages` contiguous ranges minimising the largest range sum.
 
-    Dynamic programming over (prefix, stages): O(n^2 * k) time, O(n * k) space for n layers
-    and k stages. Ties go to the earliest boundary, so the result is deterministic.
+    Dynamic programming over (stages, prefix): `best[k][e]` is the smallest bottleneck of
+    the first `e` layers in `k` stages. With non-negative costs, `best[k-1][c]` does not
+    decrease in the cut `c` and the last range's sum does not increase, so their maximum is
+    valley-shaped in `c` and its minimum sits where they cross: a binary search per state.
+    O(k * n * log n) time and O(k * n) space for n layers and k stages (200 layers on 64
+    stages: about 100k state updates). Of the two cuts around the crossing, a tie goes to
+    the earlier.
 
     Returns:
         Boundaries `(0, b1, ..., n)`.
+
+    Raises:
+        ConfigError: `stages` outside 1..n, or a negative cost.
     """
     n = len(costs)
     if not 1 <= stages <= n:
         raise ConfigError(f"cannot split {n} layers into {stages} stages")
+    if any(c < 0 for c in costs):
+        raise ConfigError(f"layer costs must be >= 0, got {min(costs)}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+    best = [prefix[:]]  # one stage: the whole prefix
+    cuts: list[list[int]] = [[0] * (n + 1)]
+    for k in range(2, stages + 1):
+        row, where = [float("inf")] * (n + 1), [0] * (n + 1)
+        for end in range(k, n + 1):
+            row[end], where[end] = _best_cut(best[-1], prefix, k - 1, end)
+        best.append(row)
+        cuts.append(where)
+    bounds = [n]
+    for k in range(stages, 1, -1):
+        bounds.append(cuts[k - 1][bounds[-1]])
+    return (0, *reversed(bounds))
 
-    @cache
-    def best(end: int, k: int) -> tuple[float, tuple[int, ...]]:
-        if k == 1:
-            return prefix[end], (0, end)
-        options = []
-        for cut in range(k - 1, end):
-            left, bounds = best(cut, k - 1)
-            options.append((max(left, prefix[end] - prefix[cut]), (*bounds, end)))
-        return min(options, key=lambda o: o[0])
 
-    return best(n, stages)[1]
+def _best_cut(left: list[float], prefix: list[float], lo: int, end: int) -> tuple[float, int]:
+    """min over cuts c in [lo, end) of max(left[c], prefix[end] - prefix[c]), and that c."""
+    a, b = lo, end - 1
+    while a < b:  # first cut where the left part is at least the last range
+        mid = (a + b) // 2
+        if left[mid] >= prefix[end] - prefix[mid]:
+            b = mid
+        else:
+            a = mid + 1
+    options = [(max(left[c], prefix[end] - prefix[c]), c) for c in (a - 1, a) if lo <= c < end]
+    return min(options)
 
 
 def balanced_plan(
