@@ -25,7 +25,7 @@ from coordinator.registry import Registry, WorkerRecord
 from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
 from pipefb.config import JobConfig, layer_policies
-from pipefb.errors import WorkerFailed
+from pipefb.errors import ConfigError, WorkerFailed
 from pipefb.evaluate import evaluate
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
@@ -208,7 +208,12 @@ class Driver:
     def _evaluate(self, job: Job, ranks: Ranks, version: int) -> dict[str, float]:
         """Held-out metrics of weight version `version` (kept by the owners for this)."""
         started = time.perf_counter()
-        metrics = evaluate(job.config, self._collect_weights(job, ranks, version))
+        try:
+            metrics = evaluate(job.config, self._collect_weights(job, ranks, version))
+        except (grpc.RpcError, ConfigError) as error:  # training goes on without this report
+            log.warning("job %s: no held-out evaluation of version %d: %s", job.job_id,
+                        version, error)
+            return {}
         log.info("job %s version %d held-out %s (%.2f s)", job.job_id, version, metrics,
                  time.perf_counter() - started)
         return metrics

@@ -76,10 +76,6 @@ class _InFlight:
     def held(self) -> list[torch.Tensor]:
         return [t for stash in self.saved.values() for t in stash.values()]
 
-    def empty(self) -> bool:
-        return not (self.inputs or self.outputs or self.saved or self.grads
-                    or self.input_grads or self.forward_version)
-
 
 @dataclass
 class _Iteration:
@@ -272,10 +268,6 @@ class StageRuntime:
             "activations": tensor_bytes(self.flight.live(), seen=seen),
         })
 
-    def idle(self) -> bool:
-        """Whether the rank holds no tensor of any step and no old weight version."""
-        return self.flight.empty() and not self.versions.versions()
-
     # -- compute ---------------------------------------------------------------------------
 
     def _forward(self, action: Action, step: int, it: _Iteration) -> None:
@@ -449,8 +441,12 @@ class StageRuntime:
         return self.version
 
     def _fetch_request(self, step: int, m: int) -> tuple[int, dict[int, list[str]]]:
-        version = (self.flight.forward_version[(step, self.bwd_stage or 0, m)]
-                   if self.role == "combined" else max(0, step - self.plan.staleness))
+        """The version a micro-batch's stash is keyed by, and the names to take per layer."""
+        if self.role == "combined":
+            assert self.bwd_stage is not None  # a combined rank has both stages
+            version = self.flight.forward_version[(step, self.bwd_stage, m)]
+        else:
+            version = max(0, step - self.plan.staleness)
         return version, {i: self.stash_names(i) for i in self._stored_layers(self.bwd_layers)}
 
     def _fetch(self, action: Action, step: int, it: _Iteration) -> None:
