@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 exec .venv/bin/pipefb local train --model gpt --dataset text --loss cross_entropy \
   --schedule pipefb --workers 4 --batch-size 16 --microbatches 4 --steps 60 \
-  --optimizer adamw --lr 3e-3 --seed 0 --out runs/demo "$@"
+  --optimizer adamw --lr 3e-3 --seed 0 --eval-every 20 --out runs/demo "$@"
