@@ -109,6 +109,18 @@ POLICY_RUNS = [
 ]
 
 
+@pytest.mark.parametrize(("schedule", "workers", "policy"), [
+    ("1f1b", 3, "recompute"), ("pipefb", 4, "recompute"), ("gpipe", 2, "offload")])
+def test_dropout_is_reproduced_by_recompute_and_offload(client: Any, schedule: str,
+                                                        workers: int, policy: str) -> None:
+    """Random ops are seeded by (step, micro-batch, layer): a recomputed forward draws the
+    same dropout masks as the first, and both equal one process's."""
+    config = {**MODELS["gpt"]["model_config"], "dropout": 0.2}
+    job = make_job("gpt", schedule, workers, "adamw", policy=policy, model_config=config)
+    reports, weights = run_on_cluster(client, job)
+    assert_same_training(job, reports, weights)
+
+
 @pytest.mark.parametrize(("model", "schedule", "workers", "policy"), POLICY_RUNS)
 def test_every_policy_equals_single_process(client: Any, cluster: Any, model: str, schedule: str,
                                             workers: int, policy: str) -> None:
