@@ -1,4 +1,5 @@
-"""Held-out evaluation of a job's final weights: loss, and accuracy for classification."""
+"""Held-out evaluation of a job's weights (final, or a kept version): loss, and accuracy for
+classification."""
 
 from __future__ import annotations
 
