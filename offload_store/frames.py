@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from redis._parsers import Encoder
-from redis.connection import PythonRespSerializer
+from redis.connection import Encoder, PythonRespSerializer
 
 from pipefb.codec import pack_parts
 

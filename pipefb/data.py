@@ -34,6 +34,11 @@ class Dataset(Protocol):
         """Returns (inputs, targets) of `size` samples, deterministic in (seed, step, mb)."""
         ...
 
+    def held_out(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole eval split when it is a finite set of samples, else None (evaluation
+        then samples it with `microbatch`)."""
+        ...
+
 
 def sampler(seed: int, step: int, microbatch: int, split: str) -> torch.Generator:
     """Returns the CPU generator of one micro-batch of `split`.
@@ -99,6 +104,10 @@ class DigitsDataset:
         gen = sampler(self.seed, step, microbatch, split)
         pick = torch.randint(len(inputs), (size,), generator=gen)  # (size,)
         return inputs[pick], targets[pick]
+
+    def held_out(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every held-out image, once."""
+        return self.data["eval"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +180,10 @@ class TextDataset:
                 )
         self.splits = tuple(self.data)
 
+    def held_out(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """None: evaluation samples the eval split."""
+        return None
+
     def microbatch(
         self, step: int, microbatch: int, size: int, split: str = "train"
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,6 +224,10 @@ class SyntheticDataset:
         self.w1 = torch.randn(cfg.in_features, cfg.in_features, generator=gen)  # (in, in)
         self.w2 = torch.randn(cfg.in_features, cfg.out_features, generator=gen)  # (in, out)
         self.next_token = torch.randperm(cfg.vocab_size, generator=gen)  # (vocab,)
+
+    def held_out(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """None: evaluation samples the eval split."""
+        return None
 
     def microbatch(
         self, step: int, microbatch: int, size: int, split: str = "train"

@@ -48,8 +48,8 @@ def evaluate(job: JobConfig, weights: Mapping[str, torch.Tensor],
     load_weights(layers, weights)
     *model, loss_layer = layers
     total_loss, correct, count = 0.0, 0, 0
-    whole = getattr(dataset, "data", {}).get("eval")
-    if isinstance(whole, tuple):  # a finite held-out set (digits): all of it, once
+    whole = dataset.held_out()
+    if whole is not None:  # a finite held-out set (digits): all of it, once
         samples = len(whole[0])
         batches = [(whole[0][i:i + EVAL_BATCH], whole[1][i:i + EVAL_BATCH])
                    for i in range(0, samples, EVAL_BATCH)]

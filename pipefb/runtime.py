@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -115,6 +116,8 @@ class StageRuntime:
         self.n_inputs = {i: len(specs[i]) for i in held}
         self.execs = {i: self._executor(i, all_layers[i], specs[i]) for i in held}
         self.run_start = _recompute_runs(plan, self.topology)
+        self._stash_layers = self._stored_layers(self.fwd_layers)  # constant per rank
+        self._fetch_names = {i: self.stash_names(i) for i in self._stored_layers(self.bwd_layers)}
         self.receives = self._receive_specs(specs, output_spec(all_layers[-1], specs[-1]))
         self.max_receive_bytes = max((s.nbytes for named in self.receives.values()
                                       for s in named.values()), default=0)
@@ -126,6 +129,7 @@ class StageRuntime:
         self.version = 0
         self.versions = WeightVersions()
         self._eval_weights: dict[int, dict[str, torch.Tensor]] = {}  # version -> owned weights
+        self._eval_bytes = 0  # of `_eval_weights`, updated where it changes
         self.flight = _InFlight()
         self.memory = MemoryAccount()
         params = [p for layer in self.layers.values() for p in layer.parameters()]
@@ -222,8 +226,8 @@ class StageRuntime:
         for index, (at, action) in enumerate(todo):
             wall, started = time.time(), time.perf_counter()
             self._handlers[action.kind](action, at, it)
-            if action.kind is Kind.FETCH:
-                self._prefetch_next(todo[index + 1:])
+            if action.kind is Kind.FETCH and self.role == "combined":
+                self._prefetch_next(todo, index)
             elapsed = time.perf_counter() - started
             label = str(Action(action.stage, action.kind, action.microbatch, at - step))
             it.spans.append((label, wall, wall + elapsed))
@@ -262,8 +266,7 @@ class StageRuntime:
             "parameters": self.param_bytes,
             "gradients": self._grad_bytes,
             "optimizer_state": self._optimizer_bytes,
-            "weight_versions": self.versions.nbytes() + tensor_bytes(
-                t for kept in self._eval_weights.values() for t in kept.values()),
+            "weight_versions": self.versions.nbytes + self._eval_bytes,
             "stashed": stashed,
             "activations": tensor_bytes(self.flight.live(), seen=seen),
         })
@@ -308,10 +311,12 @@ class StageRuntime:
         assert x is not None  # stage 0 always has data
         return x, targets
 
-    def _backward_version(self, step: int, stage: int, m: int) -> int:
-        """The weight version the forward of (step, m) used; its backward uses it too."""
+    def _forward_version(self, step: int, stage: int, m: int) -> int:
+        """The weight version the forward of (step, m) used: what its stash is keyed by and
+        what its backward computes with. A combined rank recorded it; on split ranks it is
+        step - staleness (at least 0), the version RECV_W installed."""
         if self.role == "combined":
-            return self.flight.forward_version.pop((step, stage, m))
+            return self.flight.forward_version[(step, stage, m)]
         return max(0, step - self.plan.staleness)
 
     def _params(self, version: int, layer: int) -> list[torch.Tensor] | None:
@@ -320,7 +325,7 @@ class StageRuntime:
 
     def _backward(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
-        version = self._backward_version(step, action.stage, m)
+        version = self._forward_version(step, action.stage, m)
         last = len(self.topology.backward_workers) - 1
         grad: torch.Tensor | None
         if action.stage == last:
@@ -342,6 +347,7 @@ class StageRuntime:
             self.flight.input_grads[(step, action.stage, m)] = grad
         it.versions.append((str(action.base), step, version))
         if self.role == "combined":
+            del self.flight.forward_version[(step, action.stage, m)]
             self.versions.prune(self.flight.forward_version.values())
 
     def _recompute(self, step: int, m: int, end: int, version: int
@@ -377,6 +383,7 @@ class StageRuntime:
         if every and self.version % every == 0 and self.version < self.job.steps:
             self._eval_weights[self.version] = {k: v.clone()
                                                 for k, v in self.owned_weights().items()}
+            self._eval_bytes = self._kept_eval_bytes()
 
     def _versions_needed_after(self, step: int) -> set[int]:
         """Weight versions some backward after step `step`'s OPT will still use."""
@@ -429,44 +436,29 @@ class StageRuntime:
 
     def _stash(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
-        tensors = {i: self.flight.saved.pop((step, m, i))
-                   for i in self._stored_layers(self.fwd_layers)}
-        it.stashed += self.transport.stash(step, m, self._stash_version(step, action), tensors)
+        tensors = {i: self.flight.saved.pop((step, m, i)) for i in self._stash_layers}
+        version = self._forward_version(step, action.stage, m)
+        it.stashed += self.transport.stash(step, m, version, tensors)
         self.flight.stashed_here.add((step, m))
-
-    def _stash_version(self, step: int, action: Action) -> int:
-        """The version a stash is keyed by: the weight version of its forward."""
-        if self.role == "combined":
-            return self.flight.forward_version[(step, action.stage, _mb(action))]
-        return self.version
-
-    def _fetch_request(self, step: int, m: int) -> tuple[int, dict[int, list[str]]]:
-        """The version a micro-batch's stash is keyed by, and the names to take per layer."""
-        if self.role == "combined":
-            assert self.bwd_stage is not None  # a combined rank has both stages
-            version = self.flight.forward_version[(step, self.bwd_stage, m)]
-        else:
-            version = max(0, step - self.plan.staleness)
-        return version, {i: self.stash_names(i) for i in self._stored_layers(self.bwd_layers)}
 
     def _fetch(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
-        version, names = self._fetch_request(step, m)
-        got = self.transport.fetch(step, m, version, names)
+        version = self._forward_version(step, action.stage, m)
+        got = self.transport.fetch(step, m, version, self._fetch_names)
         for i, stash in got.items():
             self.flight.saved[(step, m, i)] = stash
         self.flight.stashed_here.discard((step, m))
 
-    def _prefetch_next(self, rest: list[tuple[int, Action]]) -> None:
+    def _prefetch_next(self, todo: list[tuple[int, Action]], index: int) -> None:
         """Starts fetching the next FETCH's tensors while this backward runs, when they
         are already in the store (a combined rank stashed them itself)."""
-        nxt = next(((t, a) for t, a in rest if a.kind is Kind.FETCH), None)
-        if nxt is None or self.role != "combined":
-            return
-        step, m = nxt[0], _mb(nxt[1])
-        if (step, m) in self.flight.stashed_here:
-            version, names = self._fetch_request(step, m)
-            self.transport.prefetch(step, m, version, names)
+        nxt = next(((t, a) for t, a in islice(todo, index + 1, None) if a.kind is Kind.FETCH),
+                   None)
+        if nxt is not None and (nxt[0], _mb(nxt[1])) in self.flight.stashed_here:
+            step, action = nxt
+            m = _mb(action)
+            version = self._forward_version(step, action.stage, m)
+            self.transport.prefetch(step, m, version, self._fetch_names)
 
     def _push_weights(self, action: Action, step: int, it: _Iteration) -> None:
         if self.version + self.plan.staleness >= self.job.steps:
@@ -508,7 +500,13 @@ class StageRuntime:
         if version not in self._eval_weights:
             raise KeyError(f"weight version {version} is not kept for evaluation "
                            f"(kept: {sorted(self._eval_weights)})")
-        return self._eval_weights.pop(version)
+        weights = self._eval_weights.pop(version)
+        self._eval_bytes = self._kept_eval_bytes()
+        return weights
+
+    def _kept_eval_bytes(self) -> int:
+        return tensor_bytes(t for kept in list(self._eval_weights.values())
+                            for t in kept.values())
 
 
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:

@@ -156,8 +156,7 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
         report["job_id"] = job_id
         report["plan"] = plan_from_proto(client.status(job_id).plan).to_dict()
         report["_weights"] = client.weights(job_id)
-    report["peak_memory_bytes"] = peak_by_rank(report["steps"])
-    report["peak_memory_by_kind"] = peak_kinds_by_rank(report["steps"])
+    report["peak_memory_bytes"], report["peak_memory_by_kind"] = peaks_by_rank(report["steps"])
     return report
 
 
@@ -189,22 +188,14 @@ def timeline(msg: Any) -> dict[str, Any]:
         for w in msg.workers]}
 
 
-def peak_kinds_by_rank(steps: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
-    """Each rank's bytes by kind at its highest peak over all steps."""
+def peaks_by_rank(steps: list[dict[str, Any]]
+                  ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Each rank's highest accounted peak over all steps, and its bytes by kind then."""
     best: dict[str, tuple[int, dict[str, int]]] = {}
     for step in steps:
         for w in step["workers"]:
             key = str(w["rank"])
             if key not in best or w["peak_memory_bytes"] > best[key][0]:
                 best[key] = (w["peak_memory_bytes"], dict(w["memory_bytes"]))
-    return {rank: kinds for rank, (_, kinds) in sorted(best.items(), key=lambda kv: int(kv[0]))}
-
-
-def peak_by_rank(steps: list[dict[str, Any]]) -> dict[str, int]:
-    """Each rank's peak accounted memory over all steps."""
-    peak: dict[str, int] = {}
-    for step in steps:
-        for w in step["workers"]:
-            key = str(w["rank"])
-            peak[key] = max(peak.get(key, 0), w["peak_memory_bytes"])
-    return peak
+    ranks = sorted(best, key=int)
+    return {r: best[r][0] for r in ranks}, {r: best[r][1] for r in ranks}

@@ -21,11 +21,13 @@ class WeightVersions:
 
     def __init__(self) -> None:
         self._kept: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self.nbytes = 0  # bytes of every kept copy, updated where the copies change
 
     def keep(self, version: int, layers: Mapping[int, torch.nn.Module]) -> None:
         """Copies the current parameters of `layers` as `version` (before an update)."""
         self._kept[version] = {i: [p.detach().clone() for p in layer.parameters()]
                                for i, layer in layers.items()}
+        self._count()
 
     def params(self, version: int, layer: int) -> list[torch.Tensor]:
         """The parameters of `layer` at a kept `version`.
@@ -40,14 +42,16 @@ class WeightVersions:
     def prune(self, needed: Iterable[int]) -> None:
         """Drops every kept version not in `needed`."""
         wanted = set(needed)
-        for version in [v for v in self._kept if v not in wanted]:
+        dropped = [v for v in self._kept if v not in wanted]
+        for version in dropped:
             del self._kept[version]
+        if dropped:
+            self._count()
 
     def versions(self) -> list[int]:
         """The kept versions, ascending."""
         return sorted(self._kept)
 
-    def nbytes(self) -> int:
-        """Bytes of every kept copy."""
-        return tensor_bytes(t for layers in self._kept.values() for ts in layers.values()
-                            for t in ts)
+    def _count(self) -> None:
+        self.nbytes = tensor_bytes(t for layers in self._kept.values()
+                                   for ts in layers.values() for t in ts)

@@ -5,12 +5,25 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 PLUGIN_PATH = Path(__file__).parent / "plugin_pkg"  # a distribution with a pipefb.models entry
 WORKER_THREADS = 1  # torch threads per worker; references must use as many to be bit-equal
+
+
+@contextmanager
+def worker_threads() -> Iterator[None]:
+    """Runs a one-process reference with the workers' torch thread count, then restores it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WORKER_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

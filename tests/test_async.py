@@ -26,7 +26,7 @@ from pipefb.runtime import _needs_grad
 from pipefb.schedule import Action
 from pipefb.shapes import infer_input_specs, spec_of
 from protos.convert import plan_from_proto
-from tests.conftest import WORKER_THREADS
+from tests.conftest import worker_threads
 from tests.test_transparency import make_job, run_on_cluster
 
 Tags = dict[tuple[int, int], list[tuple[str, int, int]]]  # (step, mb) -> (kind, stage, version)
@@ -84,15 +84,11 @@ def test_async_pipefb_lags_at_most_staleness_versions(client: Any, cluster: Any,
 
 
 def single_eval(job: JobConfig) -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(WORKER_THREADS)
-    try:
+    with worker_threads():
         single = SingleProcess(replace(job, schedule="single", mode="sync"))
         for _ in single.run():
             pass
         return evaluate(job, single.weights())
-    finally:
-        torch.set_num_threads(threads)
 
 
 DIGITS = {"model": "convnet", "dataset": "digits", "loss": "cross_entropy",
@@ -181,15 +177,11 @@ def test_async_pipefb_equals_the_delayed_gradient_reference(client: Any, cluster
     weights; one process doing exactly that gives the same losses and weights."""
     job = make_job(model, "pipefb", 3, "adamw", mode="async", staleness=staleness, steps=5)
     reports, weights = run_on_cluster(client, job)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(WORKER_THREADS)
-    try:
+    with worker_threads():
         delayed = SingleProcess(replace(job, schedule="single", mode="sync"), staleness)
         want = [s.loss for s in delayed.run()]
         want_weights = delayed.weights()
         fresh = [s.loss for s in SingleProcess(replace(job, schedule="single", mode="sync")).run()]
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(torch.tensor([r.loss for r in reports], dtype=torch.float64),
                                torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0)
     for name, value in want_weights.items():

@@ -13,23 +13,19 @@ from pipefb.config import JobConfig
 from pipefb.errors import ConfigError
 from pipefb.evaluate import evaluate, load_weights
 from pipefb.reference import SingleProcess
-from tests.conftest import WORKER_THREADS
+from tests.conftest import worker_threads
 from tests.test_transparency import make_job, run_on_cluster
 
 
 def single_evals(job: JobConfig, every: int) -> dict[int, dict[str, float]]:
     """Held-out metrics of one process's weights after every `every` steps."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(WORKER_THREADS)
-    try:
+    with worker_threads():
         single = SingleProcess(replace(job, schedule="single", mode="sync"))
         out = {}
         for s in single.run():
             if (s.step + 1) % every == 0 and s.step + 1 < job.steps:
                 out[s.step] = evaluate(job, single.weights())
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("schedule", "workers"), [("1f1b", 3), ("pipefb", 4)])

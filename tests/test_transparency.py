@@ -12,7 +12,7 @@ import torch
 from offload_store import connect, job_pattern
 from pipefb.config import JobConfig
 from pipefb.reference import SingleProcess
-from tests.conftest import WORKER_THREADS
+from tests.conftest import worker_threads
 
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"model": "mlp", "dataset": "digits", "loss": "cross_entropy",
@@ -41,14 +41,10 @@ def make_job(model: str, schedule: str, workers: int, optimizer: str, **extra: A
 
 def reference(job: JobConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final weights of the same job in one process, with the workers' threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(WORKER_THREADS)
-    try:
+    with worker_threads():
         single = SingleProcess(replace(job, schedule="single"))
         losses = [s.loss for s in single.run()]
         return losses, single.weights()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run_on_cluster(client: Any, job: JobConfig) -> tuple[list[Any], dict[str, torch.Tensor]]:
