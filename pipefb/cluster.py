@@ -1,0 +1,279 @@
+"""The cluster description: workers (speed, memory, host), links, offload store, overheads.
+
+A cluster is read from YAML (`Cluster.load`) or built in code; the planner and the
+simulator take it as plain data. Sizes and rates accept units::
+
+    workers:                       # a list, or {count: 8, speed: 1.0, memory: 80GiB}
+      - {name: gpu0, speed: 1.0, memory: 80GiB, host: node0}
+      - {name: gpu1, speed: 0.5, memory: 40GiB, host: node0}
+    hosts:                         # optional: cores the workers of a host share
+      - {name: node0, cores: 16}
+    network: {bandwidth: 25GB/s, latency: 5us}     # any two workers, unless `links` says
+    links:
+      - {between: [gpu0, gpu1], bandwidth: 300GB/s, latency: 2us}
+    store: {bandwidth: 12GB/s, latency: 30us}      # the offload store, per worker
+    overheads: {action: 20us, step: 1ms}           # per executed action; per step and worker
+
+`speed` is relative to the device the profile was measured on (2.0: twice as fast);
+`memory` caps the bytes the runtime accounts to the worker (parameters, gradients,
+optimizer state, weight versions, activations, stashed tensors).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipefb.errors import ConfigError
+
+_UNITS = {"": 1.0, "b": 1.0, "k": 1e3, "kb": 1e3, "kib": 2.0**10, "m": 1e6, "mb": 1e6,
+          "mib": 2.0**20, "g": 1e9, "gb": 1e9, "gib": 2.0**30, "t": 1e12, "tb": 1e12,
+          "tib": 2.0**40}
+_TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(/s)?\s*$")
+
+
+def parse_quantity(value: Any, what: str, kind: str) -> float:
+    """Reads `12GB/s`, `80GiB`, `5us` or a plain number (bytes, bytes/s, seconds).
+
+    Args:
+        value: a number or a string with a unit.
+        what: the field, for the error message.
+        kind: "bytes", "rate" (bytes per second) or "seconds".
+
+    Raises:
+        ConfigError: not a non-negative number with a unit of that kind.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} = {value!r} is not a number")
+    if isinstance(value, int | float):
+        number = float(value)
+    else:
+        match = _QUANTITY.match(str(value))
+        if match is None:
+            raise ConfigError(f"{what} = {value!r} is not a number with a unit")
+        digits, unit, per_second = match.groups()
+        unit = unit.lower()
+        table = _TIMES if kind == "seconds" else _UNITS
+        if unit not in table or bool(per_second) != (kind == "rate"):
+            example = {"bytes": "80GiB", "rate": "12GB/s", "seconds": "5us"}[kind]
+            raise ConfigError(f"{what} = {value!r} has the wrong unit (e.g. {example})")
+        number = float(digits) * table[unit]
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"{what} = {value!r} must be finite and >= 0")
+    return number
+
+
+@dataclass(frozen=True)
+class Link:
+    """A one-way channel: `seconds(n)` is the latency plus n bytes at the bandwidth."""
+
+    bandwidth: float  # bytes per second, > 0
+    latency: float = 0.0  # seconds
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ConfigError(f"link bandwidth {self.bandwidth!r} must be > 0 bytes/s")
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to move `nbytes` bytes, first byte sent to last byte received."""
+        return self.latency + nbytes / self.bandwidth
+
+    @staticmethod
+    def parse(data: Any, what: str) -> Link:
+        """A link from `{bandwidth, latency}`; ConfigError names the bad field."""
+        fields_ = _mapping(data, what, {"bandwidth", "latency", "between"})
+        if "bandwidth" not in fields_:
+            raise ConfigError(f"{what} needs a bandwidth (e.g. 12GB/s)")
+        return Link(parse_quantity(fields_["bandwidth"], f"{what}.bandwidth", "rate"),
+                    parse_quantity(fields_.get("latency", 0), f"{what}.latency", "seconds"))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker of the cluster."""
+
+    name: str
+    speed: float = 1.0  # compute speed relative to the profiled device
+    memory: float = math.inf  # bytes the worker may hold; inf: no cap
+    host: str = ""  # workers of one host share its cores; "": a host of its own
+
+    def __post_init__(self) -> None:
+        if not self.speed > 0 or not math.isfinite(self.speed):
+            raise ConfigError(f"worker {self.name!r}: speed {self.speed!r} must be > 0")
+        if not self.memory > 0:
+            raise ConfigError(f"worker {self.name!r}: memory {self.memory!r} must be > 0")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Workers, the links between them, the offload store and runtime overheads."""
+
+    workers: tuple[WorkerSpec, ...]
+    network: Link = Link(bandwidth=1e9, latency=1e-4)
+    store: Link = Link(bandwidth=1e9, latency=1e-4)
+    links: Mapping[frozenset[str], Link] = field(default_factory=dict)
+    host_cores: Mapping[str, int] = field(default_factory=dict)
+    action_overhead: float = 0.0  # seconds the runtime spends per action, beyond its work
+    step_overhead: float = 0.0  # seconds per step and worker (the step call's round trip)
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ConfigError("a cluster needs at least one worker")
+        names = [w.name for w in self.workers]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ConfigError(f"worker name {duplicate!r} appears twice")
+        for pair in self.links:
+            unknown = sorted(set(pair) - set(names))
+            if unknown or len(pair) != 2:
+                raise ConfigError(f"link between {sorted(pair)} names unknown worker(s) "
+                                  f"{unknown}" if unknown else f"link {sorted(pair)} "
+                                  "must join two different workers")
+        for host, cores in self.host_cores.items():
+            if cores < 1:
+                raise ConfigError(f"host {host!r}: cores {cores!r} must be >= 1")
+
+    @property
+    def size(self) -> int:
+        """Number of workers."""
+        return len(self.workers)
+
+    def link(self, a: int, b: int) -> Link:
+        """The link from worker index `a` to worker index `b`."""
+        pair = frozenset((self.workers[a].name, self.workers[b].name))
+        return self.links.get(pair, self.network)
+
+    def cores_of(self, worker: int) -> tuple[str, int]:
+        """(host key, cores) the worker's compute shares; a host of its own by default."""
+        spec = self.workers[worker]
+        if spec.host and spec.host in self.host_cores:
+            return spec.host, self.host_cores[spec.host]
+        return f"worker:{spec.name}", 1
+
+    def with_memory(self, memory: float) -> Cluster:
+        """The same cluster with every worker's memory cap set to `memory` bytes."""
+        workers = tuple(WorkerSpec(w.name, w.speed, memory, w.host) for w in self.workers)
+        return Cluster(workers, self.network, self.store, self.links, self.host_cores,
+                       self.action_overhead, self.step_overhead)
+
+    @staticmethod
+    def uniform(n: int, *, speed: float = 1.0, memory: float = math.inf,
+                network: Link | None = None, store: Link | None = None) -> Cluster:
+        """`n` identical workers w0..w{n-1}, each on a host of its own."""
+        if n < 1:
+            raise ConfigError(f"a cluster needs at least one worker, got {n}")
+        return Cluster(tuple(WorkerSpec(f"w{i}", speed, memory) for i in range(n)),
+                       network or Link(1e9, 1e-4), store or Link(1e9, 1e-4))
+
+    @staticmethod
+    def from_dict(data: Any, source: str = "cluster") -> Cluster:
+        """Reads the YAML form (see the module docstring); ConfigError names the bad field."""
+        top = _mapping(data, source, {"workers", "hosts", "network", "links", "store",
+                                      "overheads"})
+        if "workers" not in top:
+            raise ConfigError(f"{source} needs `workers`")
+        workers = _workers(top["workers"], f"{source}.workers")
+        hosts = {}
+        for i, item in enumerate(top.get("hosts") or []):
+            host = _mapping(item, f"{source}.hosts[{i}]", {"name", "cores"})
+            cores = host.get("cores", 1)
+            if isinstance(cores, bool) or not isinstance(cores, int):
+                raise ConfigError(f"{source}.hosts[{i}].cores = {cores!r} is not an integer")
+            hosts[str(host.get("name", ""))] = cores
+        links = {}
+        for i, item in enumerate(top.get("links") or []):
+            what = f"{source}.links[{i}]"
+            between = _mapping(item, what, {"between", "bandwidth", "latency"}).get("between")
+            if not isinstance(between, list) or len(between) != 2:
+                raise ConfigError(f"{what}.between must list two worker names")
+            links[frozenset(str(n) for n in between)] = Link.parse(item, what)
+        over = _mapping(top.get("overheads") or {}, f"{source}.overheads", {"action", "step"})
+        kwargs: dict[str, Any] = {}
+        if "network" in top:
+            kwargs["network"] = Link.parse(top["network"], f"{source}.network")
+        if "store" in top:
+            kwargs["store"] = Link.parse(top["store"], f"{source}.store")
+        return Cluster(
+            workers, links=links, host_cores=hosts,
+            action_overhead=parse_quantity(over.get("action", 0), f"{source}.overheads.action",
+                                           "seconds"),
+            step_overhead=parse_quantity(over.get("step", 0), f"{source}.overheads.step",
+                                         "seconds"),
+            **kwargs)
+
+    @staticmethod
+    def load(path: Path) -> Cluster:
+        """Reads a cluster YAML file.
+
+        Raises:
+            ConfigError: unreadable file, bad YAML or a bad field (named).
+        """
+        import yaml
+
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise ConfigError(f"cannot read cluster file {str(path)!r}: {error.strerror}"
+                              ) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"cluster file {str(path)!r} is not valid YAML: "
+                              f"{str(error).splitlines()[0]}") from None
+        return Cluster.from_dict(data, f"cluster file {str(path)!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form with plain numbers (bytes, bytes/s, seconds); `from_dict` reads it."""
+        def link(x: Link) -> dict[str, float]:
+            return {"bandwidth": x.bandwidth, "latency": x.latency}
+
+        out: dict[str, Any] = {
+            "workers": [{"name": w.name, "speed": w.speed, "host": w.host,
+                         **({"memory": w.memory} if math.isfinite(w.memory) else {})}
+                        for w in self.workers],
+            "network": link(self.network),
+            "store": link(self.store),
+            "overheads": {"action": self.action_overhead, "step": self.step_overhead},
+        }
+        if self.host_cores:
+            out["hosts"] = [{"name": h, "cores": c} for h, c in self.host_cores.items()]
+        if self.links:
+            out["links"] = [{"between": sorted(p), **link(x)} for p, x in self.links.items()]
+        return out
+
+
+def _mapping(data: Any, what: str, known: set[str]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} must be a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{what} has unknown key {unknown[0]!r}; known: {sorted(known)}")
+    return data
+
+
+def _worker(item: Any, what: str, name: str) -> WorkerSpec:
+    spec = _mapping(item, what, {"name", "speed", "memory", "host", "count"})
+    speed = spec.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, int | float):
+        raise ConfigError(f"{what}.speed = {speed!r} is not a number")
+    memory = (parse_quantity(spec["memory"], f"{what}.memory", "bytes")
+              if "memory" in spec else math.inf)
+    return WorkerSpec(str(spec.get("name", name)), float(speed), memory,
+                      str(spec.get("host", "")))
+
+
+def _workers(data: Any, what: str) -> tuple[WorkerSpec, ...]:
+    if isinstance(data, dict):  # {count: N, ...}: N identical workers w0..w{N-1}
+        count = data.get("count")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"{what}.count = {count!r} must be an integer >= 1")
+        template = {k: v for k, v in data.items() if k not in ("count", "name")}
+        return tuple(_worker(template, what, f"w{i}") for i in range(count))
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{what} must be a non-empty list or {{count: N, ...}}")
+    return tuple(_worker(item, f"{what}[{i}]", f"w{i}") for i, item in enumerate(data))

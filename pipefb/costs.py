@@ -1,0 +1,134 @@
+"""Layer cost profiles: what each layer costs in time and bytes, as the planner sees it.
+
+A `Profile` holds one `LayerProfile` per layer of the layer sequence (loss included),
+measured (`pipefb.profiler`) or derived from FLOPs and bytes for a device that is not
+here. Times are per micro-batch of `microbatch_size` samples on the profiled device;
+`at(size)` rescales to another micro-batch size: bytes in proportion to samples, times as
+a fixed part (call overhead) plus a part in proportion to samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from pipefb.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer's costs for one micro-batch.
+
+    Attributes:
+        name: the layer's class name, for tables.
+        forward_seconds: forward time.
+        backward_seconds: backward time (input and weight gradients).
+        forward_fixed_seconds: the part of `forward_seconds` that does not scale with
+            samples (a micro-batch of one sample costs about this much).
+        backward_fixed_seconds: the same for the backward.
+        input_bytes: the layer's inputs (what `recompute` keeps for a run it starts).
+        output_bytes: the layer's output (what a stage boundary after it sends).
+        saved_bytes: tensors its backward needs beyond the weights (what `keep` holds and
+            `offload` ships through the store).
+        param_bytes: its parameters.
+    """
+
+    name: str
+    forward_seconds: float
+    backward_seconds: float
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    param_bytes: int
+    forward_fixed_seconds: float = 0.0
+    backward_fixed_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key, value in asdict(self).items():
+            if key != "name" and not value >= 0:
+                raise ConfigError(f"layer profile {self.name!r}: {key} = {value!r} must be >= 0")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Costs of every layer at one micro-batch size, plus the optimizer's.
+
+    Attributes:
+        microbatch_size: samples per micro-batch the layer costs are for.
+        layers: one per layer, in order, the loss layer last.
+        optimizer_seconds_per_byte: optimizer step time per parameter byte it updates.
+        optimizer_state_ratio: optimizer state bytes per parameter byte (AdamW: 2).
+        source: "measured" or "analytic".
+    """
+
+    microbatch_size: int
+    layers: tuple[LayerProfile, ...]
+    optimizer_seconds_per_byte: float = 0.0
+    optimizer_state_ratio: float = 0.0
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        if self.microbatch_size < 1:
+            raise ConfigError(f"profile micro-batch size {self.microbatch_size} must be >= 1")
+        if not self.layers:
+            raise ConfigError("a profile needs at least one layer")
+
+    def at(self, microbatch_size: int) -> Profile:
+        """The same layers at another micro-batch size (see the module docstring)."""
+        if microbatch_size == self.microbatch_size:
+            return self
+        if microbatch_size < 1:
+            raise ConfigError(f"micro-batch size {microbatch_size} must be >= 1")
+        r = microbatch_size / self.microbatch_size
+
+        def scale(total: float, fixed: float) -> float:
+            fixed = min(fixed, total)
+            return fixed + (total - fixed) * r
+
+        layers = tuple(replace(
+            x,
+            forward_seconds=scale(x.forward_seconds, x.forward_fixed_seconds),
+            backward_seconds=scale(x.backward_seconds, x.backward_fixed_seconds),
+            input_bytes=round(x.input_bytes * r), output_bytes=round(x.output_bytes * r),
+            saved_bytes=round(x.saved_bytes * r)) for x in self.layers)
+        return replace(self, microbatch_size=microbatch_size, layers=layers)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers, the loss included."""
+        return len(self.layers)
+
+    def forward_seconds(self, layers: Sequence[int] | range) -> float:
+        """Forward time of some layers, summed."""
+        return sum(self.layers[i].forward_seconds for i in layers)
+
+    def backward_seconds(self, layers: Sequence[int] | range) -> float:
+        """Backward time of some layers, summed."""
+        return sum(self.layers[i].backward_seconds for i in layers)
+
+    def param_bytes(self, layers: Sequence[int] | range) -> int:
+        """Parameter bytes of some layers, summed."""
+        return sum(self.layers[i].param_bytes for i in layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form; inverse of `from_dict`."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """Builds a profile from `to_dict` output (ConfigError on a bad field)."""
+        try:
+            layers = tuple(LayerProfile(**x) for x in data["layers"])
+            return cls(**{**data, "layers": layers})
+        except (KeyError, TypeError) as error:
+            raise ConfigError(f"not a profile: {error}") from None
+
+
+def uniform_profile(n_layers: int, forward: float = 1e-3, backward: float = 2e-3,
+                    activation: int = 1 << 16, params: int = 1 << 20) -> Profile:
+    """A profile of `n_layers` identical layers, for tests and described clusters."""
+    layer = LayerProfile("layer", forward, backward, activation, activation, 2 * activation,
+                         params)
+    return Profile(1, (layer,) * n_layers, optimizer_seconds_per_byte=1e-10,
+                   optimizer_state_ratio=2.0)
