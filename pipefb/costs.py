@@ -10,7 +10,7 @@ a fixed part (call overhead) plus a part in proportion to samples.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from pipefb.errors import ConfigError
@@ -45,9 +45,13 @@ class LayerProfile:
     backward_fixed_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        for key, value in asdict(self).items():
-            if key != "name" and not value >= 0:
+        for key in _NUMBERS:
+            value = getattr(self, key)
+            if not value >= 0:
                 raise ConfigError(f"layer profile {self.name!r}: {key} = {value!r} must be >= 0")
+
+
+_NUMBERS = tuple(f.name for f in fields(LayerProfile) if f.name != "name")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class Profile:
     optimizer_seconds_per_byte: float = 0.0
     optimizer_state_ratio: float = 0.0
     source: str = "measured"
+    _scaled: dict[int, Profile] = field(default_factory=dict, init=False, repr=False,
+                                        compare=False)
 
     def __post_init__(self) -> None:
         if self.microbatch_size < 1:
@@ -80,6 +86,11 @@ class Profile:
             return self
         if microbatch_size < 1:
             raise ConfigError(f"micro-batch size {microbatch_size} must be >= 1")
+        if microbatch_size not in self._scaled:
+            self._scaled[microbatch_size] = self._rescaled(microbatch_size)
+        return self._scaled[microbatch_size]
+
+    def _rescaled(self, microbatch_size: int) -> Profile:
         r = microbatch_size / self.microbatch_size
 
         def scale(total: float, fixed: float) -> float:
@@ -113,7 +124,10 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form; inverse of `from_dict`."""
-        return asdict(self)
+        return {"microbatch_size": self.microbatch_size,
+                "layers": [asdict(x) for x in self.layers],
+                "optimizer_seconds_per_byte": self.optimizer_seconds_per_byte,
+                "optimizer_state_ratio": self.optimizer_state_ratio, "source": self.source}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:

@@ -81,6 +81,21 @@ class Plan:
         return cls(**data)
 
 
+def recompute_runs(plan: Plan) -> dict[int, int]:
+    """First layer of the recomputed run of each `recompute` layer.
+
+    A run is a maximal stretch of recompute layers inside one forward stage and one
+    backward stage, so the worker that re-runs it holds all its layers.
+    """
+    starts = set(plan.forward_partition) | set(plan.backward_partition)
+    out: dict[int, int] = {}
+    for i, policy in enumerate(plan.policy):
+        if policy == "recompute":
+            fresh = i in starts or i == 0 or plan.policy[i - 1] != "recompute"
+            out[i] = i if fresh else out[i - 1]
+    return out
+
+
 def layer_costs(layers: Sequence[torch.nn.Module]) -> list[float]:
     """The placeholder planner's cost of each layer: 1 + its parameter count."""
     return [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]
@@ -98,8 +113,12 @@ def stage_counts(schedule: str, workers: int) -> tuple[int, int]:
     return workers, workers
 
 
-def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
-    """Splits `costs` into `stages` contiguous ranges minimising the largest range sum.
+def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | None = None
+              ) -> tuple[int, ...]:
+    """Splits `costs` into `stages` contiguous ranges minimising the largest range time.
+
+    A range's time is its cost sum over its stage's speed (`speeds[k]`, default 1.0 each),
+    so a twice-as-fast worker gets about twice the work.
 
     Dynamic programming over (stages, prefix): `best[k][e]` is the smallest bottleneck of
     the first `e` layers in `k` stages. With non-negative costs, `best[k-1][c]` does not
@@ -113,40 +132,58 @@ def partition(costs: Sequence[float], stages: int) -> tuple[int, ...]:
         Boundaries `(0, b1, ..., n)`.
 
     Raises:
-        ConfigError: `stages` outside 1..n, or a negative cost.
+        ConfigError: `stages` outside 1..n, a negative cost or a speed that is not > 0.
     """
+    if speeds is not None and len(speeds) != stages:
+        raise ConfigError(f"need {stages} stage speeds > 0, got {speeds}")
+    return partitions(costs, stages, speeds)[stages - 1]
+
+
+def partitions(costs: Sequence[float], stages: int, speeds: Sequence[float] | None = None
+               ) -> list[tuple[int, ...]]:
+    """`partition` for every stage count 1..`stages` from one dynamic program: the rows
+    for k stages use the first k speeds, so with equal speeds each entry is optimal."""
     n = len(costs)
     if not 1 <= stages <= n:
         raise ConfigError(f"cannot split {n} layers into {stages} stages")
     if any(c < 0 for c in costs):
         raise ConfigError(f"layer costs must be >= 0, got {min(costs)}")
+    speed = [1.0] * stages if speeds is None else [float(x) for x in speeds]
+    if len(speed) < stages or not all(x > 0 for x in speed):
+        raise ConfigError(f"need {stages} stage speeds > 0, got {speeds}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    best = [prefix[:]]  # one stage: the whole prefix
+    best = [[p / speed[0] for p in prefix]]  # one stage: the whole prefix
     cuts: list[list[int]] = [[0] * (n + 1)]
     for k in range(2, stages + 1):
         row, where = [float("inf")] * (n + 1), [0] * (n + 1)
         for end in range(k, n + 1):
-            row[end], where[end] = _best_cut(best[-1], prefix, k - 1, end)
+            row[end], where[end] = _best_cut(best[-1], prefix, k - 1, end, speed[k - 1])
         best.append(row)
         cuts.append(where)
-    bounds = [n]
-    for k in range(stages, 1, -1):
-        bounds.append(cuts[k - 1][bounds[-1]])
-    return (0, *reversed(bounds))
+    out = []
+    for total in range(1, stages + 1):
+        bounds = [n]
+        for k in range(total, 1, -1):
+            bounds.append(cuts[k - 1][bounds[-1]])
+        out.append((0, *reversed(bounds)))
+    return out
 
 
-def _best_cut(left: list[float], prefix: list[float], lo: int, end: int) -> tuple[float, int]:
-    """min over cuts c in [lo, end) of max(left[c], prefix[end] - prefix[c]), and that c."""
+def _best_cut(left: list[float], prefix: list[float], lo: int, end: int, speed: float
+              ) -> tuple[float, int]:
+    """min over cuts c in [lo, end) of max(left[c], (prefix[end] - prefix[c]) / speed),
+    and that c."""
     a, b = lo, end - 1
     while a < b:  # first cut where the left part is at least the last range
         mid = (a + b) // 2
-        if left[mid] >= prefix[end] - prefix[mid]:
+        if left[mid] >= (prefix[end] - prefix[mid]) / speed:
             b = mid
         else:
             a = mid + 1
-    options = [(max(left[c], prefix[end] - prefix[c]), c) for c in (a - 1, a) if lo <= c < end]
+    options = [(max(left[c], (prefix[end] - prefix[c]) / speed), c) for c in (a - 1, a)
+               if lo <= c < end]
     return min(options)
 
 
@@ -192,14 +229,19 @@ def balanced_plan(
     )
 
 
+def lowered_schedule(plan: Plan) -> Schedule:
+    """The plan's generated and lowered schedule, not validated (see `schedule_for`)."""
+    topology = plan.topology()
+    compute = generate(plan.schedule, topology, plan.microbatches)
+    return lower(compute, topology, plan.offloaded_stages())
+
+
 def schedule_for(plan: Plan) -> Schedule:
     """The lowered, validated schedule of a plan: what every rank executes each step.
 
     Raises:
         ScheduleError: the schedule fails validation or deadlocks in the dry run.
     """
-    topology = plan.topology()
-    compute = generate(plan.schedule, topology, plan.microbatches)
-    lowered = lower(compute, topology, plan.offloaded_stages())
-    validate(lowered, topology, plan.microbatches, plan.staleness)
+    lowered = lowered_schedule(plan)
+    validate(lowered, plan.topology(), plan.microbatches, plan.staleness)
     return lowered

@@ -21,8 +21,8 @@ from pipefb.errors import CodecError, ConfigError
 from pipefb.execs import AutogradExec, LayerExec, Saved, SplitExec
 from pipefb.memory import MemoryAccount, tensor_bytes
 from pipefb.optim import build_optimizer, optimizer_state_bytes
-from pipefb.plan import Plan, schedule_for
-from pipefb.schedule import Action, Kind, Topology, iteration
+from pipefb.plan import Plan, recompute_runs, schedule_for
+from pipefb.schedule import Action, Kind, iteration
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
 from pipefb.transport import Transport
@@ -115,7 +115,7 @@ class StageRuntime:
         self.layers = {i: all_layers[i] for i in held}
         self.n_inputs = {i: len(specs[i]) for i in held}
         self.execs = {i: self._executor(i, all_layers[i], specs[i]) for i in held}
-        self.run_start = _recompute_runs(plan, self.topology)
+        self.run_start = recompute_runs(plan)
         self._stash_layers = self._stored_layers(self.fwd_layers)  # constant per rank
         self._fetch_names = {i: self.stash_names(i) for i in self._stored_layers(self.bwd_layers)}
         self.receives = self._receive_specs(specs, output_spec(all_layers[-1], specs[-1]))
@@ -511,21 +511,6 @@ class StageRuntime:
 
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:
     return workers.index(rank) if rank in workers else None
-
-
-def _recompute_runs(plan: Plan, topology: Topology) -> dict[int, int]:
-    """First layer of the recomputed run of each `recompute` layer.
-
-    A run is a maximal stretch of recompute layers inside one forward stage and one
-    backward stage, so the worker that re-runs it holds all its layers.
-    """
-    starts = set(topology.forward_partition) | set(topology.backward_partition)
-    out: dict[int, int] = {}
-    for i, policy in enumerate(plan.policy):
-        if policy == "recompute":
-            fresh = i in starts or i == 0 or plan.policy[i - 1] != "recompute"
-            out[i] = i if fresh else out[i - 1]
-    return out
 
 
 def _needs_grad(layer: int, specs: list[TensorSpec]) -> list[bool]:

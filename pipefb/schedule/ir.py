@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from itertools import pairwise
 
 from pipefb.errors import ScheduleError
@@ -180,7 +181,7 @@ class Topology:
         ids = tuple(range(len(partition) - 1)) if workers is None else workers
         return Topology(partition, partition, ids, ids)
 
-    @property
+    @cached_property
     def is_combined(self) -> bool:
         """Every worker runs the forward and backward of the same stage."""
         return (
@@ -188,7 +189,7 @@ class Topology:
             and self.forward_partition == self.backward_partition
         )
 
-    @property
+    @cached_property
     def is_split(self) -> bool:
         """No worker runs both passes (PipeFB)."""
         return not set(self.forward_workers) & set(self.backward_workers)

@@ -1,0 +1,472 @@
+"""The planner: picks schedule kind, micro-batch count, roles, partitions and per-layer
+activation policy for a cluster, by simulated step time under each worker's memory cap.
+
+A pure function of a layer profile and a cluster description (`search`); it returns the
+best plan, the runners-up and why each lost.
+
+[Note: search]
+For every schedule kind the job's mode allows, every micro-batch count (divisors of the
+batch size), and for PipeFB every split of the workers into forward and backward roles:
+1. partition: `plan.partition` balances each pass's per-layer time over its workers'
+   speeds (forward + backward on combined kinds; PipeFB's forward stages by forward time
+   plus the stash put, its backward stages by backward time plus the fetch);
+2. policy: combined kinds keep everything; PipeFB offloads each layer unless re-running
+   its forward is cheaper than moving its saved tensors through the store; while a worker's
+   simulated peak exceeds its cap, its layers switch to offload or recompute, whichever
+   frees more bytes per second of extra time, the partition is re-balanced, and the plan
+   simulated again;
+3. an analytic estimate ranks the candidates; the best ones are simulated (as many as an
+   event budget allows, at least one), and the winner's stage boundaries are moved one
+   layer at a time while the simulated step time improves.
+A candidate whose simulation deadlocks, or which cannot fit a cap, is refused with the
+reason.
+
+Cost: partitions are O(k n log n) each (n layers, k stages) and cached per (pass, stage
+count); 200 layers on 64 workers plan in about a second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pipefb.cluster import Cluster
+from pipefb.config import SCHEDULE_MODES
+from pipefb.costs import LayerProfile, Profile
+from pipefb.errors import ConfigError, ScheduleError
+from pipefb.plan import Plan, WorkerAssignment, partitions
+from pipefb.schedule import KINDS, Topology
+from pipefb.simulate import Simulation, simulate
+
+MEMORY_MARGIN = 0.9  # plans use at most this share of a cap: the model is not exact
+EVENT_BUDGET = 60_000  # simulated actions the search may spend on ranking candidates
+MAX_MICROBATCH_CHOICES = 6
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan the search considered, with its simulated outcome."""
+
+    plan: Plan
+    step_seconds: float  # simulated; inf when refused or not simulated
+    estimate_seconds: float  # the analytic estimate that ranked it
+    peak_memory: dict[int, int] = field(default_factory=dict)  # by rank, simulated
+    bubble_fraction: float = 0.0
+    note: str = ""  # why it lost or was refused ("" for the best)
+
+    @property
+    def label(self) -> str:
+        """e.g. `pipefb 2F+2B x8` or `1f1b x4`."""
+        p = self.plan
+        if p.schedule == "pipefb":
+            n_f = len(p.forward_partition) - 1
+            roles = f" {n_f}F+{len(p.backward_partition) - 1}B"
+            mode = f" {p.mode}" + (f" S={p.staleness}" if p.mode == "async" else "")
+        else:
+            roles, mode = "", ""
+        return f"{p.schedule}{mode}{roles} x{p.microbatches}"
+
+    def row(self) -> dict[str, Any]:
+        """The candidate as one JSON-able table row."""
+        return {"candidate": self.label, "step_seconds": self.step_seconds,
+                "estimate_seconds": self.estimate_seconds,
+                "peak_memory_bytes": max(self.peak_memory.values(), default=0),
+                "bubble_fraction": self.bubble_fraction, "note": self.note,
+                "forward_partition": list(self.plan.forward_partition),
+                "backward_partition": list(self.plan.backward_partition),
+                "policy": _policy_summary(self.plan.policy)}
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """The planner's answer: the best plan, its simulation, and every candidate."""
+
+    best: Candidate
+    simulation: Simulation
+    candidates: tuple[Candidate, ...]  # best first, then by simulated, then estimated time
+
+    @property
+    def plan(self) -> Plan:
+        """The chosen plan, with its predicted step time."""
+        return self.best.plan
+
+
+@dataclass(frozen=True)
+class _Space:
+    profile: Profile  # at the job's micro-batch size
+    cluster: Cluster
+    batch_size: int
+    staleness: int
+
+
+def microbatch_choices(batch_size: int, workers: int, limit: int = MAX_MICROBATCH_CHOICES
+                       ) -> list[int]:
+    """Divisors of the batch size up to 4x the workers, at most `limit`, spread out."""
+    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+    useful = [d for d in divisors if d <= max(4 * workers, 1)] or [1]
+    if len(useful) <= limit:
+        return useful
+    step = (len(useful) - 1) / (limit - 1)
+    return sorted({useful[round(i * step)] for i in range(limit)})
+
+
+def _kinds(schedules: Sequence[str], mode: str) -> list[tuple[str, str]]:
+    out = []
+    for kind in schedules:
+        if kind not in KINDS:
+            raise ConfigError(f"unknown schedule {kind!r}; the planner knows {KINDS}")
+        if mode in SCHEDULE_MODES[kind]:
+            out.append((kind, mode))
+    if not out:
+        raise ConfigError(f"no schedule among {list(schedules)} runs in mode {mode!r}")
+    return out
+
+
+def _splits(workers: int, profile: Profile) -> list[int]:
+    """Forward worker counts to try for PipeFB: all for small clusters, else around the
+    forward share of the work."""
+    if workers < 2:
+        return []
+    if workers <= 8:
+        return list(range(1, workers))
+    fwd = sum(x.forward_seconds for x in profile.layers)
+    total = fwd + sum(x.backward_seconds for x in profile.layers)
+    centre = round(workers * fwd / total) if total > 0 else workers // 2
+    return sorted({min(workers - 1, max(1, centre + d)) for d in range(-2, 3)})
+
+
+class _Planner:
+    """One search; caches partitions (per pass and stage speeds) and simulations."""
+
+    def __init__(self, space: _Space) -> None:
+        self.space = space
+        self.partitions: dict[tuple[Any, ...], list[tuple[int, ...]]] = {}
+        self.sims: dict[Plan, Simulation | ScheduleError] = {}
+        self.estimates: dict[Plan, float] = {}
+        self.events = 0
+
+    # -- building candidates ---------------------------------------------------------------
+
+    def layer_times(self, which: str, policy: Sequence[str], microbatch: int) -> list[float]:
+        """Per-layer time of one pass for partitioning (see [Note: search], step 1)."""
+        prof, store = self.space.profile.at(microbatch), self.space.cluster.store
+        out = []
+        for i, x in enumerate(prof.layers):
+            recompute = x.forward_seconds if policy[i] == "recompute" else 0.0
+            moved = _moved_bytes(x, policy[i])
+            if which == "combined":
+                offload = 2 * store.seconds(moved) if policy[i] == "offload" else 0.0
+                out.append(x.forward_seconds + x.backward_seconds + recompute + offload)
+            elif which == "forward":
+                out.append(x.forward_seconds + moved / store.bandwidth)
+            else:
+                out.append(x.backward_seconds + recompute + moved / store.bandwidth)
+        return out
+
+    def split_partition(self, times: list[float], ranks: Sequence[int]) -> tuple[int, ...]:
+        """Balanced stages of `times` over the workers `ranks`; one dynamic program serves
+        every stage count when the workers are equally fast."""
+        speeds = [self.space.cluster.workers[r].speed for r in ranks]
+        uniform = len(set(speeds)) == 1
+        key = (tuple(times), speeds[0] if uniform else tuple(speeds))
+        if key not in self.partitions:
+            n = min(len(times), self.space.cluster.size) if uniform else len(speeds)
+            self.partitions[key] = partitions(times, n, speeds[:1] * n if uniform else speeds)
+        return self.partitions[key][len(ranks) - 1]
+
+    def build(self, kind: str, mode: str, microbatches: int, n_fwd: int,
+              policy: Sequence[str]) -> Plan:
+        """A plan of `kind` with balanced partitions for the given policy."""
+        n = self.space.cluster.size
+        mb = self.space.batch_size // microbatches
+        if kind == "pipefb":
+            fwd_ranks, bwd_ranks = range(n_fwd), range(n_fwd, n)
+            fwd = self.split_partition(self.layer_times("forward", policy, mb), fwd_ranks)
+            bwd = self.split_partition(self.layer_times("backward", policy, mb), bwd_ranks)
+            assignment = tuple(WorkerAssignment(r, "forward", r) for r in fwd_ranks) + tuple(
+                WorkerAssignment(r, "backward", s) for s, r in enumerate(bwd_ranks))
+        else:
+            fwd = bwd = self.split_partition(self.layer_times("combined", policy, mb), range(n))
+            assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(n))
+        staleness = self.space.staleness if kind == "pipefb" and mode == "async" else 0
+        return Plan(schedule=kind, microbatches=microbatches, microbatch_size=mb,
+                    forward_partition=fwd, backward_partition=bwd, policy=tuple(policy),
+                    assignment=assignment, mode=mode, staleness=staleness)
+
+    def initial_policy(self, kind: str, microbatches: int) -> list[str]:
+        """keep on combined kinds; PipeFB: offload, or recompute where that is cheaper."""
+        if kind != "pipefb":
+            return ["keep"] * self.space.profile.n_layers
+        prof = self.space.profile.at(self.space.batch_size // microbatches)
+        store = self.space.cluster.store
+        out = []
+        for x in prof.layers:
+            saving = (x.saved_bytes - x.input_bytes) / store.bandwidth
+            out.append("recompute" if x.forward_seconds < saving else "offload")
+        return out
+
+    # -- simulating -------------------------------------------------------------------------
+
+    def simulate(self, plan: Plan) -> Simulation | ScheduleError:
+        if plan not in self.sims:
+            self.events += _events(plan)
+            try:
+                self.sims[plan] = simulate(plan, self.space.profile, self.space.cluster,
+                                           check=False)
+            except ScheduleError as error:
+                self.sims[plan] = error
+        return self.sims[plan]
+
+    def over_cap(self, sim: Simulation) -> dict[int, int]:
+        """rank -> bytes over MEMORY_MARGIN x its cap."""
+        out = {}
+        for r, peak in sim.peak_memory.items():
+            cap = self.space.cluster.workers[r].memory * MEMORY_MARGIN
+            if peak > cap:
+                out[r] = int(peak - cap) if math.isfinite(cap) else 0
+        return out
+
+    def fit(self, plan: Plan) -> tuple[Plan, Simulation | None, str]:
+        """Switches policies until every worker fits its cap (see [Note: search], step 2)."""
+        for _ in range(4 * plan.forward_partition[-1]):
+            sim = self.simulate(plan)
+            if isinstance(sim, ScheduleError):
+                return plan, None, f"refused: {str(sim).splitlines()[0]}"
+            over = self.over_cap(sim)
+            if not over:
+                return plan, sim, ""
+            policy = self.relieve(plan, over)
+            if policy is None:
+                r, excess = max(over.items(), key=lambda kv: kv[1])
+                return plan, sim, (f"refused: worker {r} needs {_gb(sim.peak_memory[r])}, over "
+                                   f"its cap ({_gb(self.space.cluster.workers[r].memory)}) "
+                                   f"by {_gb(excess)} even with offload/recompute")
+            n_fwd = len(plan.forward_partition) - 1
+            plan = self.build(plan.schedule, plan.mode, plan.microbatches, n_fwd, policy)
+        return plan, None, "refused: memory plan did not converge"
+
+    def relieve(self, plan: Plan, over: dict[int, int]) -> list[str] | None:
+        """The policy with one more layer of each over-cap worker switched to the cheaper
+        of offload and recompute (most bytes freed per second of extra time); None if no
+        switch is left."""
+        prof = self.space.profile.at(plan.microbatch_size)
+        store = self.space.cluster.store
+        policy, changed = list(plan.policy), False
+        topology = plan.topology()
+        for r in over:
+            layers = _layers_of_rank(topology, r)
+            options = []
+            for i in layers:
+                x = prof.layers[i]
+                if policy[i] == "keep" and x.saved_bytes > 0:
+                    options.append((x.saved_bytes / max(2 * store.seconds(x.saved_bytes), 1e-12),
+                                    i, "offload"))
+                if policy[i] != "recompute" and x.saved_bytes > x.input_bytes:
+                    freed = x.saved_bytes - x.input_bytes
+                    options.append((freed / max(x.forward_seconds, 1e-12), i, "recompute"))
+            if options:
+                _, i, new = max(options)
+                policy[i], changed = new, True
+        return policy if changed else None
+
+    # -- the search -------------------------------------------------------------------------
+
+    def estimate(self, plan: Plan) -> float:
+        """Analytic step time: fill and drain plus the bottleneck per micro-batch."""
+        if plan not in self.estimates:
+            self.estimates[plan] = self._estimate(plan)
+        return self.estimates[plan]
+
+    def _estimate(self, plan: Plan) -> float:
+        prof = self.space.profile.at(plan.microbatch_size)
+        c, t = self.space.cluster, plan.topology()
+        speed = [w.speed for w in c.workers]
+        policy = plan.policy
+
+        def f_time(s: int) -> float:
+            layers = t.layers_of_forward(s)
+            moved = sum(_moved_bytes(prof.layers[i], policy[i]) for i in layers)
+            store = c.store.seconds(moved) if t.is_split else 0.0
+            return (prof.forward_seconds(layers) + store) / speed[t.forward_workers[s]]
+
+        def b_time(s: int) -> float:
+            layers = t.layers_of_backward(s)
+            rec = [i for i in layers if policy[i] == "recompute"]
+            moved = sum(_moved_bytes(prof.layers[i], policy[i]) for i in layers)
+            store = c.store.seconds(moved) if t.is_split or "offload" in policy else 0.0
+            return (prof.backward_seconds(layers) + prof.forward_seconds(rec) + store
+                    ) / speed[t.backward_workers[s]]
+
+        fs = [f_time(s) for s in range(t.n_forward_stages)]
+        bs = [b_time(s) for s in range(t.n_backward_stages)]
+        hop = c.network.latency + 2 * c.action_overhead
+        m = plan.microbatches
+        if t.is_split:
+            bottleneck = max(max(fs), max(bs))
+            fill = sum(fs) + sum(bs) + (len(fs) + len(bs)) * hop
+        else:
+            bottleneck = max(f + b for f, b in zip(fs, bs, strict=True))
+            fill = sum(fs) + sum(bs) + 2 * len(fs) * hop
+        if plan.mode == "async":
+            return m * bottleneck + c.step_overhead
+        return (m - 1) * bottleneck + fill + c.step_overhead
+
+    def candidates(self, kinds: list[tuple[str, str]], microbatches: Sequence[int]
+                   ) -> list[Plan]:
+        n = self.space.cluster.size
+        out = []
+        for kind, mode in kinds:
+            splits = _splits(n, self.space.profile) if kind == "pipefb" else [n]
+            for m in microbatches:
+                policy = self.initial_policy(kind, m)
+                for n_fwd in splits:
+                    out.append(self.build(kind, mode, m, n_fwd, policy))
+        return out
+
+    def refine(self, plan: Plan, sim: Simulation) -> tuple[Plan, Simulation]:
+        """Moves stage boundaries one layer at a time while the simulated time improves
+        and every cap holds (see [Note: search], step 3)."""
+        improved = True
+        while improved:
+            improved = False
+            for moved in _neighbours(plan):
+                if self.events + _events(moved) > 2 * EVENT_BUDGET and moved not in self.sims:
+                    return plan, sim
+                trial = self.simulate(moved)
+                if isinstance(trial, ScheduleError) or self.over_cap(trial):
+                    continue
+                if trial.step_seconds < sim.step_seconds * (1 - 1e-9):
+                    plan, sim, improved = moved, trial, True
+                    break
+        return plan, sim
+
+
+def _moved_bytes(x: LayerProfile, policy: str) -> int:
+    """Bytes a layer puts in the store per micro-batch under a policy (split or offload)."""
+    if policy == "recompute":
+        return int(x.input_bytes)
+    return int(x.saved_bytes)
+
+
+def _layers_of_rank(topology: Topology, rank: int) -> list[int]:
+    out: set[int] = set()
+    if rank in topology.forward_workers:
+        out |= set(topology.layers_of_forward(topology.forward_workers.index(rank)))
+    if rank in topology.backward_workers:
+        out |= set(topology.layers_of_backward(topology.backward_workers.index(rank)))
+    return sorted(out)
+
+
+def _neighbours(plan: Plan) -> list[Plan]:
+    """Plans with one stage boundary moved by one layer (both passes on combined kinds)."""
+    out = []
+    combined = plan.forward_partition == plan.backward_partition and plan.schedule != "pipefb"
+    for which in ("forward", "backward") if not combined else ("both",):
+        bounds = plan.backward_partition if which == "backward" else plan.forward_partition
+        for j in range(1, len(bounds) - 1):
+            for d in (-1, 1):
+                b = list(bounds)
+                b[j] += d
+                if not b[j - 1] < b[j] < b[j + 1]:
+                    continue
+                new = tuple(b)
+                if which == "forward":
+                    out.append(replace(plan, forward_partition=new))
+                elif which == "backward":
+                    out.append(replace(plan, backward_partition=new))
+                else:
+                    out.append(replace(plan, forward_partition=new, backward_partition=new))
+    return out
+
+
+def _events(plan: Plan) -> int:
+    """About how many actions simulating the plan executes (the search's budget unit)."""
+    stages = len(plan.forward_partition) - 1 + (
+        len(plan.backward_partition) - 1 if plan.schedule == "pipefb" else 0)
+    iterations = 2 if plan.mode == "sync" else 5 + plan.staleness
+    return stages * plan.microbatches * 4 * iterations
+
+
+def _gb(nbytes: float) -> str:
+    return "unbounded" if not math.isfinite(nbytes) else f"{nbytes / 1e9:.3g} GB"
+
+
+def _policy_summary(policy: Sequence[str]) -> str:
+    """`keep` for uniform policies, else counts, e.g. `offload 10, recompute 2`."""
+    counts = {p: policy.count(p) for p in dict.fromkeys(policy)}
+    return next(iter(counts)) if len(counts) == 1 else ", ".join(
+        f"{p} {n}" for p, n in counts.items())
+
+
+def search(profile: Profile, cluster: Cluster, batch_size: int, *,
+           schedules: Sequence[str] = KINDS, mode: str = "sync", staleness: int = 1,
+           microbatches: Sequence[int] | None = None) -> PlanSearch:
+    """The best plan for `cluster` by simulated step time (see [Note: search]).
+
+    Args:
+        profile: layer costs, measured or analytic, at any micro-batch size.
+        cluster: the workers (every one gets a stage), links, store and overheads.
+        batch_size: samples per training step.
+        schedules: the schedule kinds to consider.
+        mode: sync or async; kinds that cannot run in it are skipped.
+        staleness: the staleness of async PipeFB candidates.
+        microbatches: micro-batch counts to try (default: `microbatch_choices`).
+
+    Returns:
+        The best candidate, its simulation and every candidate with a note.
+
+    Raises:
+        ConfigError: no schedule runs in `mode`, too few layers for the workers, or no
+            candidate fits (the message gives the closest one's reason).
+    """
+    if profile.n_layers < cluster.size:
+        raise ConfigError(f"{cluster.size} workers need at least as many layers; the model "
+                          f"has {profile.n_layers} (loss included)")
+    counts = list(microbatches or microbatch_choices(batch_size, cluster.size))
+    bad = [m for m in counts if m < 1 or batch_size % m]
+    if bad:
+        raise ConfigError(f"micro-batch count {bad[0]} does not divide batch size {batch_size}")
+    planner = _Planner(_Space(profile, cluster, batch_size, staleness))
+    plans = planner.candidates(_kinds(schedules, mode), counts)
+    ranked = sorted(plans, key=planner.estimate)
+    results: list[Candidate] = []
+    for i, plan in enumerate(ranked):
+        estimate = planner.estimate(plan)
+        if i > 0 and planner.events > EVENT_BUDGET:
+            results.append(Candidate(plan, math.inf, estimate,
+                                     note="not simulated: its estimate ranked it out"))
+            continue
+        fitted, sim, note = planner.fit(plan)
+        if sim is None or note:
+            results.append(Candidate(fitted, math.inf, planner.estimate(fitted), note=note))
+            continue
+        results.append(Candidate(fitted, sim.step_seconds, estimate, sim.peak_memory,
+                                 sim.bubble_fraction))
+    fitting = [c for c in results if math.isfinite(c.step_seconds)]
+    if not fitting:
+        reasons = sorted({c.note for c in results if c.note.startswith("refused")})
+        raise ConfigError("no plan fits: " + (reasons[0] if reasons else "nothing simulated"))
+    top = min(fitting, key=lambda c: c.step_seconds)
+    top_sim = planner.simulate(top.plan)
+    assert isinstance(top_sim, Simulation)
+    plan, sim = planner.refine(top.plan, top_sim)
+    plan = replace(plan, predicted_step_seconds=sim.step_seconds,
+                   extra={"peak_memory_bytes": {str(r): b for r, b in sim.peak_memory.items()},
+                          "bubble_fraction": sim.bubble_fraction})
+    best = Candidate(plan, sim.step_seconds, planner.estimate(plan), sim.peak_memory,
+                     sim.bubble_fraction)
+    others = [_lost(c, best) for c in results if c is not top]
+    others.sort(key=lambda c: (c.step_seconds, c.estimate_seconds))
+    return PlanSearch(best, sim, (best, *others))
+
+
+def _lost(c: Candidate, best: Candidate) -> Candidate:
+    if c.note:
+        return c
+    slower = c.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
+    why = (f"{slower:.0%} slower" + (f"; bubble {c.bubble_fraction:.0%} vs "
+                                     f"{best.bubble_fraction:.0%}"
+                                     if c.bubble_fraction > best.bubble_fraction + 0.02 else ""))
+    return replace(c, note=why)

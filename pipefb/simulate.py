@@ -1,0 +1,545 @@
+"""Discrete-event simulator: runs a plan's lowered action lists against a cost model.
+
+The simulator executes exactly what the workers execute (`plan.schedule_for`, unrolled
+by `ir.iteration`, dependencies from `deps.requirements`) with durations from a layer
+profile and a cluster description, and predicts the step time, each worker's timeline,
+the bubble fraction and each worker's peak memory as the runtime accounts it.
+
+[Note: cost model]
+- F, B, OPT run on one core of the worker's host (hosts may have fewer cores than
+  workers: computes then queue for a core); their time is the profiled layer time over
+  the worker's speed: F sums the stage's forwards, B its backwards plus the forwards of
+  its recomputed layers, OPT is optimizer seconds per byte times the bytes it updates.
+- SEND_F, SEND_B, SEND_L and PUSH_W cost the sender only the action overhead; the bytes
+  then cross the link between the two workers, one transfer at a time per direction
+  (FIFO), arriving `latency + bytes / bandwidth` after they start.
+- STASH puts the stashed bytes into the store (the worker waits: latency + bytes over the
+  store bandwidth); FETCH waits for every matching STASH, then takes the bytes back. On a
+  combined worker, the fetch of the next micro-batch overlaps the backward before it
+  (the runtime prefetches).
+- RECV_* and RECV_W wait for the arrival; every action adds the cluster's action
+  overhead, every iteration its step overhead.
+
+[Note: simulated memory]
+After every action the simulator sums, per worker, the same kinds the runtime accounts
+(`pipefb.memory.KINDS`) from the profile's bytes: parameters of the layers held;
+gradients of the owned layers from a step's first backward to its OPT; optimizer state
+(ratio x owned bytes); kept weight versions (PipeDream stashing, async PipeFB); in-flight
+activations (received inputs until F, outputs until sent, gradients likewise); stashed
+saved tensors (keep until B; offload until STASH and from FETCH to B; recompute: the
+input of each run).
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+from pipefb.cluster import Cluster, Link
+from pipefb.costs import Profile
+from pipefb.errors import ScheduleError
+from pipefb.memory import KINDS
+from pipefb.plan import Plan, lowered_schedule, recompute_runs, schedule_for
+from pipefb.schedule import Action, Kind, Schedule, Topology, iteration
+from pipefb.schedule.deps import requirements
+
+COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
+SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L})
+LOSS_BYTES = 4  # a float32 scalar
+
+
+@dataclass
+class Span:
+    """One simulated action."""
+
+    rank: int
+    iteration: int
+    step: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def label(self) -> str:
+        """The action as the runtime labels it: lead 1 when it belongs to the next step."""
+        a = self.action
+        return str(Action(a.stage, a.kind, a.microbatch, self.step - self.iteration))
+
+
+@dataclass
+class Simulation:
+    """What the simulator predicts for a plan.
+
+    Attributes:
+        step_seconds: steady-state time per training step.
+        iterations: simulated iterations of the step loop.
+        spans: every simulated action, in order of start.
+        compute_seconds: per rank, compute (F, B, OPT) time per step.
+        peak_memory: per rank, the peak of accounted bytes.
+        peak_memory_by_kind: per rank, the bytes by kind at that peak.
+        roles: per rank, (role, stage) as in the plan's assignment.
+    """
+
+    step_seconds: float
+    iterations: int
+    spans: list[Span]
+    compute_seconds: dict[int, float]
+    peak_memory: dict[int, int]
+    peak_memory_by_kind: dict[int, dict[str, int]]
+    roles: dict[int, tuple[str, int]] = field(default_factory=dict)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of worker time not spent computing, over all workers, in steady state."""
+        if not self.compute_seconds or self.step_seconds <= 0:
+            return 0.0
+        busy = sum(self.compute_seconds.values()) / len(self.compute_seconds)
+        return max(0.0, 1.0 - busy / self.step_seconds)
+
+    @property
+    def max_peak_memory(self) -> int:
+        """The largest per-worker peak."""
+        return max(self.peak_memory.values(), default=0)
+
+    def timeline(self, k: int | None = None) -> dict[str, Any]:
+        """Iteration `k` (default: the last full one) in the report's timeline format."""
+        k = max(0, self.iterations - 2) if k is None else k
+        spans = [s for s in self.spans if s.iteration == k]
+        t0 = min((s.start for s in spans), default=0.0)
+        return {"step": k, "ranks": [
+            {"rank": r, "role": role, "stage": stage,
+             "spans": [[s.label, s.start - t0, s.end - t0] for s in spans if s.rank == r]}
+            for r, (role, stage) in sorted(self.roles.items())]}
+
+
+class _Costs:
+    """Durations and byte counts of each action of a plan (see [Note: cost model])."""
+
+    def __init__(self, plan: Plan, profile: Profile, cluster: Cluster) -> None:
+        if profile.n_layers != plan.forward_partition[-1]:
+            raise ScheduleError(f"profile has {profile.n_layers} layers, plan "
+                                f"{plan.forward_partition[-1]}")
+        if len(plan.assignment) > cluster.size:
+            raise ScheduleError(f"plan needs {len(plan.assignment)} workers, cluster has "
+                                f"{cluster.size}")
+        self.plan, self.cluster = plan, cluster
+        self.profile = profile.at(plan.microbatch_size)
+        self.topology = plan.topology()
+        self.runs = recompute_runs(plan)
+        self.split = self.topology.is_split
+        self._compute: dict[tuple[int, Kind, int], float] = {}
+        self._stash: dict[tuple[Kind, int], int] = {}
+
+    def boundary_bytes(self, layer: int) -> int:
+        """Bytes of the tensor entering `layer` from the layer before (0 for the data)."""
+        return self.profile.layers[layer - 1].output_bytes if layer > 0 else 0
+
+    def kept_bytes(self, layer: int) -> int:
+        """What layer `layer` saves per micro-batch for its backward under its policy."""
+        x = self.profile.layers[layer]
+        if self.plan.policy[layer] != "recompute":
+            return x.saved_bytes
+        return x.input_bytes if self.runs[layer] == layer else 0
+
+    def stashed_layers(self, layers: range) -> list[int]:
+        """Layers of a stage whose saved tensors go through the store."""
+        return [i for i in layers
+                if self.split or self.plan.policy[i] == "offload"]
+
+    def compute(self, rank: int, a: Action) -> float:
+        """Seconds of an F, B or OPT on `rank`, overhead excluded."""
+        key = (rank, a.kind, a.stage)
+        if key not in self._compute:
+            self._compute[key] = self._compute_seconds(rank, a) / self.cluster.workers[rank].speed
+        return self._compute[key]
+
+    def _compute_seconds(self, rank: int, a: Action) -> float:
+        t = self.topology
+        if a.kind is Kind.F:
+            return self.profile.forward_seconds(t.layers_of_forward(a.stage))
+        if a.kind is Kind.B:
+            layers = t.layers_of_backward(a.stage)
+            recomputed = [i for i in layers if self.plan.policy[i] == "recompute"]
+            return (self.profile.backward_seconds(layers)
+                    + self.profile.forward_seconds(recomputed))
+        owned = self.profile.param_bytes(t.layers_of_backward(a.stage))
+        return self.profile.optimizer_seconds_per_byte * owned
+
+    def stash_bytes(self, a: Action) -> int:
+        """Bytes a STASH puts into (a FETCH takes from) the store per micro-batch."""
+        key = (a.kind, a.stage)
+        if key not in self._stash:
+            self._stash[key] = self._stash_bytes(a)
+        return self._stash[key]
+
+    def _stash_bytes(self, a: Action) -> int:
+        layers = (self.topology.layers_of_forward(a.stage) if a.kind is Kind.STASH
+                  else self.topology.layers_of_backward(a.stage))
+        return sum(self.kept_bytes(i) for i in self.stashed_layers(layers))
+
+    def send_bytes(self, a: Action) -> int:
+        t = self.topology
+        if a.kind is Kind.SEND_F:
+            return self.boundary_bytes(t.forward_partition[a.stage + 1])
+        if a.kind is Kind.SEND_B:
+            return self.boundary_bytes(t.backward_partition[a.stage])
+        return LOSS_BYTES
+
+    def push_bytes(self, bwd_stage: int, fwd_stage: int) -> int:
+        t = self.topology
+        layers = set(t.layers_of_backward(bwd_stage)) & set(t.layers_of_forward(fwd_stage))
+        return self.profile.param_bytes(sorted(layers))
+
+
+class _Memory:
+    """One rank's accounted bytes by kind, updated per action (see [Note: simulated memory])."""
+
+    def __init__(self, costs: _Costs, rank: int, staleness: int) -> None:
+        t = costs.topology
+        self.costs, self.staleness = costs, staleness
+        self.fwd = _stage_of(t.forward_workers, rank)
+        self.bwd = _stage_of(t.backward_workers, rank)
+        held = set(t.layers_of_forward(self.fwd) if self.fwd is not None else ())
+        owned = t.layers_of_backward(self.bwd) if self.bwd is not None else range(0)
+        self.owned_bytes = costs.profile.param_bytes(owned)
+        self.combined = self.fwd is not None and self.bwd is not None
+        self.now = dict.fromkeys(KINDS, 0)
+        self.now["parameters"] = costs.profile.param_bytes(sorted(held | set(owned)))
+        self.now["optimizer_state"] = round(costs.profile.optimizer_state_ratio
+                                            * self.owned_bytes)
+        self.peak, self.at_peak = 0, dict(self.now)
+        self.version = 0
+        self.forward_versions: dict[tuple[int, int], int] = {}
+        self.kept: set[int] = set()
+        self._note()
+
+    def deltas(self, a: Action) -> tuple[tuple[str, int], ...]:
+        """What running `a` adds to each kind (gradients and versions aside)."""
+        c, t = self.costs, self.costs.topology
+        out: list[tuple[str, int]] = []
+        if a.kind is Kind.RECV_F:
+            out.append(("activations", c.boundary_bytes(t.forward_partition[a.stage])))
+        elif a.kind is Kind.F:
+            layers = t.layers_of_forward(a.stage)
+            if a.stage > 0:
+                out.append(("activations", -c.boundary_bytes(layers[0])))
+            if a.stage < t.n_forward_stages - 1:
+                out.append(("activations", c.boundary_bytes(layers[-1] + 1)))
+            out.append(("stashed", sum(c.kept_bytes(i) for i in layers)))
+        elif a.kind is Kind.SEND_F:
+            out.append(("activations", -c.send_bytes(a)))
+        elif a.kind in (Kind.STASH, Kind.FETCH):
+            out.append(("stashed", c.stash_bytes(a) * (-1 if a.kind is Kind.STASH else 1)))
+        elif a.kind is Kind.RECV_B:
+            out.append(("activations", c.boundary_bytes(t.backward_partition[a.stage + 1])))
+        elif a.kind is Kind.B:
+            layers = t.layers_of_backward(a.stage)
+            out.append(("stashed", -sum(c.kept_bytes(i) for i in layers)))
+            if a.stage < t.n_backward_stages - 1:
+                out.append(("activations", -c.boundary_bytes(layers[-1] + 1)))
+            if a.stage > 0:
+                out.append(("activations", c.boundary_bytes(layers[0])))
+        elif a.kind is Kind.SEND_B:
+            out.append(("activations", -c.send_bytes(a)))
+        return tuple(out)
+
+    def _note(self) -> None:
+        self.now["weight_versions"] = len(self.kept) * self.owned_bytes
+        total = sum(self.now.values())
+        if total > self.peak:
+            self.peak, self.at_peak = total, dict(self.now)
+
+    def apply(self, step: int, op: _Op) -> None:
+        """Runs the memory effect of one action of training step `step`."""
+        for kind, delta in op.deltas:
+            self.now[kind] += delta
+        a = op.action
+        if a.kind is Kind.F and self.combined:
+            self.forward_versions[(step, op.microbatch)] = self.version
+        elif a.kind is Kind.B:
+            self.now["gradients"] = self.owned_bytes
+            if self.combined:
+                self.forward_versions.pop((step, op.microbatch), None)
+                self.kept &= set(self.forward_versions.values())
+        elif a.kind is Kind.OPT:
+            self._optimizer(step)
+        self._note()
+
+    def _optimizer(self, step: int) -> None:
+        if self.combined:
+            needed = set(self.forward_versions.values())
+        else:
+            lag = self.staleness
+            needed = {max(0, s - lag) for s in range(step + 1, step + lag + 1)}
+        if self.version in needed:
+            self.kept.add(self.version)
+        self.version += 1
+        self.kept &= needed
+        self.now["gradients"] = 0
+
+
+def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:
+    return workers.index(rank) if rank in workers else None
+
+
+def _role(topology: Topology, rank: int) -> tuple[str, int]:
+    fwd, bwd = _stage_of(topology.forward_workers, rank), _stage_of(topology.backward_workers,
+                                                                      rank)
+    if fwd is not None and bwd is not None:
+        return "combined", fwd
+    return ("forward", fwd) if fwd is not None else ("backward", bwd or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    """One action of a rank's list with everything the event loop needs, computed once.
+
+    Keys number what consumers wait for: one per producing action, and one per
+    (PUSH_W stage, destination) pair; `needs` holds (step offset, key) pairs.
+    """
+
+    action: Action
+    microbatch: int
+    compute: bool
+    seconds: float  # busy time, overhead included (FETCH on combined: before overlap)
+    needs: tuple[tuple[int, int], ...]
+    key: int  # what this action makes available (-1: nothing)
+    sends: tuple[tuple[int, int, int], ...]  # (destination rank, bytes, key) of transfers
+    deltas: tuple[tuple[str, int], ...]
+    prefetched: bool  # FETCH on a combined rank (overlaps the backward before it)
+
+
+class _Program:
+    """Every rank's list as `_Op`s (see [Note: cost model])."""
+
+    def __init__(self, schedule: Schedule, costs: _Costs, memory: dict[int, _Memory],
+                 staleness: int) -> None:
+        self.costs, self.topology = costs, costs.topology
+        self.keys: dict[tuple[Any, ...], int] = {}
+        self.shapes: dict[tuple[Kind, int], tuple[float, tuple[tuple[str, int], ...]]] = {}
+        self.ops = {r: [self._op(r, a, memory[r], staleness) for a in actions]
+                    for r, actions in schedule.items()}
+        self.index = {r: {a.base: i for i, a in enumerate(actions)}
+                      for r, actions in schedule.items()}
+
+    def key(self, *what: Any) -> int:
+        return self.keys.setdefault(what, len(self.keys))
+
+    def _op(self, r: int, a: Action, memory: _Memory, staleness: int) -> _Op:
+        c, t, base = self.costs, self.topology, a.base
+        shape = (a.kind, a.stage)  # what every micro-batch of this action shares
+        if shape not in self.shapes:
+            seconds = c.cluster.action_overhead
+            if a.kind in COMPUTE:
+                seconds += c.compute(r, a)
+            elif a.kind in (Kind.STASH, Kind.FETCH):
+                seconds += c.cluster.store.seconds(c.stash_bytes(a))
+            self.shapes[shape] = (seconds, memory.deltas(a))
+        seconds, deltas = self.shapes[shape]
+        needs = []
+        for offset, need in requirements(a, t, staleness):
+            if need.kind is Kind.PUSH_W:
+                needs.append((offset, self.key(need.stage, "push", r)))
+            elif t.worker_of(need) != r:
+                needs.append((offset, self.key(need)))
+        sends: list[tuple[int, int, int]] = []
+        if a.kind in SENDS:
+            sends.append((_destination(t, a), c.send_bytes(a), self.key(base)))
+        elif a.kind is Kind.PUSH_W:
+            for f in t.forward_stages_overlapping(a.stage):
+                dst = t.forward_workers[f]
+                sends.append((dst, c.push_bytes(a.stage, f), self.key(a.stage, "push", dst)))
+        key = -1 if sends else self.key(base)
+        return _Op(base, a.microbatch if a.microbatch is not None else -1, a.kind in COMPUTE,
+                   seconds, tuple(needs), key, tuple(sends), deltas,
+                   a.kind is Kind.FETCH and t.is_combined)
+
+
+def _destination(t: Topology, a: Action) -> int:
+    if a.kind is Kind.SEND_F:
+        return t.forward_workers[a.stage + 1]
+    if a.kind is Kind.SEND_B:
+        return t.backward_workers[a.stage - 1]
+    return t.backward_workers[-1]
+
+
+class _Engine:
+    """The event loop: each rank runs its unrolled list; an action starts when the rank is
+    free, its inputs have arrived and, for a compute, a core of its host is free."""
+
+    def __init__(self, plan: Plan, costs: _Costs, schedule: Schedule, iterations: int
+                 ) -> None:
+        self.plan, self.costs, self.cluster = plan, costs, costs.cluster
+        self.memory = {r: _Memory(costs, r, plan.staleness) for r in schedule}
+        self.program = _Program(schedule, costs, self.memory, plan.staleness)
+        index = self.program.index
+        self.runs = {r: [(k, step, index[r][a]) for k in range(iterations)
+                         for step, a in iteration(actions, k, iterations)]
+                     for r, actions in schedule.items()}
+        self.stride = max(1, len(self.program.keys))
+        self.pos = dict.fromkeys(self.runs, 0)
+        self.free = dict.fromkeys(self.runs, 0.0)
+        self.avail: dict[int, float] = {}  # step * stride + key -> when consumers may use it
+        self.links: dict[tuple[int, int], float] = defaultdict(float)
+        self.link_of: dict[tuple[int, int], Link] = {}
+        self.host = {r: self.cluster.cores_of(r) for r in self.runs}
+        self.cores = {host: [0.0] * n for host, n in self.host.values()}
+        self.waiting: dict[int, list[int]] = defaultdict(list)
+        self.heap: list[tuple[float, int, int]] = []
+        self.spans: list[Span] = []
+        self.last_b: dict[int, float] = {}
+        self.seq = 0
+
+    def run(self) -> None:
+        for r in self.runs:
+            self._schedule(r)
+        ops = self.program.ops
+        while self.heap:
+            t, _, r = heapq.heappop(self.heap)
+            k, step, i = self.runs[r][self.pos[r]]
+            op = ops[r][i]
+            start = max(t, min(self.cores[self.host[r][0]])) if op.compute else t
+            if start > t:
+                self._push(start, r)
+                continue
+            self._execute(r, k, step, op, start)
+        stuck = {r: self.runs[r][p] for r, p in self.pos.items() if p < len(self.runs[r])}
+        if stuck:
+            raise self._deadlock(stuck)
+
+    def _push(self, t: float, r: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, r))
+
+    def _missing(self, step: int, op: _Op) -> tuple[int, float]:
+        """The first awaited key not yet available (-1: none) and when all are."""
+        ready = 0.0
+        for offset, key in op.needs:
+            at = step + offset
+            if at < 0:
+                continue
+            when = self.avail.get(at * self.stride + key)
+            if when is None:
+                return at * self.stride + key, 0.0
+            ready = max(ready, when)
+        return -1, ready
+
+    def _schedule(self, r: int) -> None:
+        p = self.pos[r]
+        if p >= len(self.runs[r]):
+            return
+        k, step, i = self.runs[r][p]
+        missing, ready = self._missing(step, self.program.ops[r][i])
+        if missing >= 0:
+            self.waiting[missing].append(r)
+            return
+        first = p == 0 or self.runs[r][p - 1][0] != k
+        start = max(self.free[r] + (self.cluster.step_overhead if first else 0.0), ready)
+        self._push(start, r)
+
+    def _execute(self, r: int, k: int, step: int, op: _Op, start: float) -> None:
+        seconds = op.seconds
+        if op.compute:
+            slots = self.cores[self.host[r][0]]
+            slots[slots.index(min(slots))] = start + seconds
+            if op.action.kind is Kind.B:
+                self.last_b[r] = seconds
+        elif op.prefetched:
+            overhead = self.cluster.action_overhead
+            seconds = overhead + max(0.0, seconds - overhead - self.last_b.get(r, 0.0))
+        end = start + seconds
+        self.free[r] = end
+        self.spans.append(Span(r, k, step, op.action, start, end))
+        self.memory[r].apply(step, op)
+        base = step * self.stride
+        woken: list[int] = []
+        for dst, nbytes, key in op.sends:
+            self.avail[base + key] = self._transfer(r, dst, nbytes, end)
+            woken += self.waiting.pop(base + key, [])
+        if op.key >= 0:
+            self.avail[base + op.key] = end
+            woken += self.waiting.pop(base + op.key, [])
+        self.pos[r] += 1
+        self._schedule(r)
+        for waiter in woken:
+            self._schedule(waiter)
+
+    def _transfer(self, src: int, dst: int, nbytes: int, sent: float) -> float:
+        """Arrival time of `nbytes` sent at `sent` over the src->dst link (FIFO)."""
+        link = self.link_of.get((src, dst))
+        if link is None:
+            link = self.link_of[(src, dst)] = self.cluster.link(src, dst)
+        begin = max(sent, self.links[(src, dst)])
+        self.links[(src, dst)] = begin + nbytes / link.bandwidth
+        return begin + link.seconds(nbytes)
+
+    def _deadlock(self, stuck: dict[int, tuple[int, int, int]]) -> ScheduleError:
+        names = {v: k for k, v in self.program.keys.items()}
+        lines = ["deadlock in simulation: no worker can progress"]
+        for r, (_, step, i) in sorted(stuck.items()):
+            op = self.program.ops[r][i]
+            missing, _ = self._missing(step, op)
+            at, key = divmod(missing, self.stride)
+            what = names.get(key, ("?",))
+            label = (f"PUSH_W of backward stage {what[0]}" if len(what) == 3
+                     else str(what[0]))
+            lines.append(f"  worker {r}, step {step}: {op.action} waits for {label} of "
+                         f"step {at}")
+        return ScheduleError("\n".join(lines))
+
+
+def simulate(plan: Plan, profile: Profile, cluster: Cluster, iterations: int = 0, *,
+             schedule: Schedule | None = None, check: bool = True) -> Simulation:
+    """Simulates `iterations` iterations of the plan's step loop (see [Note: cost model]).
+
+    Args:
+        plan: the plan; rank r runs on `cluster.workers[r]`.
+        profile: layer costs (rescaled to the plan's micro-batch size).
+        cluster: the workers, links, store and overheads.
+        iterations: iterations to run; 0 picks enough to reach the steady state (2 for
+            sync plans, 4 + staleness for async ones, one more when forwards lead).
+        schedule: a lowered schedule to run instead of the plan's own (not validated).
+        check: validate the plan's schedule (with its dry run) first; the planner skips
+            it for speed, since the simulation itself finds deadlocks.
+
+    Returns:
+        The prediction; `step_seconds` is the median gap between the ends of consecutive
+        iterations, leaving out the first when async and the last when forwards lead.
+
+    Raises:
+        ScheduleError: the plan fails validation, does not fit the profile or cluster, or
+            deadlocks (the message names each stuck worker and what it waits for).
+    """
+    costs = _Costs(plan, profile, cluster)
+    if schedule is None:
+        schedule = schedule_for(plan) if check else lowered_schedule(plan)
+    leads = any(a.lead for actions in schedule.values() for a in actions)
+    n = iterations or (2 if plan.mode == "sync" and not leads
+                       else 4 + plan.staleness + leads)
+    engine = _Engine(plan, costs, schedule, n)
+    engine.run()
+    ends = [0.0] * n
+    for s in engine.spans:
+        ends[s.iteration] = max(ends[s.iteration], s.end)
+    steady = ends[1:-1] if leads and n > 3 else ends[1:] if plan.mode == "async" else ends
+    gaps = [b - a for a, b in pairwise(steady)] or [ends[-1] / n]
+    step_seconds = statistics.median(gaps)
+    compute: dict[int, float] = defaultdict(float)
+    last = max(0, n - 2)
+    for s in engine.spans:
+        if s.iteration == last and s.action.kind in COMPUTE:
+            compute[s.rank] += s.end - s.start
+    return Simulation(
+        step_seconds=step_seconds, iterations=n,
+        spans=sorted(engine.spans, key=lambda s: (s.start, s.rank)),
+        compute_seconds={r: compute.get(r, 0.0) for r in engine.runs},
+        peak_memory={r: m.peak for r, m in engine.memory.items()},
+        peak_memory_by_kind={r: m.at_peak for r, m in engine.memory.items()},
+        roles={r: _role(costs.topology, r) for r in engine.runs})
+
+
+__all__ = ["Simulation", "Span", "simulate"]
