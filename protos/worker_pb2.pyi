@@ -130,3 +130,63 @@ class DrainReply(_message.Message):
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     drained: bool
     def __init__(self, drained: _Optional[bool] = ...) -> None: ...
+
+class ProfileRequest(_message.Message):
+    __slots__ = ("job", "microbatch_size", "warmup", "repeats", "layers")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    job: _job_pb2.JobSpec
+    microbatch_size: int
+    warmup: int
+    repeats: int
+    layers: LayerRange
+    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., microbatch_size: _Optional[int] = ..., warmup: _Optional[int] = ..., repeats: _Optional[int] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ...) -> None: ...
+
+class LayerRange(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class LayerProfile(_message.Message):
+    __slots__ = ("name", "forward_seconds", "backward_seconds", "input_bytes", "output_bytes", "saved_bytes", "param_bytes", "forward_fixed_seconds", "backward_fixed_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    forward_seconds: float
+    backward_seconds: float
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    param_bytes: int
+    forward_fixed_seconds: float
+    backward_fixed_seconds: float
+    def __init__(self, name: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., input_bytes: _Optional[int] = ..., output_bytes: _Optional[int] = ..., saved_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., forward_fixed_seconds: _Optional[float] = ..., backward_fixed_seconds: _Optional[float] = ...) -> None: ...
+
+class ProfileReply(_message.Message):
+    __slots__ = ("microbatch_size", "layers", "optimizer_seconds_per_byte", "optimizer_state_ratio", "source", "torch_threads")
+    MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_SECONDS_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TORCH_THREADS_FIELD_NUMBER: _ClassVar[int]
+    microbatch_size: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerProfile]
+    optimizer_seconds_per_byte: float
+    optimizer_state_ratio: float
+    source: str
+    torch_threads: int
+    def __init__(self, microbatch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerProfile, _Mapping]]] = ..., optimizer_seconds_per_byte: _Optional[float] = ..., optimizer_state_ratio: _Optional[float] = ..., source: _Optional[str] = ..., torch_threads: _Optional[int] = ...) -> None: ...

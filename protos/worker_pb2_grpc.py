@@ -71,6 +71,11 @@ class StageWorkerStub:
                 request_serializer=protos_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/pipefb.v1.StageWorker/Profile',
+                request_serializer=protos_dot_worker__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.ProfileReply.FromString,
+                _registered_method=True)
 
 
 class StageWorkerServicer:
@@ -126,6 +131,15 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Times every layer of a job on this worker (pipefb.profiler.measure_profile): forward and
+        backward through the split executor a rank runs, their bytes, and one optimizer step.
+        Independent of any assignment; it shares the worker's cores with a running job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +177,11 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=protos_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.DrainReply.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=protos_dot_worker__pb2.ProfileRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.ProfileReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +373,33 @@ class StageWorker:
             '/pipefb.v1.StageWorker/Drain',
             protos_dot_worker__pb2.DrainRequest.SerializeToString,
             protos_dot_worker__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipefb.v1.StageWorker/Profile',
+            protos_dot_worker__pb2.ProfileRequest.SerializeToString,
+            protos_dot_worker__pb2.ProfileReply.FromString,
             options,
             channel_credentials,
             insecure,

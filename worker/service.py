@@ -9,10 +9,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
+import torch
 
+from coordinator.profiling import ProfileQuery, profile_to_proto
 from offload_store import OffloadStore, connect
 from pipefb import codec
 from pipefb.errors import Aborted, CodecError, ConfigError
+from pipefb.profiler import measure_profile
 from pipefb.runtime import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -213,6 +216,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                                        version=request.version or runtime.version,
                                        microbatch=-1, kind="EXPORT")
         yield from wire.encode_stream(transfer, weights)
+
+    def Profile(self, request: worker_pb2.ProfileRequest, context: grpc.ServicerContext
+                ) -> worker_pb2.ProfileReply:
+        query = ProfileQuery.from_proto(request)
+        profile = measure_profile(query.job, query.microbatch_size, query.layers, query.warmup,
+                                  query.repeats)
+        return profile_to_proto(profile, torch.get_num_threads())
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext
               ) -> worker_pb2.DrainReply:

@@ -1,0 +1,446 @@
+"""The layer profiler: each layer's time and bytes, measured here or derived from FLOPs.
+
+`measure_profile` times every layer of a job's layer sequence (the loss layer last) in
+this process, with the executor a split rank runs (`pipefb.execs.SplitExec`: the captured
+forward and backward graphs), on the job's own data, and one step of the job's optimizer.
+`analytic_profile` derives the same table for a device that is not here, from FLOPs
+counted on fake tensors (`torch.utils.flop_counter.FlopCounterMode`) and bytes. Both return
+a `pipefb.costs.Profile`; the worker's Profile RPC wraps `measure_profile`.
+
+[Note: profiled bytes] `input_bytes` are the dense bytes of a layer's inputs (the targets
+too for the loss layer: what `recompute` keeps), `output_bytes` those of its output,
+`param_bytes` the storage of its parameters, and `saved_bytes` the storage its split's
+stash reaches beyond the parameters, counted with `pipefb.memory.tensor_bytes` exactly as
+the runtime counts `stashed` memory (a storage two stash tensors share counts once; the
+stash may alias the layer's input or output).
+
+[Note: profiled layers] `measure_profile(layers=...)` times only the given layers. Every
+layer still runs its forward once on the micro-batch, for its `saved_bytes` and for the
+inputs of the layers after it; a layer outside `layers` reports zero times. The fixed
+parts are timed on a micro-batch of `FIXED_SIZE` samples, through layers 0 .. the last
+timed one.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipefb.config import JobConfig, build_layers
+from pipefb.costs import LayerProfile, Profile
+from pipefb.data import Dataset, build_dataset
+from pipefb.errors import ConfigError
+from pipefb.execs import Saved, SplitExec
+from pipefb.memory import tensor_bytes
+from pipefb.optim import build_optimizer, optimizer_state_bytes
+from pipefb.runtime import _needs_grad  # the runtime's input-grad rule, shared on purpose
+from pipefb.seeding import derive_seed, seed_random_ops
+from pipefb.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
+
+WARMUP = 2  # default untimed runs before the timed ones
+REPEATS = 5  # default timed runs per time (their median)
+FIXED_SIZE = 1  # samples of the micro-batch whose times are the fixed (per-call) part
+DATA_STEP = 0  # the profiler runs the data of training step 0, micro-batch 0
+_EXAMPLE_SEED = 0  # seeds the example inputs of the analytic stash (never the global RNG)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Sequence:
+    """A job's layers with their input specs at one micro-batch size, and that micro-batch."""
+
+    layers: list[nn.Module]
+    specs: list[list[TensorSpec]]
+    inputs: torch.Tensor  # the micro-batch's inputs (layer 0's input)
+    targets: torch.Tensor  # its targets (the loss layer's second input)
+
+    @property
+    def last(self) -> int:
+        """Index of the loss layer."""
+        return len(self.layers) - 1
+
+    def layer_inputs(self, i: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """Layer `i`'s inputs when `x` is its first: the loss layer also takes the targets."""
+        return [x, self.targets] if i == self.last else [x]
+
+    def output_specs(self) -> list[TensorSpec]:
+        """Each layer's output spec (the loss's by shape propagation, without compute)."""
+        return [s[0] for s in self.specs[1:]] + [output_spec(self.layers[-1], self.specs[-1])]
+
+
+def _sequence(layers: list[nn.Module], dataset: Dataset, size: int) -> _Sequence:
+    x, y = dataset.microbatch(DATA_STEP, 0, size)
+    return _Sequence(layers, infer_input_specs(layers, spec_of(x), spec_of(y)), x, y)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One layer's median forward and backward seconds (0 when untimed) and stash bytes."""
+
+    forward: float
+    backward: float
+    saved_bytes: int
+
+
+def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None = None,
+                    warmup: int = WARMUP, repeats: int = REPEATS) -> Profile:
+    """Times every layer of `job` on this process (see [Note: profiled layers]).
+
+    Layer i runs on what layers 0 .. i-1 computed from the job's micro-batch of step 0,
+    through `SplitExec` as a split rank runs it (random ops seeded as the runtime seeds
+    them). Each time is the median of `repeats` runs after `warmup` untimed ones; the fixed
+    parts are the same timed at `FIXED_SIZE` samples (at most the full time). The torch
+    thread count is the caller's; the caller's random generator state is left unchanged.
+
+    Args:
+        job: the job whose layers, data, seed and optimizer to profile.
+        microbatch_size: samples per micro-batch, >= 1.
+        layers: which layers to time, a non-empty range of step 1; None: all of them.
+        warmup: untimed runs before the timed ones, >= 0.
+        repeats: timed runs per time, >= 1.
+
+    Returns:
+        A measured profile: one `LayerProfile` per layer, the loss layer last, and the
+        optimizer's seconds per byte and state ratio over the timed layers' parameters
+        (all layers' when those have none).
+
+    Raises:
+        ConfigError: a bad argument or job value, naming it.
+    """
+    _check_int("micro-batch size", microbatch_size, 1)
+    _check_int("warmup", warmup, 0)
+    _check_int("repeats", repeats, 1)
+    with torch.random.fork_rng(devices=[]):
+        dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+        seq = _sequence(build_layers(job), dataset, microbatch_size)
+        timed = _timed_layers(layers, len(seq.layers))
+        full = _chain(seq, timed, len(seq.layers), job.seed, warmup, repeats)
+        small = (full if microbatch_size == FIXED_SIZE else
+                 _chain(_sequence(seq.layers, dataset, FIXED_SIZE), timed, timed.stop,
+                        job.seed, warmup, repeats))
+        params = _params([seq.layers[i] for i in timed]) or _params(seq.layers)
+        per_byte, ratio = _optimizer_costs(job, params, warmup, repeats)
+    rows = (_measured_layer(seq, i, out, full[i], small[i] if i in timed else None)
+            for i, out in enumerate(seq.output_specs()))
+    return Profile(microbatch_size, tuple(rows), optimizer_seconds_per_byte=per_byte,
+                   optimizer_state_ratio=ratio, source="measured")
+
+
+def _chain(seq: _Sequence, timed: range, stop: int, seed: int, warmup: int, repeats: int
+           ) -> list[_Run]:
+    """Runs layers 0 .. stop-1 one after another on the micro-batch, timing those in `timed`."""
+    runs: list[_Run] = []
+    x = seq.inputs
+    for i in range(stop):
+        x, run = _run_layer(seq, i, x, derive_seed(seed, DATA_STEP, 0, i), warmup,
+                            repeats if i in timed else 0)
+        runs.append(run)
+    return runs
+
+
+def _run_layer(seq: _Sequence, i: int, x: torch.Tensor, seed: int, warmup: int, repeats: int
+               ) -> tuple[torch.Tensor, _Run]:
+    """Layer i's forward (and, when `repeats` > 0, timed forward and backward) on input x.
+
+    Returns:
+        The layer's output and its run; untimed (repeats 0): one forward, zero times.
+    """
+    layer, specs = seq.layers[i], seq.specs[i]
+    executor = SplitExec(layer, specs, _needs_grad(i, specs))
+    inputs = seq.layer_inputs(i, x)
+
+    def forward() -> tuple[torch.Tensor, Saved]:
+        if executor.has_random_ops:
+            seed_random_ops(seed)  # as the runtime's F does, inside the timed call
+        return executor.forward(inputs)
+
+    if not repeats:
+        out, saved = forward()
+        return out, _Run(0.0, 0.0, _stash_bytes(layer, saved))
+    forward_seconds, (out, saved) = _median_seconds(forward, warmup, repeats)
+    grad = torch.ones_like(out)  # the values do not change the work
+    backward_seconds, _ = _median_seconds(lambda: executor.backward(saved, grad), warmup,
+                                          repeats)
+    return out, _Run(forward_seconds, backward_seconds, _stash_bytes(layer, saved))
+
+
+def _median_seconds(fn: Callable[[], T], warmup: int, repeats: int) -> tuple[float, T]:
+    """Runs `fn` `warmup` times untimed, then `repeats` (>= 1) times timed.
+
+    Returns:
+        The median seconds of the timed runs and the last run's result.
+    """
+    for _ in range(warmup):
+        fn()
+    seconds, result = _timed(fn)
+    times = [seconds]
+    for _ in range(repeats - 1):
+        seconds, result = _timed(fn)
+        times.append(seconds)
+    return statistics.median(times), result
+
+
+def _timed(fn: Callable[[], T]) -> tuple[float, T]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def _stash_bytes(layer: nn.Module, saved: Saved) -> int:
+    """The stash's storage bytes beyond the layer's parameters (runtime `_account` rule)."""
+    storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    return tensor_bytes(saved.values(), exclude=storages)
+
+
+def _params(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
+    return [p for layer in layers for p in layer.parameters()]
+
+
+def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, repeats: int
+                     ) -> tuple[float, float]:
+    """One step of the job's optimizer over `params`, with gradients set.
+
+    The first step allocates the optimizer state, so at least one untimed step runs first.
+
+    Returns:
+        (median step seconds per parameter byte, state bytes per parameter byte); zeros
+        when there are no parameters.
+    """
+    nbytes = tensor_bytes(params)
+    if not nbytes:
+        return 0.0, 0.0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer = build_optimizer(job.optimizer, params, job.lr, job.optimizer_config)
+    seconds, _ = _median_seconds(lambda: optimizer.step(), max(warmup, 1), repeats)
+    return seconds / nbytes, optimizer_state_bytes(optimizer) / nbytes
+
+
+def _measured_layer(seq: _Sequence, i: int, out: TensorSpec, full: _Run, small: _Run | None
+                    ) -> LayerProfile:
+    """Layer i's row: times from the full and the fixed-size runs, bytes from shapes."""
+    layer = seq.layers[i]
+    return LayerProfile(
+        name=type(layer).__name__, forward_seconds=full.forward, backward_seconds=full.backward,
+        input_bytes=sum(s.nbytes for s in seq.specs[i]), output_bytes=out.nbytes,
+        saved_bytes=full.saved_bytes, param_bytes=tensor_bytes(layer.parameters()),
+        forward_fixed_seconds=min(small.forward, full.forward) if small else 0.0,
+        backward_fixed_seconds=min(small.backward, full.backward) if small else 0.0)
+
+
+@dataclass(frozen=True)
+class _Device:
+    """The rates of a device that is not here (see `analytic_profile`)."""
+
+    flops_per_second: float
+    bytes_per_second: float  # 0: memory traffic is not charged
+    launch_seconds: float  # fixed cost of one layer's forward or backward call
+
+    def seconds(self, flops: int, moved: int) -> float:
+        """Time of one call doing `flops` and moving `moved` bytes."""
+        memory = moved / self.bytes_per_second if self.bytes_per_second else 0.0
+        return self.launch_seconds + flops / self.flops_per_second + memory
+
+
+def analytic_profile(job: JobConfig, microbatch_size: int, flops_per_second: float,
+                     bytes_per_second: float = 0.0, launch_seconds: float = 0.0) -> Profile:
+    """Derives a profile for a device that is not here, from FLOPs and bytes.
+
+    FLOPs are counted per layer by `layer_flops` (fake tensors, nothing computed). A call
+    takes `launch_seconds + flops / flops_per_second + moved / bytes_per_second` (the last
+    term only when `bytes_per_second` > 0), and `launch_seconds` is its fixed part. A
+    forward moves its inputs, parameters and output; a backward its stash, output
+    gradient, parameters, parameter gradients and input gradients. Bytes are those of
+    `measure_profile` (see [Note: profiled bytes]); `saved_bytes` comes from one forward of
+    the captured split on example inputs. The optimizer moves its parameters (read and
+    written), gradients and state (read and written): `(3 + 2 * state ratio) /
+    bytes_per_second` seconds per byte, 0 without a bandwidth; the state ratio is measured
+    after one real step here.
+
+    Args:
+        job: the job whose layers and optimizer to profile.
+        microbatch_size: samples per micro-batch, >= 1.
+        flops_per_second: the device's sustained FLOP rate, finite and > 0.
+        bytes_per_second: its memory bandwidth, finite and >= 0 (0: not charged).
+        launch_seconds: its fixed cost per layer call, finite and >= 0.
+
+    Returns:
+        A profile with source "analytic".
+
+    Raises:
+        ConfigError: a bad argument or job value, naming it.
+    """
+    _check_int("micro-batch size", microbatch_size, 1)
+    _check_rate("flops_per_second", flops_per_second, positive=True)
+    _check_rate("bytes_per_second", bytes_per_second, positive=False)
+    _check_rate("launch_seconds", launch_seconds, positive=False)
+    device = _Device(float(flops_per_second), float(bytes_per_second), float(launch_seconds))
+    with torch.random.fork_rng(devices=[]):
+        dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+        seq = _sequence(build_layers(job), dataset, microbatch_size)
+        rows = tuple(_analytic_layer(seq, i, out, device, derive_seed(job.seed, DATA_STEP, 0, i))
+                     for i, out in enumerate(seq.output_specs()))
+        _, ratio = _optimizer_costs(job, _params(seq.layers), 0, 1)
+    per_byte = (3 + 2 * ratio) / device.bytes_per_second if device.bytes_per_second else 0.0
+    return Profile(microbatch_size, rows, optimizer_seconds_per_byte=per_byte,
+                   optimizer_state_ratio=ratio, source="analytic")
+
+
+def _analytic_layer(seq: _Sequence, i: int, out: TensorSpec, device: _Device, seed: int
+                    ) -> LayerProfile:
+    """Layer i's row from its FLOPs, its bytes and the device's rates."""
+    layer, specs = seq.layers[i], seq.specs[i]
+    needs = _needs_grad(i, specs)
+    forward_flops, backward_flops = layer_flops(layer, specs, needs)
+    inputs = sum(s.nbytes for s in specs)
+    input_grads = sum(s.nbytes for s, g in zip(specs, needs, strict=True) if g)
+    params = tensor_bytes(layer.parameters())
+    saved = _example_stash_bytes(layer, specs, needs, seed)
+    launch = device.launch_seconds
+    return LayerProfile(
+        name=type(layer).__name__,
+        forward_seconds=device.seconds(forward_flops, inputs + params + out.nbytes),
+        backward_seconds=device.seconds(backward_flops,
+                                        saved + out.nbytes + 2 * params + input_grads),
+        input_bytes=inputs, output_bytes=out.nbytes, saved_bytes=saved, param_bytes=params,
+        forward_fixed_seconds=launch, backward_fixed_seconds=launch)
+
+
+def _example_stash_bytes(layer: nn.Module, specs: list[TensorSpec], needs: list[bool],
+                         seed: int) -> int:
+    """The stash bytes of one forward of the layer's captured split on example inputs."""
+    executor = SplitExec(layer, specs, needs)
+    generator = torch.Generator().manual_seed(_EXAMPLE_SEED)
+    if executor.has_random_ops:
+        seed_random_ops(seed)
+    _, saved = executor.forward([s.example(generator=generator) for s in specs])
+    return _stash_bytes(layer, saved)
+
+
+def layer_flops(layer: nn.Module, input_specs: Sequence[TensorSpec],
+                input_requires_grad: Sequence[bool]) -> tuple[int, int]:
+    """Counts one layer's forward and backward FLOPs on fake tensors (nothing is computed).
+
+    `FlopCounterMode` counts matrix products, convolutions and attention kernels (a
+    multiply-add is 2 FLOPs); elementwise ops, reductions and embeddings count 0. The
+    backward is autograd's, for every parameter and every input in `input_requires_grad`.
+
+    Args:
+        layer: the layer; only its parameters' and buffers' metadata are read.
+        input_specs: its positional inputs' specs.
+        input_requires_grad: which inputs get a gradient (floating ones only).
+
+    Returns:
+        (forward FLOPs, backward FLOPs).
+    """
+    state = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in state.items()}
+        inputs = tuple(torch.empty(s.shape, dtype=s.dtype).requires_grad_(g)
+                       for s, g in zip(input_specs, input_requires_grad, strict=True))
+        with FlopCounterMode(display=False) as forward:
+            out = functional_call(layer, fake, inputs)
+        wrt = [t for t in (*fake.values(), *inputs) if t.requires_grad]
+        if not (isinstance(out, torch.Tensor) and out.requires_grad and wrt):
+            return forward.get_total_flops(), 0
+        with FlopCounterMode(display=False) as backward:
+            torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+_BYTES = ("input_bytes", "output_bytes", "saved_bytes", "param_bytes")
+
+
+def median_profile(profiles: Sequence[Profile]) -> Profile:
+    """The per-layer median of profiles of the same job measured on several workers.
+
+    Every time field and both optimizer fields are medians; the bytes must agree.
+
+    Raises:
+        ConfigError: no profiles, or profiles of different layers, sizes or bytes.
+    """
+    if not profiles:
+        raise ConfigError("median_profile needs at least one profile")
+    for k, p in enumerate(profiles):
+        _check_same(profiles[0], p, k)
+    rows = (_median_layer([p.layers[i] for p in profiles]) for i in range(profiles[0].n_layers))
+    return replace(profiles[0], layers=tuple(rows),
+                   optimizer_seconds_per_byte=statistics.median(
+                       p.optimizer_seconds_per_byte for p in profiles),
+                   optimizer_state_ratio=statistics.median(
+                       p.optimizer_state_ratio for p in profiles))
+
+
+def _median_layer(rows: list[LayerProfile]) -> LayerProfile:
+    def median(get: Callable[[LayerProfile], float]) -> float:
+        return statistics.median(get(r) for r in rows)
+
+    return replace(rows[0], forward_seconds=median(lambda r: r.forward_seconds),
+                   backward_seconds=median(lambda r: r.backward_seconds),
+                   forward_fixed_seconds=median(lambda r: r.forward_fixed_seconds),
+                   backward_fixed_seconds=median(lambda r: r.backward_fixed_seconds))
+
+
+def _check_same(first: Profile, other: Profile, k: int) -> None:
+    """Refuses profile `k` unless it has the same size, layers and bytes as profile 0."""
+    if (other.microbatch_size, other.n_layers) != (first.microbatch_size, first.n_layers):
+        raise ConfigError(f"profile {k} has {other.n_layers} layers at micro-batch size "
+                          f"{other.microbatch_size}, profile 0 {first.n_layers} at "
+                          f"{first.microbatch_size}")
+    for i, (a, b) in enumerate(zip(first.layers, other.layers, strict=True)):
+        for f in _BYTES:
+            if getattr(a, f) != getattr(b, f):
+                raise ConfigError(f"profile {k} has {f} {getattr(b, f)} for layer {i}, "
+                                  f"profile 0 {getattr(a, f)}")
+
+
+def relative_speeds(profiles: Sequence[Profile]) -> list[float]:
+    """Each profile's speed: the median total layer time (forward + backward) over its own.
+
+    Raises:
+        ConfigError: no profiles, or a profile whose layers took no time.
+    """
+    totals = [p.forward_seconds(range(p.n_layers)) + p.backward_seconds(range(p.n_layers))
+              for p in profiles]
+    if not totals:
+        raise ConfigError("relative_speeds needs at least one profile")
+    if min(totals) <= 0:
+        raise ConfigError(f"profile {totals.index(min(totals))} has no timed layer")
+    middle = statistics.median(totals)
+    return [middle / t for t in totals]
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} {value!r} must be an integer >= {low}")
+
+
+def _check_rate(name: str, value: object, positive: bool) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, int | float)
+          and math.isfinite(value) and (value > 0 if positive else value >= 0))
+    if not ok:
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name} {value!r} must be a finite number {bound}")
+
+
+def _timed_layers(layers: range | None, n_layers: int) -> range:
+    """The layers to time: all by default, else a non-empty step-1 range inside 0..n."""
+    if layers is None:
+        return range(n_layers)
+    if (not isinstance(layers, range) or layers.step != 1
+            or not 0 <= layers.start < layers.stop <= n_layers):
+        raise ConfigError(f"layers {layers!r} must be a non-empty range of step 1 within "
+                          f"range(0, {n_layers}) (the loss layer included)")
+    return layers
