@@ -1,0 +1,510 @@
+"""Measures this machine once (loopback gRPC between workers, the Redis offload store, the
+runtime's overheads) and caches it as the cluster description of `pipefb local`.
+
+Every figure comes from the parts a local run uses:
+
+- **network**: this process and a peer process (`--echo-to`) each serve a StageWorker
+  `Activations` stream that decodes with `protos.wire.decode_transfers` into a
+  `worker.inbox.Inbox`, and send with `worker.transport.GrpcTransport.send` (one
+  `PeerStream`, `wire.encode_stream`). A tensor goes to the peer, whose receive loop takes
+  it from its inbox and sends it back; half the round trip is one delivery, send call to
+  `recv` return. Small tensors give the latency, large ones the bandwidth.
+- **store**: a Redis started as `LocalCluster` starts it (`python -m offload_store`) and
+  `OffloadStore.put` / `take`, the worker's stash and fetch; a link's time is the mean of
+  one put and one take.
+- **overheads**: `action` is the median gap between consecutive actions of a real
+  `StageRuntime` step (clocks, span label, memory accounting); `step` is a unary RPC round
+  trip to the peer's server plus what `run_step` spends outside its actions (flush, report).
+
+The cache is YAML in the `Cluster.to_dict` form under a comment header, one file per host
+in `$PIPEFB_CACHE_DIR` (default `~/.cache/pipefb/`); the links are reused for any worker
+count. Run `python -m coordinator.calibrate [--workers N] [--refresh] [--out FILE]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import itertools
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import grpc
+import torch
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from offload_store import OffloadStore, connect
+from pipefb.cluster import Cluster, Link, WorkerSpec
+from pipefb.errors import Aborted, ConfigError
+from pipefb.local import Process
+from pipefb.schedule import Kind
+from protos import server, tensor_pb2, wire, worker_pb2_grpc
+from worker.__main__ import SWITCH_INTERVAL_SECONDS
+from worker.inbox import Inbox
+from worker.transport import GrpcTransport, inbox_key, nbytes
+
+JOB = "calibrate"  # job id of every probe transfer and stash key
+HOST = "local"  # the one host of the local cluster
+STORE_MAXMEMORY = "256mb"  # the probe Redis holds one value at a time
+PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+
+class CalibrationError(RuntimeError):
+    """A probe that failed, or numbers no link can have (named in the message)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Probe sizes and repeat counts (tests pass small ones)."""
+
+    small_bytes: int = 1024  # tensor size of the latency probes
+    large_bytes: int = 16 * MiB  # tensor size of the bandwidth probes
+    small_repeats: int = 300  # latency probes per link (the median counts)
+    large_repeats: int = 20  # bandwidth probes per link
+    warmup: int = 5  # probes of each size run first and not counted
+    rpc_repeats: int = 100  # unary round trips for the step overhead
+    steps: int = 20  # runtime steps for the action and step overheads
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What one calibration found; a cluster of any size is built from it."""
+
+    network: Link  # worker to worker, one way
+    store: Link  # one stash or fetch of one worker
+    action_overhead: float  # seconds per action outside its handler
+    step_overhead: float  # seconds per step and worker outside its actions
+
+
+# -- the gRPC probe -------------------------------------------------------------------------
+
+
+class Receiver(worker_pb2_grpc.StageWorkerServicer):
+    """A StageWorker whose `Activations` is the worker's delivery path without the job
+    checks: each transfer goes into the inbox as soon as its last byte is decoded."""
+
+    def __init__(self, inbox: Inbox) -> None:
+        self.inbox = inbox
+
+    def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
+                    context: grpc.ServicerContext) -> tensor_pb2.Ack:
+        total, count = 0, 0
+        try:
+            for transfer, tensors in wire.decode_transfers(request_iterator):
+                self.inbox.put(inbox_key(transfer.kind, transfer.step, transfer.stage,
+                                         transfer.microbatch), tensors)
+                total, count = total + nbytes(tensors), count + len(tensors)
+        except grpc.RpcError:
+            if context.is_active():
+                raise
+            # the sender closed its channel without ending the stream: it is shutting down
+        return tensor_pb2.Ack(bytes=total, tensors=count)
+
+
+def _serve(inbox: Inbox, address: str = "127.0.0.1:0") -> tuple[grpc.Server, str]:
+    """Starts a Receiver, SERVING; returns it and the address it bound."""
+    srv, port, health = server.create_server(
+        lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(Receiver(inbox), s),
+        address)
+    server.ready(health)
+    return srv, f"{address.rsplit(':', 1)[0]}:{port}"
+
+
+def _free_port() -> int:
+    """A port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def echo(parent: str) -> None:
+    """The peer process: sends every probe it receives back to `parent`, in step order,
+    until SIGTERM."""
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)  # as a worker runs
+    inbox = Inbox(timeout_seconds=PROBE_TIMEOUT_S * 10)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        inbox.abort("stopped")
+
+    signal.signal(signal.SIGTERM, stop)
+    srv, address = _serve(inbox)
+    transport = GrpcTransport(JOB, [parent], None, inbox)
+    print(f"ready {address}", flush=True)
+    step = 0
+    try:
+        while True:
+            tensors = transport.recv(Kind.RECV_F, step, 0, 0)
+            transport.send(Kind.RECV_F, 0, step, 0, 0, 0, tensors)
+            step += 1
+    except Aborted:
+        pass
+    finally:
+        transport.close()
+        srv.stop(0)
+
+
+class _Pinger:
+    """Round trips of one tensor to the echo peer through a real GrpcTransport."""
+
+    def __init__(self, transport: GrpcTransport, peer: Process) -> None:
+        self.transport, self.peer, self.step = transport, peer, 0
+
+    def round_trip(self, tensor: torch.Tensor) -> float:
+        """Seconds from `send` to the `recv` of the echo."""
+        started = time.perf_counter()
+        self.transport.send(Kind.RECV_F, 0, self.step, 0, 0, 0, {"x": tensor})
+        try:
+            self.transport.recv(Kind.RECV_F, self.step, 0, 0)
+        except Aborted as error:
+            raise CalibrationError(f"no echo of probe {self.step}: {error}; peer log: "
+                                   f"{self.peer.log_tail()}") from None
+        self.step += 1
+        return time.perf_counter() - started
+
+    def one_way(self, size: int, repeats: int, warmup: int) -> float:
+        """Median one-way seconds of a `size`-byte tensor: half the round trip."""
+        tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
+        for _ in range(warmup):
+            self.round_trip(tensor)
+        return statistics.median(self.round_trip(tensor) for _ in range(repeats)) / 2
+
+
+def _network(peer: Process, inbox: Inbox, settings: Settings) -> Link:
+    """The worker-to-worker link, from probes to the echo peer."""
+    transport = GrpcTransport(JOB, [peer.address], None, inbox)
+    try:
+        pinger = _Pinger(transport, peer)
+        small = pinger.one_way(settings.small_bytes, settings.small_repeats, settings.warmup)
+        large = pinger.one_way(settings.large_bytes, settings.large_repeats, settings.warmup)
+        transport.flush()
+    finally:
+        transport.close()
+    return fit_link("loopback gRPC", settings.small_bytes, small, settings.large_bytes, large)
+
+
+def _rpc_round_trip(address: str, repeats: int) -> float:
+    """Median seconds of a unary RPC (health Check) to a StageWorker-style server."""
+    with server.channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        times = []
+        for _ in range(repeats + 1):  # the first call also connects
+            started = time.perf_counter()
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+# -- the store probe ------------------------------------------------------------------------
+
+
+def _store_op(store: OffloadStore, step: int, tensor: torch.Tensor) -> float:
+    """Seconds of one put and one take of `tensor`, averaged."""
+    started = time.perf_counter()
+    store.put(step, 0, 0, {0: {"x": tensor}})
+    store.take(step, 0, 0, {0: ["x"]})
+    return (time.perf_counter() - started) / 2
+
+
+def _store_seconds(store: OffloadStore, size: int, repeats: int, warmup: int,
+                   first_step: int) -> float:
+    """Median seconds of one stash or fetch of a `size`-byte tensor."""
+    tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
+    times = [_store_op(store, first_step + i, tensor) for i in range(warmup + repeats)]
+    return statistics.median(times[warmup:])
+
+
+def _store(address: str, settings: Settings) -> Link:
+    """The offload-store link, from puts and takes on the Redis at `address`."""
+    store = OffloadStore(connect(address), JOB, max_wait_seconds=PROBE_TIMEOUT_S)
+    try:
+        small = _store_seconds(store, settings.small_bytes, settings.small_repeats,
+                               settings.warmup, 0)
+        large = _store_seconds(store, settings.large_bytes, settings.large_repeats,
+                               settings.warmup, settings.warmup + settings.small_repeats)
+        store.clear_job()
+    finally:
+        store.close()
+    return fit_link("Redis store", settings.small_bytes, small, settings.large_bytes, large)
+
+
+def fit_link(what: str, small_bytes: int, small_s: float, large_bytes: int,
+             large_s: float) -> Link:
+    """The link through two (bytes, seconds) points: bandwidth from the slope, latency
+    from the small point.
+
+    Raises:
+        CalibrationError: the large probe was not slower than the small one.
+    """
+    if not large_bytes > small_bytes or not large_s > small_s:
+        raise CalibrationError(f"{what}: {large_bytes} bytes took {large_s:.6f} s, not more "
+                               f"than {small_bytes} bytes ({small_s:.6f} s)")
+    bandwidth = (large_bytes - small_bytes) / (large_s - small_s)
+    return Link(bandwidth, max(0.0, small_s - small_bytes / bandwidth))
+
+
+# -- the runtime's overheads ----------------------------------------------------------------
+
+
+class _NoPeers:
+    """The transport of a one-rank job that keeps every tensor: nothing to send."""
+
+    def flush(self) -> int:
+        """No sends, no bytes."""
+        return 0
+
+
+def _runtime_overheads(steps: int) -> tuple[float, float]:
+    """(per action, per step) seconds a real StageRuntime spends outside its actions,
+    running a one-rank gpipe step of a tiny mlp."""
+    from pipefb.config import JobConfig, check_job
+    from pipefb.plan import balanced_plan
+    from pipefb.runtime import StageRuntime
+
+    job = JobConfig(model="mlp", dataset="synthetic", loss="mse", schedule="gpipe", workers=1,
+                    batch_size=4, microbatches=4, steps=steps, optimizer="sgd",
+                    model_config={"in_features": 8, "hidden": 8, "depth": 2},
+                    dataset_config={"in_features": 8})
+    plan = balanced_plan("gpipe", 1, check_job(job), job.batch_size, job.microbatches)
+    with torch.random.fork_rng(devices=[]):  # the runtime seeds torch's global generator
+        runtime = StageRuntime(job, plan, 0, _NoPeers())  # type: ignore[arg-type]
+        gaps, rest = [], []
+        for step in range(steps):
+            started = time.time()  # the clock of the runtime's spans
+            spans = runtime.run_step(step).spans
+            ended = time.time()
+            gaps += [b[1] - a[2] for a, b in itertools.pairwise(spans)]
+            rest.append(ended - started - (spans[-1][2] - spans[0][1]))
+    action = max(0.0, statistics.median(gaps))
+    return action, max(0.0, statistics.median(rest) - action)  # the last action's gap
+
+
+# -- putting it together --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _switch_interval(seconds: float) -> Iterator[None]:
+    """Runs the body with the workers' GIL switch interval, then restores it."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(saved)
+
+
+@contextlib.contextmanager
+def _helpers(inbox: Inbox) -> Iterator[tuple[Process, Process]]:
+    """Starts the probe Redis and the echo peer (in parallel) and this side's Receiver;
+    stops all three on exit.
+
+    The children are forked before this process serves gRPC (gRPC warns about a fork
+    while its threads run), so the Receiver's port is picked first and bound after.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    address = f"127.0.0.1:{_free_port()}"
+    with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-") as logs, \
+            contextlib.ExitStack() as stack:
+        children = [Process("redis", ["-m", "offload_store", "--port", "0", "--maxmemory",
+                                      STORE_MAXMEMORY], Path(logs), env),
+                    Process("peer", ["-m", "coordinator.calibrate", "--echo-to", address],
+                            Path(logs), env)]
+        stack.callback(_stop_all, children)
+        srv = _serve(inbox, address)[0]
+        stack.callback(srv.stop, 0)
+        for child in children:
+            child.wait_ready()
+        yield children[0], children[1]
+
+
+def _stop_all(children: list[Process]) -> None:
+    """Signals every child first, then waits for each (they exit in parallel)."""
+    for child in children:
+        if child.popen.poll() is None:
+            child.popen.terminate()
+    for child in children:
+        child.stop()
+
+
+def measure(settings: Settings = Settings()) -> Measured:
+    """Measures the links and overheads of this machine (a few seconds).
+
+    Raises:
+        CalibrationError: a probe failed or gave impossible numbers.
+        RuntimeError: the Redis or the peer process did not start.
+    """
+    inbox = Inbox(timeout_seconds=PROBE_TIMEOUT_S)
+    with _switch_interval(SWITCH_INTERVAL_SECONDS), _helpers(inbox) as (redis_proc, peer):
+        network = _network(peer, inbox, settings)
+        rpc = _rpc_round_trip(peer.address, settings.rpc_repeats)
+        store = _store(redis_proc.address, settings)
+        action, step = _runtime_overheads(settings.steps)
+    return Measured(network, store, action, rpc + step)
+
+
+def measure_links(settings: Settings = Settings()) -> tuple[Link, Link]:
+    """The worker-to-worker link and the offload-store link of this machine.
+
+    Args:
+        settings: probe sizes and repeat counts.
+
+    Returns:
+        (network, store), measured with the real gRPC stream path and a real Redis.
+
+    Raises:
+        CalibrationError: a probe failed or gave impossible numbers.
+    """
+    measured = measure(settings)
+    return measured.network, measured.store
+
+
+def build_cluster(workers: int, measured: Measured) -> Cluster:
+    """`workers` workers w0..w{n-1} on one host with this machine's cores and links."""
+    if workers < 1:
+        raise ConfigError(f"a cluster needs at least one worker, got {workers}")
+    return Cluster(tuple(WorkerSpec(f"w{i}", host=HOST) for i in range(workers)),
+                   network=measured.network, store=measured.store,
+                   host_cores={HOST: os.cpu_count() or 1},
+                   action_overhead=measured.action_overhead,
+                   step_overhead=measured.step_overhead)
+
+
+# -- the cache ------------------------------------------------------------------------------
+
+
+def cache_path(cache_dir: Path | None = None) -> Path:
+    """The cache file of this host: `cluster-HOSTNAME.yaml` in `cache_dir`, else in
+    `$PIPEFB_CACHE_DIR`, else in `~/.cache/pipefb/`."""
+    folder = cache_dir or Path(os.environ.get("PIPEFB_CACHE_DIR")
+                               or Path.home() / ".cache" / "pipefb")
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+    return folder / f"cluster-{host}.yaml"
+
+
+def header() -> str:
+    """Comment lines saying when, where and with what a calibration was made."""
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return (f"# pipefb local cluster, measured {when} on {socket.gethostname()}\n"
+            f"# python {platform.python_version()}, torch {torch.__version__}, "
+            f"grpc {grpc.__version__}\n"
+            f"# re-measure: python -m coordinator.calibrate --refresh\n")
+
+
+def render(cluster: Cluster, head: str) -> str:
+    """The YAML text of a cluster under its comment header."""
+    return head + str(yaml.safe_dump(cluster.to_dict(), sort_keys=False))
+
+
+def read_cache(path: Path) -> tuple[Measured, str]:
+    """The measurements and header of a cache file.
+
+    Raises:
+        ConfigError: unreadable, not YAML, or not a complete cluster description.
+    """
+    try:
+        text = path.read_text()
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        first = (str(error).splitlines() or [""])[0]
+        raise ConfigError(f"{type(error).__name__}: {first}") from None
+    missing = {"network", "store", "overheads"} - set(data if isinstance(data, dict) else ())
+    if missing:
+        raise ConfigError(f"missing {sorted(missing)}")
+    try:
+        cluster = Cluster.from_dict(data, str(path))
+    except TypeError as error:  # e.g. keys of mixed types that cannot be sorted
+        raise ConfigError(f"TypeError: {error}") from None
+    head = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    return Measured(cluster.network, cluster.store, cluster.action_overhead,
+                    cluster.step_overhead), head
+
+
+def write_cache(path: Path, text: str) -> None:
+    """Writes the cache file atomically (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def calibrated(workers: int, *, cache_dir: Path | None = None, refresh: bool = False,
+               settings: Settings = Settings()) -> tuple[Cluster, str]:
+    """`local_cluster` with the header of its measurement (for printing)."""
+    if workers < 1:
+        raise ConfigError(f"a cluster needs at least one worker, got {workers}")
+    path = cache_path(cache_dir)
+    if not refresh and path.exists():
+        try:
+            measured, head = read_cache(path)
+            return build_cluster(workers, measured), head
+        except ConfigError as error:
+            print(f"warning: cached cluster {path} is unusable ({error}); measuring again",
+                  file=sys.stderr)
+    print(f"measuring loopback gRPC and Redis once; cached in {path}", file=sys.stderr)
+    cluster, head = build_cluster(workers, measure(settings)), header()
+    write_cache(path, render(cluster, head))
+    return cluster, head
+
+
+def local_cluster(workers: int, *, cache_dir: Path | None = None, refresh: bool = False,
+                  settings: Settings = Settings()) -> Cluster:
+    """The cluster `pipefb local` runs on: measured once per host, then read from the cache.
+
+    Args:
+        workers: worker count; workers w0..w{n-1} share host "local" (`os.cpu_count()`
+            cores), speed 1.0, no memory cap.
+        cache_dir: where the cache file lives (default `$PIPEFB_CACHE_DIR`, else
+            `~/.cache/pipefb/`).
+        refresh: measure again even if the cache is good.
+        settings: probe sizes and repeat counts of a measurement.
+
+    Returns:
+        The cluster with the measured network, store and overheads.
+
+    Raises:
+        CalibrationError: a measurement failed (a corrupt cache is re-measured instead).
+        ConfigError: `workers` < 1.
+    """
+    return calibrated(workers, cache_dir=cache_dir, refresh=refresh, settings=settings)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m coordinator.calibrate`: prints (or writes) the local cluster's YAML."""
+    p = argparse.ArgumentParser(prog="python -m coordinator.calibrate",
+                                description="Measure this machine once; print its cluster YAML.")
+    p.add_argument("--workers", type=int, default=1, help="workers of the cluster (default 1)")
+    p.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")
+    p.add_argument("--out", type=Path, help="write the YAML here instead of stdout")
+    p.add_argument("--echo-to", help="internal: be the gRPC probe's peer of this address")
+    args = p.parse_args(argv)
+    if args.echo_to:
+        echo(args.echo_to)
+        return 0
+    if args.workers < 1:
+        p.error(f"--workers {args.workers} must be >= 1")
+    cluster, head = calibrated(args.workers, refresh=args.refresh)
+    text = render(cluster, head)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The local calibration: real loopback gRPC and a real Redis measured once, cached as YAML."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coordinator import calibrate
+from coordinator.calibrate import CalibrationError, Measured, Settings
+from pipefb.cluster import Cluster, Link
+from pipefb.errors import ConfigError
+
+FAST = Settings(small_repeats=20, large_bytes=4 << 20, large_repeats=3, warmup=2,
+                rpc_repeats=10, steps=4)
+OTHER = Measured(Link(2e9, 3e-5), Link(1e9, 4e-5), 5e-6, 6e-4)  # a re-measurement's result
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Cluster]:
+    """One real measurement (Redis, an echo peer process, a runtime), cached in a folder."""
+    folder = tmp_path_factory.mktemp("cache")
+    return folder, calibrate.local_cluster(2, cache_dir=folder, settings=FAST)
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
+    """Counts measurements; each returns OTHER."""
+    calls: list[Settings] = []
+
+    def fake(settings: Settings = FAST) -> Measured:
+        calls.append(settings)
+        return OTHER
+
+    monkeypatch.setattr(calibrate, "measure", fake)
+    return calls
+
+
+def copy_cache(measured: tuple[Path, Cluster], folder: Path) -> Path:
+    path = calibrate.cache_path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(calibrate.cache_path(measured[0]).read_text())
+    return path
+
+
+def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster]) -> None:
+    cluster = measured[1]
+    for what, link in (("network", cluster.network), ("store", cluster.store)):
+        assert math.isfinite(link.bandwidth) and 10e6 <= link.bandwidth <= 100e9, (what, link)
+        assert 1e-6 <= link.latency <= 0.1, (what, link)
+        assert link.seconds(16 << 20) > link.seconds(1024), what
+    assert 0 <= cluster.action_overhead < 0.01
+    assert 1e-6 <= cluster.step_overhead < 0.1  # at least an RPC round trip
+
+
+def test_cluster_shape(measured: tuple[Path, Cluster]) -> None:
+    cluster = measured[1]
+    assert [w.name for w in cluster.workers] == ["w0", "w1"]
+    assert all(w.host == "local" and w.speed == 1.0 and w.memory == math.inf
+               for w in cluster.workers)
+    assert dict(cluster.host_cores) == {"local": os.cpu_count()}
+    assert cluster.cores_of(1) == ("local", os.cpu_count())
+
+
+def test_cache_is_written_with_a_header_and_reads_back_equal(
+        measured: tuple[Path, Cluster]) -> None:
+    folder, cluster = measured
+    path = calibrate.cache_path(folder)
+    text = path.read_text()
+    assert text.startswith("# pipefb local cluster, measured ")
+    for version in ("python 3.", "torch 2.", "grpc 1."):
+        assert version in text
+    assert Cluster.load(path) == cluster
+    assert calibrate.local_cluster(2, cache_dir=folder) == cluster
+
+
+def test_cache_is_reused_for_any_worker_count(measured: tuple[Path, Cluster], spy: list[Settings],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    folder, cluster = measured
+    bigger = calibrate.local_cluster(5, cache_dir=folder)
+    assert spy == []
+    assert capsys.readouterr().err == ""
+    assert [w.name for w in bigger.workers] == [f"w{i}" for i in range(5)]
+    assert (bigger.network, bigger.store) == (cluster.network, cluster.store)
+    assert (bigger.action_overhead, bigger.step_overhead) == (cluster.action_overhead,
+                                                              cluster.step_overhead)
+
+
+def test_refresh_measures_again_and_rewrites(measured: tuple[Path, Cluster], spy: list[Settings],
+                                             tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    path = copy_cache(measured, tmp_path)
+    cluster = calibrate.local_cluster(3, cache_dir=tmp_path, refresh=True)
+    assert len(spy) == 1
+    assert (cluster.network, cluster.store) == (OTHER.network, OTHER.store)
+    assert Cluster.load(path) == cluster
+    err = capsys.readouterr().err
+    assert err == f"measuring loopback gRPC and Redis once; cached in {path}\n"
+
+
+def test_missing_cache_measures_once(spy: list[Settings], tmp_path: Path) -> None:
+    first = calibrate.local_cluster(1, cache_dir=tmp_path / "new")
+    again = calibrate.local_cluster(1, cache_dir=tmp_path / "new")
+    assert len(spy) == 1 and first == again
+
+
+def test_cache_dir_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    monkeypatch.setenv("PIPEFB_CACHE_DIR", str(tmp_path))
+    assert calibrate.cache_path().parent == tmp_path
+    monkeypatch.delenv("PIPEFB_CACHE_DIR")
+    assert calibrate.cache_path().parent == Path.home() / ".cache" / "pipefb"
+
+
+CORRUPT: dict[str, Callable[[str], bytes]] = {
+    "not yaml": lambda good: b"network: {bandwidth: [\n",
+    "empty": lambda good: b"",
+    "not utf-8": lambda good: b"\xff\xfe\x00",
+    "a list": lambda good: b"- 1\n- 2\n",
+    "no store": lambda good: good.replace("store:", "stash:").encode(),
+    "zero bandwidth": lambda good: yaml.safe_dump(
+        {**yaml.safe_load(good), "network": {"bandwidth": 0}}).encode(),
+    "truncated": lambda good: good[: len(good) // 2].encode(),
+    "mixed keys": lambda good: good.encode() + b"1: x\nzz: y\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT))
+def test_corrupt_cache_is_measured_again_with_a_warning(
+        measured: tuple[Path, Cluster], spy: list[Settings], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], case: str) -> None:
+    path = copy_cache(measured, tmp_path)
+    path.write_bytes(CORRUPT[case](path.read_text()))
+    cluster = calibrate.local_cluster(2, cache_dir=tmp_path)
+    assert len(spy) == 1
+    assert cluster.network == OTHER.network
+    assert Cluster.load(path) == cluster
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"warning: cached cluster {path} is unusable ("), err
+    assert err[1].startswith("measuring loopback gRPC and Redis once")
+
+
+def test_fit_link_from_two_points() -> None:
+    link = calibrate.fit_link("x", 1_000, 0.001, 1_001_000, 0.002)
+    assert link.bandwidth == pytest.approx(1e9)
+    assert link.latency == pytest.approx(0.001 - 1e-6)
+    with pytest.raises(CalibrationError, match="not more than"):
+        calibrate.fit_link("x", 1_000, 0.002, 1_001_000, 0.002)
+
+
+def test_no_workers_is_a_config_error(measured: tuple[Path, Cluster],
+                                      spy: list[Settings]) -> None:
+    with pytest.raises(ConfigError, match="at least one worker"):
+        calibrate.local_cluster(0, cache_dir=measured[0])
+    assert spy == []
+
+
+def test_cli_prints_yaml_that_cluster_load_reads(measured: tuple[Path, Cluster], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PIPEFB_CACHE_DIR", str(measured[0]))
+    assert calibrate.main(["--workers", "3"]) == 0
+    out = capsys.readouterr()
+    assert out.err == ""  # the cache was used: nothing measured
+    (tmp_path / "c.yaml").write_text(out.out)
+    loaded = Cluster.load(tmp_path / "c.yaml")
+    assert loaded.size == 3 and loaded.network == measured[1].network
+
+
+def test_cli_writes_the_out_file(measured: tuple[Path, Cluster], tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPEFB_CACHE_DIR", str(measured[0]))
+    assert calibrate.main(["--workers", "4", "--out", str(tmp_path / "c.yaml")]) == 0
+    loaded = Cluster.load(tmp_path / "c.yaml")
+    assert loaded.size == 4 and loaded.store == measured[1].store
