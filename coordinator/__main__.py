@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 from coordinator.driver import Driver
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
+from pipefb.cluster import Cluster
 from protos import coordinator_pb2_grpc, server
 
 
@@ -19,6 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="host:port to serve on (port 0: any free port)")
     p.add_argument("--store", default=os.environ.get("PIPEFB_STORE", ""), required=False,
                    help="host:port of the offload store (Redis)")
+    p.add_argument("--cluster", type=Path, default=None,
+                   help="cluster YAML that plan 'auto' assumes (links, store, caps); "
+                        "default: uniform workers")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat before a worker counts as dead")
     args = p.parse_args(argv)
@@ -33,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
     args = parse_args(argv)
     registry = Registry(timeout_seconds=args.heartbeat_timeout)
-    servicer = CoordinatorServicer(registry, Driver(registry, args.store))
+    cluster = Cluster.load(args.cluster) if args.cluster else None
+    servicer = CoordinatorServicer(registry, Driver(registry, args.store, cluster=cluster))
     srv, port, health = server.create_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen)
     server.ready(health)

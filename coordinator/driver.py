@@ -21,13 +21,16 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.profiling import profile_workers
 from coordinator.registry import Registry, WorkerRecord
 from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
-from pipefb.config import JobConfig, layer_policies
+from pipefb.cluster import Cluster
+from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.errors import ConfigError, WorkerFailed
 from pipefb.evaluate import evaluate
 from pipefb.plan import Plan, balanced_plan, schedule_for
+from pipefb.planning import job_cluster, plan_job, summary
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_to_proto, plan_to_proto
 
@@ -47,6 +50,7 @@ class Job:
 
     config: JobConfig
     layer_costs: list[float] = field(default_factory=list)  # from check_job at submit
+    planner: dict[str, Any] = field(default_factory=dict)  # plan "auto": the search summary
     state: str = "PENDING"
     step: int = 0
     error: str = ""
@@ -98,9 +102,10 @@ class Driver:
     """Runs each submitted job in its own thread."""
 
     def __init__(self, registry: Registry, store_address: str,
-                 worker_wait_seconds: float = 120.0) -> None:
+                 worker_wait_seconds: float = 120.0, cluster: Cluster | None = None) -> None:
         self.registry, self.store_address = registry, store_address
         self.worker_wait_seconds = worker_wait_seconds
+        self.cluster = cluster  # what plan "auto" assumes of links, store and caps
 
     def start(self, job: Job) -> None:
         """Starts the job's thread."""
@@ -154,9 +159,12 @@ class Driver:
     def _plan_and_assign(self, job: Job, ranks: Ranks) -> None:
         job.set_state("PLANNING")
         cfg = job.config
-        plan = balanced_plan(cfg.schedule, cfg.workers, job.layer_costs, cfg.batch_size,
-                             cfg.microbatches, layer_policies(cfg, len(job.layer_costs)),
-                             cfg.mode, cfg.staleness)
+        if cfg.plan == AUTO:
+            plan = self._auto_plan(job, ranks)
+        else:
+            plan = balanced_plan(cfg.schedule, cfg.workers, job.layer_costs, cfg.batch_size,
+                                 cfg.microbatches, layer_policies(cfg, len(job.layer_costs)),
+                                 cfg.mode, cfg.staleness)
         schedule_for(plan)  # refuses a plan whose schedule fails validation or deadlocks
         job.plan = plan
         spec, plan_msg = job_to_proto(job.config), plan_to_proto(plan)
@@ -166,6 +174,20 @@ class Driver:
             timeout=300) for r, stub in enumerate(ranks.stubs)]
         _wait_all(calls, ranks)
         job.set_state("RUNNING")
+
+    def _auto_plan(self, job: Job, ranks: Ranks) -> Plan:
+        """Profiles the layers on the job's workers (one after another), then searches
+        and simulates (pipefb.planning); the search's summary goes into the job status."""
+        cfg = job.config
+        profile, speeds = profile_workers(ranks.stubs, cfg, cfg.microbatch_size)
+        base = self.cluster or Cluster.uniform(cfg.workers)
+        cluster = job_cluster(base, cfg.workers, speeds, cfg.memory_cap)
+        result = plan_job(cfg, profile, cluster)
+        job.planner = {**summary(result), "profile": profile.to_dict(),
+                       "speeds": speeds}
+        log.info("job %s: planned %s, predicted %.2f ms/step", job.job_id, result.best.label,
+                 result.best.step_seconds * 1e3)
+        return result.plan
 
     def _run_steps(self, job: Job, ranks: Ranks) -> None:
         def on_step(step: int, replies: list[worker_pb2.StepReply], seconds: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -126,4 +127,6 @@ def _status(job: Job) -> coordinator_pb2.JobStatus:
         worker_ids=[w.worker_id for w in job.workers])
     if job.plan is not None:
         status.plan.CopyFrom(plan_to_proto(job.plan))
+    if job.planner:
+        status.planner_json = json.dumps(job.planner)
     return status

@@ -11,11 +11,15 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipefb.config import SCHEDULES, JobConfig, check_job, parse_json_object
 from pipefb.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipefb.costs import Profile
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,7 +36,9 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default=d.dataset, help="digits, text or synthetic")
     p.add_argument("--dataset-config", default="", help="JSON object for the dataset")
     p.add_argument("--loss", default=d.loss, help="cross_entropy or mse")
-    p.add_argument("--schedule", default=d.schedule, help=f"one of {', '.join(SCHEDULES)}")
+    p.add_argument("--schedule", default=None,
+                   help=f"one of {', '.join(SCHEDULES)} (default {d.schedule}; with --plan "
+                        "auto: auto, the planner picks)")
     p.add_argument("--workers", type=int, default=d.workers, help="workers in the pipeline")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per step")
     p.add_argument("--microbatches", type=int, default=d.microbatches, help="per step")
@@ -51,6 +57,11 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                         "one per layer (loss included); default keep, offload for pipefb")
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="held-out evaluation every K steps (0: only at the end)")
+    p.add_argument("--plan", default="", choices=("", "even", "auto"),
+                   help="even (default): stages balanced by parameter count; auto: profile "
+                        "the workers, search schedule, partition and policy, simulate")
+    p.add_argument("--memory-cap", default="0",
+                   help="with --plan auto: bytes each worker may hold, e.g. 200MB (0: none)")
     p.add_argument("--job-id", default="", help="job id (default: the coordinator picks)")
 
 
@@ -75,6 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="a job's status, or the workers")
     status.add_argument("--coordinator", required=True, help="host:port")
     status.add_argument("job_id", nargs="?", help="job id; omitted: list workers")
+    plan = sub.add_parser("plan", help="search plans for a model on a cluster; print them")
+    _job_flags(plan)
+    plan.add_argument("--cluster", type=Path, default=None,
+                      help="cluster YAML (default: this machine, measured once and cached, "
+                           "with --workers workers)")
+    plan.add_argument("--profile", choices=("measured", "analytic"), default="measured",
+                      help="measure layers here, or derive them from FLOPs (--flops)")
+    plan.add_argument("--flops", type=float, default=1e12,
+                      help="analytic profile: FLOP/s of a speed-1.0 worker")
+    plan.add_argument("--memory-bandwidth", type=float, default=0.0,
+                      help="analytic profile: bytes/s a layer moves (0: ignore)")
+    plan.add_argument("--json", action="store_true", help="print the result as JSON")
+    plan.add_argument("--out", type=Path, default=Path("runs/plan"),
+                      help="directory for timeline.png and plan.json")
     stop = sub.add_parser("stop", help="stop a job at the next step boundary")
     stop.add_argument("--coordinator", required=True, help="host:port")
     stop.add_argument("job_id", help="job id")
@@ -83,11 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> JobConfig:
     """Builds the JobConfig from flags (over an optional job file); ConfigError if bad."""
+    from pipefb.cluster import parse_quantity
+
     values = dict(base or {})
-    for name in ("model", "dataset", "loss", "schedule", "workers", "batch_size",
+    for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
-                 "policy", "eval_every", "job_id"):
+                 "policy", "eval_every", "plan", "job_id"):
         values.setdefault(name, getattr(args, name))
+    if args.schedule is not None or "schedule" not in values:
+        auto = values.get("plan") == "auto" and args.schedule is None
+        values["schedule"] = args.schedule or ("auto" if auto else JobConfig().schedule)
+    if args.memory_cap != "0" or "memory_cap" not in values:
+        values["memory_cap"] = int(parse_quantity(args.memory_cap, "--memory-cap", "bytes"))
     for name in ("model_config", "dataset_config", "optimizer_config"):
         text = getattr(args, name)
         if text or name not in values:
@@ -121,6 +153,61 @@ def cmd_local_train(args: argparse.Namespace) -> int:
     if args.threads < 0:
         raise ConfigError(f"--threads {args.threads} must be >= 0")
     return run_local(job, args.out, progress=not args.no_progress, threads=args.threads)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`pipefb plan`: profile, search and simulate; print the candidates, write the timeline."""
+    from pipefb.planning import candidates_table, job_cluster, summary, write_timeline
+
+    args.plan = "auto"  # schedule defaults to auto: every kind
+    job = job_from_args(args)
+    if args.cluster is not None:
+        from pipefb.cluster import Cluster
+
+        cluster = Cluster.load(args.cluster)
+    else:
+        from coordinator.calibrate import local_cluster
+
+        cluster = local_cluster(job.workers)
+    check_job(replace(job, workers=cluster.size))
+    cluster = job_cluster(cluster, cluster.size, memory_cap=job.memory_cap)
+    profile = _plan_profile(job, args, cluster.size)
+    from pipefb.planning import plan_job
+
+    result = plan_job(job, profile, cluster)
+    data = summary(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_timeline(result, args.out / "timeline.png")
+    if args.json:
+        print(json.dumps({k: v for k, v in data.items() if k != "timeline"}, indent=2))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    console.print(candidates_table(result, job.batch_size))
+    p = result.plan
+    console.print(f"chosen: {result.best.label}, predicted {result.best.step_seconds * 1e3:.2f}"
+                  f" ms/step, peak {data['predicted_peak_memory_bytes'] / 2**20:.1f} MiB, "
+                  f"bubble {result.simulation.bubble_fraction:.0%}; forward partition "
+                  f"{list(p.forward_partition)}, backward {list(p.backward_partition)}; "
+                  f"timeline: {args.out / 'timeline.png'}")
+    return 0
+
+
+def _plan_profile(job: JobConfig, args: argparse.Namespace, workers: int) -> Profile:
+    """The layer profile `pipefb plan` uses: measured here or analytic."""
+    from pipefb.profiler import analytic_profile, measure_profile
+
+    if args.profile == "analytic":
+        return analytic_profile(job, job.microbatch_size, args.flops, args.memory_bandwidth)
+    import torch
+
+    from pipefb.local import default_threads
+
+    torch.set_num_threads(args.threads if getattr(args, "threads", 0) else
+                          default_threads(workers))
+    return measure_profile(job, job.microbatch_size)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -167,6 +254,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "local": cmd_local_train, "submit": cmd_submit, "status": cmd_status, "stop": cmd_stop,
+    "plan": cmd_plan,
 }
 
 

@@ -18,6 +18,8 @@ MODES = ("sync", "async")
 SCHEDULE_MODES = {"single": ("sync",), "gpipe": ("sync",), "1f1b": ("sync",),
                   "pipedream": ("async",), "pipefb": ("sync", "async")}
 POLICIES = ("keep", "offload", "recompute")
+PLANS = ("", "even", "auto")  # "" and even: stages balanced by parameter count
+AUTO = "auto"  # schedule and plan value: the planner picks
 MAX_STALENESS = 8  # bounds the weight versions and stashed steps a job may hold
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -60,6 +62,8 @@ class JobConfig:
     staleness: int = 1  # async pipefb: the forward of step k uses weight version k - staleness
     policy: str = ""  # keep, offload, recompute or a comma list per layer; "": schedule default
     eval_every: int = 0  # held-out evaluation every K steps in the step reports; 0: at the end
+    plan: str = ""  # "" or even: balanced by parameter count; auto: profile, search, simulate
+    memory_cap: int = 0  # plan auto: bytes each worker may hold; 0: the cluster's caps
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -67,10 +71,12 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, ("workers", "batch_size", "microbatches", "steps"))
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
-        if self.mode == "" and self.schedule in SCHEDULE_MODES:
-            object.__setattr__(self, "mode", SCHEDULE_MODES[self.schedule][0])
+        self._check_plan()
+        if self.schedule not in (*SCHEDULES, AUTO):
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}"
+                              " (or auto with --plan auto)")
+        if self.mode == "":
+            object.__setattr__(self, "mode", SCHEDULE_MODES.get(self.schedule, ("sync",))[0])
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {MODES}")
         if self.schedule in SCHEDULE_MODES and self.mode not in SCHEDULE_MODES[self.schedule]:
@@ -91,6 +97,22 @@ class JobConfig:
             raise ConfigError(f"learning rate {self.lr!r} must be a finite number > 0")
         if self.job_id and not _JOB_ID.match(self.job_id):
             raise ConfigError(f"job id {self.job_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
+
+    def _check_plan(self) -> None:
+        if self.plan not in PLANS:
+            raise ConfigError(f"unknown plan {self.plan!r}; choose even or auto")
+        if self.schedule == AUTO and self.plan != AUTO:
+            raise ConfigError("schedule 'auto' needs --plan auto (the planner picks it)")
+        if self.plan == AUTO and self.policy.strip():
+            raise ConfigError(f"--policy {self.policy!r} conflicts with --plan auto, which "
+                              "chooses each layer's policy")
+        if self.plan == AUTO and self.schedule == "single":
+            raise ConfigError("schedule 'single' runs in one process: there is nothing to plan")
+        if isinstance(self.memory_cap, bool) or not isinstance(self.memory_cap, int) or (
+                self.memory_cap < 0):
+            raise ConfigError(f"memory_cap {self.memory_cap!r} must be a byte count >= 0")
+        if self.memory_cap and self.plan != AUTO:
+            raise ConfigError("--memory-cap is honoured by --plan auto only")
 
     @property
     def microbatch_size(self) -> int:
@@ -175,8 +197,9 @@ def check_job(config: JobConfig) -> list[float]:
                     config.optimizer_config)
     from pipefb.plan import layer_costs, stage_counts
 
-    layer_policies(config, len(layers))
-    if config.schedule != "single":
+    if config.plan != AUTO:
+        layer_policies(config, len(layers))
+    if config.schedule not in ("single", AUTO):
         stages = max(stage_counts(config.schedule, config.workers))
         if stages > len(layers):
             raise ConfigError(

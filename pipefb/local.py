@@ -105,8 +105,10 @@ class LocalCluster:
     """Context manager: the offload store, a coordinator and `workers` workers, all local."""
 
     def __init__(self, workers: int, log_dir: Path, *, store_maxmemory: str = "2gb",
-                 threads: int = 0, extra_env: dict[str, str] | None = None) -> None:
+                 threads: int = 0, extra_env: dict[str, str] | None = None,
+                 cluster_file: Path | None = None) -> None:
         self.n_workers, self.log_dir = workers, log_dir
+        self.cluster_file = cluster_file  # the coordinator's --cluster (plan "auto")
         self.store_maxmemory = store_maxmemory
         threads = threads or default_threads(workers)
         self.env = {**os.environ, "PIPEFB_THREADS": str(threads), **(extra_env or {})}
@@ -138,9 +140,10 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0",
                                            "--maxmemory", self.store_maxmemory]).wait_ready()
+        extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
         self.coordinator = self._spawn("coordinator", ["-m", "coordinator", "--listen",
-                                                       "127.0.0.1:0", "--store",
-                                                       self.store]).wait_ready()
+                                                       "127.0.0.1:0", "--store", self.store,
+                                                       *extra]).wait_ready()
         workers = [self.add_worker(i) for i in range(self.n_workers)]
         for proc in workers:
             proc.wait_ready()

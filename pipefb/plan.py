@@ -41,6 +41,7 @@ class Plan:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # planner notes
     mode: str = "sync"  # sync or async
     staleness: int = 0  # async pipefb: the forward of step k uses weight version k - staleness
+    predicted_peak_memory_bytes: tuple[int, ...] = ()  # simulator's peak per rank; () if none
 
     def __post_init__(self) -> None:
         if any(p not in POLICIES for p in self.policy):
@@ -75,8 +76,10 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         """Builds a plan from `to_dict` output."""
         data = dict(data)
+        data.setdefault("predicted_peak_memory_bytes", ())
         data["assignment"] = tuple(WorkerAssignment(**a) for a in data["assignment"])
-        for key in ("forward_partition", "backward_partition", "policy"):
+        for key in ("forward_partition", "backward_partition", "policy",
+                    "predicted_peak_memory_bytes"):
             data[key] = tuple(data[key])
         return cls(**data)
 
@@ -126,7 +129,9 @@ def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | Non
     valley-shaped in `c` and its minimum sits where they cross: a binary search per state.
     O(k * n * log n) time and O(k * n) space for n layers and k stages (200 layers on 64
     stages: about 100k state updates). Of the two cuts around the crossing, a tie goes to
-    the earlier.
+    the earlier. With unequal speeds `best[k-1][c]` need not be monotone (a stage may not
+    be empty, so one more layer can let a slow stage take a cheap layer), and each state
+    scans every cut: O(k * n^2).
 
     Returns:
         Boundaries `(0, b1, ..., n)`.
@@ -151,6 +156,7 @@ def partitions(costs: Sequence[float], stages: int, speeds: Sequence[float] | No
     speed = [1.0] * stages if speeds is None else [float(x) for x in speeds]
     if len(speed) < stages or not all(x > 0 for x in speed):
         raise ConfigError(f"need {stages} stage speeds > 0, got {speeds}")
+    uniform = len(set(speed[:stages])) == 1
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -159,7 +165,9 @@ def partitions(costs: Sequence[float], stages: int, speeds: Sequence[float] | No
     for k in range(2, stages + 1):
         row, where = [float("inf")] * (n + 1), [0] * (n + 1)
         for end in range(k, n + 1):
-            row[end], where[end] = _best_cut(best[-1], prefix, k - 1, end, speed[k - 1])
+            row[end], where[end] = (_best_cut(best[-1], prefix, k - 1, end, speed[k - 1])
+                                    if uniform else
+                                    _scan_cut(best[-1], prefix, k - 1, end, speed[k - 1]))
         best.append(row)
         cuts.append(where)
     out = []
@@ -169,6 +177,12 @@ def partitions(costs: Sequence[float], stages: int, speeds: Sequence[float] | No
             bounds.append(cuts[k - 1][bounds[-1]])
         out.append((0, *reversed(bounds)))
     return out
+
+
+def _scan_cut(left: list[float], prefix: list[float], lo: int, end: int, speed: float
+              ) -> tuple[float, int]:
+    """`_best_cut` by trying every cut (for unequal stage speeds)."""
+    return min((max(left[c], (prefix[end] - prefix[c]) / speed), c) for c in range(lo, end))
 
 
 def _best_cut(left: list[float], prefix: list[float], lo: int, end: int, speed: float

@@ -7,9 +7,10 @@ best plan, the runners-up and why each lost.
 [Note: search]
 For every schedule kind the job's mode allows, every micro-batch count (divisors of the
 batch size), and for PipeFB every split of the workers into forward and backward roles:
-1. partition: `plan.partition` balances each pass's per-layer time over its workers'
-   speeds (forward + backward on combined kinds; PipeFB's forward stages by forward time
-   plus the stash put, its backward stages by backward time plus the fetch);
+1. partition: `plan.partitions` balances each pass's per-layer time (at the profile's
+   micro-batch size, one table for every stage count) over its workers' speeds (forward
+   + backward on combined kinds; PipeFB's forward stages by forward time plus the stash
+   put, its backward stages by backward time plus the fetch);
 2. policy: combined kinds keep everything; PipeFB offloads each layer unless re-running
    its forward is cheaper than moving its saved tensors through the store; while a worker's
    simulated peak exceeds its cap, its layers switch to offload or recompute, whichever
@@ -41,7 +42,7 @@ from pipefb.schedule import KINDS, Topology
 from pipefb.simulate import Simulation, simulate
 
 MEMORY_MARGIN = 0.9  # plans use at most this share of a cap: the model is not exact
-EVENT_BUDGET = 60_000  # simulated actions the search may spend on ranking candidates
+EVENT_BUDGET = 30_000  # simulated actions the search may spend on ranking candidates
 MAX_MICROBATCH_CHOICES = 6
 
 
@@ -181,14 +182,15 @@ class _Planner:
         """A plan of `kind` with balanced partitions for the given policy."""
         n = self.space.cluster.size
         mb = self.space.batch_size // microbatches
+        ref = self.space.profile.microbatch_size  # one partition table for every count
         if kind == "pipefb":
             fwd_ranks, bwd_ranks = range(n_fwd), range(n_fwd, n)
-            fwd = self.split_partition(self.layer_times("forward", policy, mb), fwd_ranks)
-            bwd = self.split_partition(self.layer_times("backward", policy, mb), bwd_ranks)
+            fwd = self.split_partition(self.layer_times("forward", policy, ref), fwd_ranks)
+            bwd = self.split_partition(self.layer_times("backward", policy, ref), bwd_ranks)
             assignment = tuple(WorkerAssignment(r, "forward", r) for r in fwd_ranks) + tuple(
                 WorkerAssignment(r, "backward", s) for s, r in enumerate(bwd_ranks))
         else:
-            fwd = bwd = self.split_partition(self.layer_times("combined", policy, mb), range(n))
+            fwd = bwd = self.split_partition(self.layer_times("combined", policy, ref), range(n))
             assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(n))
         staleness = self.space.staleness if kind == "pipefb" and mode == "async" else 0
         return Plan(schedule=kind, microbatches=microbatches, microbatch_size=mb,
@@ -453,8 +455,9 @@ def search(profile: Profile, cluster: Cluster, batch_size: int, *,
     assert isinstance(top_sim, Simulation)
     plan, sim = planner.refine(top.plan, top_sim)
     plan = replace(plan, predicted_step_seconds=sim.step_seconds,
-                   extra={"peak_memory_bytes": {str(r): b for r, b in sim.peak_memory.items()},
-                          "bubble_fraction": sim.bubble_fraction})
+                   predicted_peak_memory_bytes=tuple(sim.peak_memory[r]
+                                                     for r in sorted(sim.peak_memory)),
+                   extra={"bubble_fraction": sim.bubble_fraction})
     best = Candidate(plan, sim.step_seconds, planner.estimate(plan), sim.peak_memory,
                      sim.bubble_fraction)
     others = [_lost(c, best) for c in results if c is not top]

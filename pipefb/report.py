@@ -34,7 +34,16 @@ def write_report(out: Path, report: dict[str, Any], weights: Mapping[str, torch.
     save_file({k: v.detach().contiguous().clone() for k, v in weights.items()},
               str(out / "weights.safetensors"))
     plot_loss(report, out / "loss.png")
-    if report.get("timeline"):
+    simulated = report.get("planner", {}).get("timeline")
+    if report.get("timeline") and simulated:
+        predicted = report["planner"]["predicted_step_seconds"]
+        measured = report["samples_per_second"]
+        plot_timelines([(f"simulated ({predicted * 1e3:.1f} ms/step)", simulated),
+                        (f"measured, step {report['timeline']['step']} "
+                         f"({report['job']['batch_size'] / measured * 1e3:.1f} ms/step)"
+                         if measured else "measured", report["timeline"])],
+                       out / "timeline.png")
+    elif report.get("timeline"):
         plot_timeline(report["timeline"], out / "timeline.png")
     return path
 
@@ -77,14 +86,32 @@ def _kind_colour(action: str) -> str:
 
 def plot_timeline(timeline: Mapping[str, Any], path: Path) -> None:
     """One step's actions per rank as a Gantt chart (compute labelled by micro-batch)."""
+    plot_timelines([(f"timeline of step {timeline['step']}", timeline)], path)
+
+
+def plot_timelines(panels: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> None:
+    """Timelines side by side on one time axis, same style (e.g. simulated and measured)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    rows = max(len(t["ranks"]) for _, t in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(10 * len(panels), 0.6 * rows + 1.6),
+                             dpi=120, squeeze=False, sharex=True)
+    for ax, (title, timeline) in zip(axes[0], panels, strict=True):
+        _draw_timeline(ax, timeline)
+        ax.set_title(title)
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLOURS.items()],
+               ncol=8, fontsize=7, loc="lower center")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _draw_timeline(ax: Any, timeline: Mapping[str, Any]) -> None:
     ranks = timeline["ranks"]
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.6), dpi=120)
     for row, rank in enumerate(ranks):
         for action, start, end in rank["spans"]:
             ax.barh(row, max(end - start, 1e-5), left=start, color=_kind_colour(action),
@@ -95,9 +122,3 @@ def plot_timeline(timeline: Mapping[str, Any], path: Path) -> None:
                   [f"rank {r['rank']} {r['role']} {r['stage']}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the step's first action")
-    ax.set_title(f"timeline of step {timeline['step']}")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLOURS.items()],
-              ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

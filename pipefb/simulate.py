@@ -344,16 +344,17 @@ class _Program:
         for offset, need in requirements(a, t, staleness):
             if need.kind is Kind.PUSH_W:
                 needs.append((offset, self.key(need.stage, "push", r)))
-            elif t.worker_of(need) != r:
-                needs.append((offset, self.key(need)))
+            else:  # local needs too: an unvalidated list may put them after (a deadlock)
+                needs.append((offset, self.key(need.kind, need.stage, need.microbatch)))
         sends: list[tuple[int, int, int]] = []
         if a.kind in SENDS:
-            sends.append((_destination(t, a), c.send_bytes(a), self.key(base)))
+            sends.append((_destination(t, a), c.send_bytes(a),
+                          self.key(a.kind, a.stage, a.microbatch)))
         elif a.kind is Kind.PUSH_W:
             for f in t.forward_stages_overlapping(a.stage):
                 dst = t.forward_workers[f]
                 sends.append((dst, c.push_bytes(a.stage, f), self.key(a.stage, "push", dst)))
-        key = -1 if sends else self.key(base)
+        key = -1 if sends else self.key(a.kind, a.stage, a.microbatch)
         return _Op(base, a.microbatch if a.microbatch is not None else -1, a.kind in COMPUTE,
                    seconds, tuple(needs), key, tuple(sends), deltas,
                    a.kind is Kind.FETCH and t.is_combined)
@@ -395,6 +396,40 @@ class _Engine:
         self.seq = 0
 
     def run(self) -> None:
+        shared = any(n < sum(1 for r in self.runs if self.host[r][0] == host)
+                     for host, n in self.host.values())
+        if shared:
+            self._run_in_time_order()
+        else:
+            self._run_greedy()
+        stuck = {r: self.runs[r][p] for r, p in self.pos.items() if p < len(self.runs[r])}
+        if stuck:
+            raise self._deadlock(stuck)
+
+    def _run_greedy(self) -> None:
+        """Without shared cores, each rank's actions only wait for their inputs, and links
+        carry one sender's transfers in that sender's order: every rank may run ahead as
+        far as its inputs allow, in any order, and the times come out the same."""
+        ops, runs = self.program.ops, self.runs
+        overhead = self.cluster.step_overhead
+        ready_ranks = list(self.runs)
+        while ready_ranks:
+            r = ready_ranks.pop()
+            run, rank_ops = runs[r], ops[r]
+            while self.pos[r] < len(run):
+                p = self.pos[r]
+                k, step, i = run[p]
+                op = rank_ops[i]
+                missing, ready = self._missing(step, op)
+                if missing >= 0:
+                    self.waiting[missing].append(r)
+                    break
+                first = p == 0 or run[p - 1][0] != k
+                start = max(self.free[r] + (overhead if first else 0.0), ready)
+                ready_ranks += self._execute(r, k, step, op, start, schedule=False)
+
+    def _run_in_time_order(self) -> None:
+        """Computes queue for the cores of their host: actions run in order of start time."""
         for r in self.runs:
             self._schedule(r)
         ops = self.program.ops
@@ -407,9 +442,6 @@ class _Engine:
                 self._push(start, r)
                 continue
             self._execute(r, k, step, op, start)
-        stuck = {r: self.runs[r][p] for r, p in self.pos.items() if p < len(self.runs[r])}
-        if stuck:
-            raise self._deadlock(stuck)
 
     def _push(self, t: float, r: int) -> None:
         self.seq += 1
@@ -441,7 +473,9 @@ class _Engine:
         start = max(self.free[r] + (self.cluster.step_overhead if first else 0.0), ready)
         self._push(start, r)
 
-    def _execute(self, r: int, k: int, step: int, op: _Op, start: float) -> None:
+    def _execute(self, r: int, k: int, step: int, op: _Op, start: float,
+                 schedule: bool = True) -> list[int]:
+        """Runs one action; schedules the ranks it wakes, or returns them."""
         seconds = op.seconds
         if op.compute:
             slots = self.cores[self.host[r][0]]
@@ -464,9 +498,12 @@ class _Engine:
             self.avail[base + op.key] = end
             woken += self.waiting.pop(base + op.key, [])
         self.pos[r] += 1
+        if not schedule:
+            return woken
         self._schedule(r)
         for waiter in woken:
             self._schedule(waiter)
+        return []
 
     def _transfer(self, src: int, dst: int, nbytes: int, sent: float) -> float:
         """Arrival time of `nbytes` sent at `sent` over the src->dst link (FIFO)."""
@@ -484,9 +521,9 @@ class _Engine:
             op = self.program.ops[r][i]
             missing, _ = self._missing(step, op)
             at, key = divmod(missing, self.stride)
-            what = names.get(key, ("?",))
-            label = (f"PUSH_W of backward stage {what[0]}" if len(what) == 3
-                     else str(what[0]))
+            what = names.get(key, ("?", 0, None))
+            label = (f"PUSH_W of backward stage {what[0]}" if what[1] == "push"
+                     else str(Action(what[1], what[0], what[2])))
             lines.append(f"  worker {r}, step {step}: {op.action} waits for {label} of "
                          f"step {at}")
         return ScheduleError("\n".join(lines))

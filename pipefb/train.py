@@ -5,12 +5,14 @@ only when called, so the core modules never load grpc.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -141,7 +143,9 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
     from protos.convert import plan_from_proto
 
     report = base_report(job, job.workers)
-    with LocalCluster(job.workers, out / "logs", threads=threads) as cluster, \
+    cluster_file = local_cluster_file(job, out) if job.plan == "auto" else None
+    with LocalCluster(job.workers, out / "logs", threads=threads,
+                      cluster_file=cluster_file) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(job.workers)
         job_id = client.submit(job).job_id
@@ -154,10 +158,23 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
         if last is not None:
             report["timeline"] = timeline(last)
         report["job_id"] = job_id
-        report["plan"] = plan_from_proto(client.status(job_id).plan).to_dict()
+        status = client.status(job_id)
+        report["plan"] = plan_from_proto(status.plan).to_dict()
+        if status.planner_json:
+            report["planner"] = json.loads(status.planner_json)
         report["_weights"] = client.weights(job_id)
     report["peak_memory_bytes"], report["peak_memory_by_kind"] = peaks_by_rank(report["steps"])
     return report
+
+
+def local_cluster_file(job: JobConfig, out: Path) -> Path:
+    """This machine's cluster description (measured once, cached) for plan "auto"."""
+    from coordinator.calibrate import local_cluster
+
+    path = out / "cluster.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(local_cluster(job.workers).to_dict(), sort_keys=False))
+    return path
 
 
 def step_dict(msg: Any) -> dict[str, Any]:

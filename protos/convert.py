@@ -19,6 +19,7 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         batch_size=job.batch_size, microbatches=job.microbatches, steps=job.steps,
         schedule=job.schedule, workers=job.workers, mode=job.mode,
         staleness=job.staleness, policy=job.policy, eval_every=job.eval_every,
+        plan=job.plan, memory_cap=job.memory_cap,
     )
 
 
@@ -34,6 +35,7 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         lr=spec.lr, seed=spec.seed, batch_size=spec.batch_size, microbatches=spec.microbatches,
         steps=spec.steps, schedule=spec.schedule, workers=spec.workers, mode=spec.mode or "sync",
         staleness=spec.staleness, policy=spec.policy, eval_every=spec.eval_every,
+        plan=spec.plan, memory_cap=spec.memory_cap,
     )
 
 
@@ -46,7 +48,7 @@ def plan_to_proto(plan: Plan) -> job_pb2.Plan:
         assignment=[job_pb2.WorkerAssignment(rank=a.rank, group=a.group, role=a.role,
                                              stage=a.stage) for a in plan.assignment],
         predicted_step_seconds=plan.predicted_step_seconds, mode=plan.mode,
-        staleness=plan.staleness,
+        staleness=plan.staleness, predicted_peak_memory_bytes=plan.predicted_peak_memory_bytes,
     )
 
 
@@ -62,4 +64,5 @@ def plan_from_proto(msg: job_pb2.Plan) -> Plan:
                                           group=a.group) for a in msg.assignment),
         predicted_step_seconds=msg.predicted_step_seconds, mode=msg.mode or "sync",
         staleness=msg.staleness,
+        predicted_peak_memory_bytes=tuple(msg.predicted_peak_memory_bytes),
     )

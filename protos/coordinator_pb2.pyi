@@ -164,7 +164,7 @@ class StopJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids")
+    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class JobStatus(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     step: int
@@ -179,7 +180,8 @@ class JobStatus(_message.Message):
     plan: _job_pb2.Plan
     error: str
     worker_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    planner_json: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

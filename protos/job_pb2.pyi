@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode", "staleness", "policy", "eval_every")
+    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode", "staleness", "policy", "eval_every", "plan", "memory_cap")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class JobSpec(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CAP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     model_config_json: str
@@ -46,7 +48,9 @@ class JobSpec(_message.Message):
     staleness: int
     policy: str
     eval_every: int
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., policy: _Optional[str] = ..., eval_every: _Optional[int] = ...) -> None: ...
+    plan: str
+    memory_cap: int
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., policy: _Optional[str] = ..., eval_every: _Optional[int] = ..., plan: _Optional[str] = ..., memory_cap: _Optional[int] = ...) -> None: ...
 
 class WorkerAssignment(_message.Message):
     __slots__ = ("rank", "group", "role", "stage")
@@ -61,7 +65,7 @@ class WorkerAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., group: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("schedule", "microbatches", "microbatch_size", "forward_partition", "backward_partition", "policy", "groups", "assignment", "predicted_step_seconds", "mode", "staleness")
+    __slots__ = ("schedule", "microbatches", "microbatch_size", "forward_partition", "backward_partition", "policy", "groups", "assignment", "predicted_step_seconds", "mode", "staleness", "predicted_peak_memory_bytes")
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +77,7 @@ class Plan(_message.Message):
     PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     schedule: str
     microbatches: int
     microbatch_size: int
@@ -84,7 +89,8 @@ class Plan(_message.Message):
     predicted_step_seconds: float
     mode: str
     staleness: int
-    def __init__(self, schedule: _Optional[str] = ..., microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., policy: _Optional[_Iterable[str]] = ..., groups: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[WorkerAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ...) -> None: ...
+    predicted_peak_memory_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, schedule: _Optional[str] = ..., microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., policy: _Optional[_Iterable[str]] = ..., groups: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[WorkerAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., predicted_peak_memory_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportWeightsRequest(_message.Message):
     __slots__ = ("job_id", "version")

@@ -6,8 +6,7 @@ import pytest
 
 from pipefb.config import JobConfig, layer_policies
 from pipefb.errors import ConfigError, ScheduleError
-from pipefb.plan import balanced_plan
-from pipefb.runtime import _recompute_runs
+from pipefb.plan import balanced_plan, recompute_runs
 from pipefb.schedule import Action, Kind, Topology, dry_run, generate, iteration, lower, validate
 
 THREE = Topology.combined((0, 1, 2, 3))
@@ -123,8 +122,8 @@ def test_recompute_runs_stop_at_stage_boundaries() -> None:
     policy = ("recompute",) * 4 + ("keep", "recompute")
     plan = balanced_plan("1f1b", 2, [1.0] * 6, 4, 2, policy)
     assert plan.forward_partition == (0, 3, 6)
-    assert _recompute_runs(plan, plan.topology()) == {0: 0, 1: 0, 2: 0, 3: 3, 5: 5}
+    assert recompute_runs(plan) == {0: 0, 1: 0, 2: 0, 3: 3, 5: 5}
     split = balanced_plan("pipefb", 3, [1.0] * 6, 4, 2, ("recompute",) * 6)
-    runs = _recompute_runs(split, split.topology())
+    runs = recompute_runs(split)
     starts = sorted(set(runs.values()))
     assert starts == sorted({0, *split.forward_partition[1:-1], *split.backward_partition[1:-1]})

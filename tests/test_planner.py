@@ -1,0 +1,193 @@
+"""The planner and simulator: exact on known pipelines, near exhaustive search, fast, within
+memory caps, and refusing what deadlocks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipefb.cli import main
+from pipefb.cluster import Cluster, Link
+from pipefb.costs import LayerProfile, Profile, uniform_profile
+from pipefb.errors import ConfigError, ScheduleError
+from pipefb.plan import Plan, WorkerAssignment, balanced_plan, partition, schedule_for
+from pipefb.planner import _Planner, _Space, microbatch_choices, search
+from pipefb.schedule import Action, Kind
+from pipefb.simulate import simulate
+
+FAST = Cluster.uniform(4, network=Link(1e12, 0.0), store=Link(1e12, 0.0))
+
+
+def _profile(seed: int, n: int) -> Profile:
+    import random
+
+    rng = random.Random(seed)
+    layers = tuple(LayerProfile(f"l{i}", rng.uniform(1e-4, 2e-3), rng.uniform(2e-4, 4e-3),
+                                rng.randrange(1, 1 << 16), rng.randrange(1, 1 << 16),
+                                rng.randrange(1, 1 << 18), rng.randrange(0, 1 << 20))
+                   for i in range(n))
+    return Profile(2, layers, optimizer_seconds_per_byte=1e-10, optimizer_state_ratio=2.0)
+
+
+@pytest.mark.parametrize(("schedule", "mode", "expected"), [
+    ("gpipe", "sync", 7 * 12e-3),  # (M + S - 1) (F + B), F = 4 ms, B = 8 ms per stage
+    ("1f1b", "sync", 7 * 12e-3),
+    ("pipedream", "async", 4 * 12e-3),  # no flush: M (F + B)
+    ("pipefb", "sync", 16e-3 + 4 * 16e-3 + 16e-3),  # fill, 4 backwards, drain
+    ("pipefb", "async", 4 * 16e-3),  # bound by the backward stage
+])
+def test_simulated_step_matches_the_textbook_formula(schedule, mode, expected):
+    profile = uniform_profile(8, forward=1e-3, backward=2e-3, params=0)  # 2 samples per mb
+    plan = balanced_plan(schedule, 4, [1.0] * 8, 8, 4, mode=mode, staleness=1)
+    sim = simulate(plan, profile, FAST)
+    assert sim.step_seconds == pytest.approx(expected, rel=1e-3)  # links: ~0.1 us a hop
+
+
+def test_simulated_memory_counts_stashed_microbatches():
+    profile = uniform_profile(8, activation=1000, params=1000)
+    plan = balanced_plan("gpipe", 4, [1.0] * 8, 8, 4)
+    sim = simulate(plan, profile, FAST)
+    # stage 0: params 2000, grads 2000, AdamW state 4000, 4 micro-batches x 2 layers x
+    # saved 2 x 1000 x 2 samples, plus one outgoing activation (2000) at the peak
+    stashed = 4 * 2 * 4000
+    assert sim.peak_memory_by_kind[0]["stashed"] == stashed
+    assert sim.peak_memory[0] == 2000 + 2000 + 4000 + stashed
+    one_f = simulate(balanced_plan("1f1b", 4, [1.0] * 8, 8, 4), profile, FAST)
+    assert one_f.peak_memory_by_kind[3]["stashed"] == 2 * 4000  # last stage: one in flight
+    assert one_f.peak_memory[0] == sim.peak_memory[0]  # stage 0 holds 4 in both
+
+
+def test_simulation_finds_a_deadlock_and_names_the_waits():
+    plan = balanced_plan("gpipe", 2, [1.0] * 4, 2, 1)
+    schedule = schedule_for(plan)
+    schedule[1] = [Action(1, Kind.B, 0), *[a for a in schedule[1] if a.kind is not Kind.B]]
+    schedule[0] = [a for a in schedule[0] if a.kind is not Kind.RECV_B] + [
+        Action(0, Kind.RECV_B, 0)]
+    with pytest.raises(ScheduleError, match="deadlock in simulation") as err:
+        simulate(plan, uniform_profile(4), FAST, schedule=schedule)
+    assert "worker 1, step 0: 1B0 waits for 1F0" in str(err.value)
+
+
+def test_shared_cores_slow_concurrent_stages():
+    profile = uniform_profile(8)
+    plan = balanced_plan("pipedream", 4, [1.0] * 8, 8, 4)
+    own = simulate(plan, profile, FAST)
+    shared = Cluster(tuple(w.__class__(w.name, host="box") for w in FAST.workers),
+                     FAST.network, FAST.store, host_cores={"box": 2})
+    both = simulate(plan, profile, shared)
+    assert both.step_seconds == pytest.approx(2 * own.step_seconds, rel=0.05)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=2, max_size=9), st.data())
+def test_partition_with_speeds_equals_brute_force(costs, data):
+    k = data.draw(st.integers(1, len(costs)))
+    speeds = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=k, max_size=k))
+    got = partition(costs, k, speeds)
+
+    def bottleneck(bounds):
+        return max(sum(costs[a:b]) / s for (a, b), s in zip(itertools.pairwise(bounds), speeds,
+                                                           strict=True))
+
+    best = min(bottleneck((0, *cuts, len(costs)))
+               for cuts in itertools.combinations(range(1, len(costs)), k - 1))
+    assert bottleneck(got) == pytest.approx(best)
+
+
+def _exhaustive(profile: Profile, cluster: Cluster, batch: int, mode: str) -> float:
+    """The best simulated step time over every schedule, micro-batch count, role split and
+    pair of partitions, with the planner's policy rule."""
+    planner = _Planner(_Space(profile, cluster, batch, 1))
+    n, layers = cluster.size, profile.n_layers
+    best = math.inf
+    for kind in ("gpipe", "1f1b", "pipedream", "pipefb"):
+        modes = {"gpipe": ["sync"], "1f1b": ["sync"], "pipedream": ["async"],
+                 "pipefb": ["sync", "async"]}[kind]
+        if mode not in modes:
+            continue
+        for m in microbatch_choices(batch, n):
+            policy = tuple(planner.initial_policy(kind, m))
+            splits = range(1, n) if kind == "pipefb" else [n]
+            for n_fwd in splits:
+                n_bwd = n - n_fwd if kind == "pipefb" else n
+                fwds = [(0, *c, layers) for c in itertools.combinations(range(1, layers),
+                                                                        n_fwd - 1)]
+                bwds = ([(0, *c, layers) for c in itertools.combinations(range(1, layers),
+                                                                         n_bwd - 1)]
+                        if kind == "pipefb" else [None])
+                for f, b in itertools.product(fwds, bwds):
+                    if kind == "pipefb":
+                        assign = tuple(WorkerAssignment(r, "forward", r) for r in range(n_fwd)
+                                       ) + tuple(WorkerAssignment(n_fwd + s, "backward", s)
+                                                 for s in range(n_bwd))
+                    else:
+                        assign = tuple(WorkerAssignment(r, "combined", r) for r in range(n))
+                    plan = Plan(kind, m, batch // m, f, b or f, policy, assign, mode=mode,
+                                staleness=1 if kind == "pipefb" and mode == "async" else 0)
+                    best = min(best, simulate(plan, profile, cluster, check=False).step_seconds)
+    return best
+
+
+@pytest.mark.parametrize(("seed", "layers", "mode"), [(0, 8, "sync"), (1, 10, "async"),
+                                                      (2, 12, "sync")])
+def test_planner_is_within_two_percent_of_exhaustive_search(seed, layers, mode):
+    profile = _profile(seed, layers)
+    cluster = Cluster.uniform(4, network=Link(2e9, 2e-5), store=Link(4e9, 3e-5))
+    chosen = search(profile, cluster, 8, mode=mode)
+    exhaustive = _exhaustive(profile, cluster, 8, mode)
+    assert chosen.best.step_seconds <= exhaustive * 1.02
+
+
+def test_planning_200_layers_on_64_workers_takes_under_two_seconds():
+    profile = _profile(3, 200)
+    started = time.perf_counter()
+    result = search(profile, Cluster.uniform(64), 64)
+    elapsed = time.perf_counter() - started
+    assert len(result.plan.assignment) == 64
+    assert elapsed < 2.0, f"planning took {elapsed:.2f} s"
+
+
+def test_plans_respect_memory_caps_and_switch_policies():
+    profile = uniform_profile(12, activation=1 << 20, params=1 << 16)
+    free = search(profile, Cluster.uniform(4), 16, schedules=("1f1b",))
+    assert set(free.plan.policy) == {"keep"}
+    cap = free.simulation.max_peak_memory * 0.6
+    capped = search(profile, Cluster.uniform(4, memory=cap), 16, schedules=("1f1b",))
+    assert set(capped.plan.policy) - {"keep"}, "a tight cap must offload or recompute"
+    assert capped.simulation.max_peak_memory <= cap
+    with pytest.raises(ConfigError, match="no plan fits"):
+        search(profile, Cluster.uniform(4, memory=1000.0), 16, schedules=("1f1b",))
+
+
+def test_uneven_layers_get_an_uneven_partition_that_beats_the_even_split():
+    layers = [LayerProfile("embed", 8e-3, 16e-3, 1, 1 << 12, 1 << 12, 1 << 22)] + [
+        LayerProfile("block", 1e-3, 2e-3, 1 << 12, 1 << 12, 1 << 13, 1 << 16)] * 6 + [
+        LayerProfile("head", 8e-3, 16e-3, 1 << 12, 1 << 14, 1 << 14, 1 << 22)]
+    profile = Profile(4, tuple(layers), 1e-10, 2.0)
+    result = search(profile, FAST, 16, schedules=("1f1b",))
+    even = balanced_plan("1f1b", 4, [1.0] * 8, 16, result.plan.microbatches)
+    assert result.plan.forward_partition != even.forward_partition
+    assert result.best.step_seconds < simulate(even, profile, FAST).step_seconds * 0.95
+
+
+def test_plan_cli_prints_json_and_writes_the_timeline(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("workers: {count: 2, memory: 8GiB}\nnetwork: {bandwidth: 1GB/s, "
+                       "latency: 50us}\nstore: {bandwidth: 2GB/s, latency: 100us}\n")
+    code = main(["plan", "--model", "mlp", "--dataset", "digits", "--batch-size", "16",
+                 "--cluster", str(cluster), "--profile", "analytic", "--json",
+                 "--out", str(tmp_path / "plan")])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_step_seconds"] > 0
+    assert out["predicted_peak_memory_bytes"] > 0
+    plan = Plan.from_dict(out["plan"])
+    assert len(plan.assignment) == 2
+    assert (tmp_path / "plan" / "timeline.png").stat().st_size > 1000
+    assert main(["plan", "--cluster", str(tmp_path / "missing.yaml")]) == 2
