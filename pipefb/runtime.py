@@ -124,7 +124,7 @@ class StageRuntime:
         self._owned = self._owned_params()
         self.optimizer = (
             build_optimizer(job.optimizer, self._owned, job.lr, job.optimizer_config)
-            if self.bwd_layers else None
+            if self._owned else None  # a stage of parameter-free layers has nothing to update
         )
         self.version = 0
         self.versions = WeightVersions()
@@ -367,16 +367,16 @@ class StageRuntime:
         return out
 
     def _optimizer_step(self, action: Action, step: int, it: _Iteration) -> None:
-        assert self.optimizer is not None  # OPT only on ranks owning weights
         needed = self._versions_needed_after(step)
         if self.version in needed:
             self.versions.keep(self.version, {i: self.layers[i] for i in self.bwd_layers})
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:  # None: the stage owns no parameters
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         for i in self.bwd_layers:
             self.execs[i].weights_changed()
         self._grad_bytes = 0
-        self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         self.version += 1
         self.versions.prune(needed)
         every = self.job.eval_every

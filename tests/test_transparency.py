@@ -3,6 +3,7 @@ give the same per-step losses and final weights as one process (`--schedule sing
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -89,6 +90,23 @@ def test_entry_point_model_trains(client: Any, schedule: str, workers: int) -> N
     reports, weights = run_on_cluster(client, job)
     assert_same_training(job, reports, weights)
     assert "layers.1.scale" in weights
+
+
+@pytest.mark.parametrize(("schedule", "workers", "mode"), [
+    ("gpipe", 2, "sync"), ("pipefb", 4, "sync"), ("pipefb", 4, "async")])
+def test_a_stage_without_parameters_trains(client: Any, schedule: str, workers: int,
+                                           mode: str) -> None:
+    """mlp depth 0 is Linear then the loss: each stage holds one layer, so the last stage
+    (or its backward worker) owns no parameters and has nothing to update."""
+    job = make_job("mlp", schedule, workers, "adamw", model_config={"depth": 0}, mode=mode)
+    reports, weights = run_on_cluster(client, job)
+    status = client.status(reports[0].job_id)
+    assert list(status.plan.forward_partition) == [0, 1, 2]
+    if mode == "sync":
+        assert_same_training(job, reports, weights)
+    else:
+        assert [r.step for r in reports] == list(range(STEPS))
+        assert all(math.isfinite(r.loss) for r in reports)
 
 
 # (model, schedule, workers, policy): sync mode under every activation policy, mixed lists
