@@ -1,0 +1,202 @@
+"""Simulated against measured step time of local runs: gpt and mlp, 2-4 workers, every schedule.
+
+Each run is one `plan: auto` job with its schedule fixed: the coordinator profiles the
+layers on its workers, plans the partition and policy, simulates the plan on this machine's
+calibrated cluster (`coordinator.calibrate`) and trains it. The table compares that
+prediction with the median measured step time after warm-up; the error is
+simulated / measured - 1. Run: `python bench/sim_accuracy.py [--quick] [--out DIR]`.
+Target: |error| <= 15% for every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import machine
+from bench.output import write_results
+from bench.stats import summary
+from pipefb.config import JobConfig
+
+TARGET = 0.15  # |simulated / measured - 1|
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipefb")
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {"model": "gpt", "dataset": "text", "loss": "cross_entropy",
+            "model_config": {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64},
+            "dataset_config": {"block_size": 64, "max_bytes": 1_000_000}},
+    "mlp": {"model": "mlp", "dataset": "digits", "loss": "cross_entropy",
+            "model_config": {"hidden": 512, "depth": 4}},
+}
+QUICK_MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {**MODELS["gpt"],
+            "model_config": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
+            "dataset_config": {"block_size": 16, "max_bytes": 100_000}},
+    "mlp": {**MODELS["mlp"], "model_config": {"hidden": 64, "depth": 3}},
+}
+
+
+def make_job(args: argparse.Namespace, model: str, schedule: str, workers: int) -> JobConfig:
+    """One run: `plan: auto` with the schedule fixed (pipefb needs an even worker count)."""
+    spec = (QUICK_MODELS if args.quick else MODELS)[model]
+    return JobConfig(schedule=schedule, plan="auto", workers=workers, batch_size=args.batch,
+                     microbatches=args.microbatches, steps=args.warmup + args.steps,
+                     optimizer="adamw", lr=1e-3, seed=0, **spec)
+
+
+def runs(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(model, schedule, workers) of every run; pipefb splits workers evenly, so 2 or 4."""
+    counts = [int(w) for w in args.workers.split(",")]
+    return [(m, s, n) for m in args.models.split(",") for n in counts for s in SCHEDULES
+            if not (s == "pipefb" and n % 2)]
+
+
+def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
+    """Predicted and measured step time of one job, with the plan it ran."""
+    from pipefb.train import timeline
+    from protos.convert import plan_from_proto
+
+    job_id = client.submit(job).job_id
+    reports = list(client.train(job_id))
+    status = client.status(job_id)
+    plan = plan_from_proto(status.plan)
+    planner = json.loads(status.planner_json)
+    measured = summary([r.seconds for r in reports[warmup:]])
+    predicted = plan.predicted_step_seconds
+    return {"plan": planner["plan"], "label": planner["candidates"][0]["candidate"],
+            "predicted": predicted, "measured": measured,
+            "error": predicted / measured["median"] - 1.0,
+            "simulated_timeline": planner.get("timeline"),
+            "measured_timeline": timeline(reports[-1]),
+            "measured_compute": _compute_by_kind(reports[warmup:])}
+
+
+def _compute_by_kind(reports: list[Any]) -> dict[str, float]:
+    """Median per step of each rank's action seconds, by action kind, summed over ranks."""
+    totals: dict[str, list[float]] = {}
+    for r in reports:
+        step: dict[str, float] = {}
+        for w in r.workers:
+            for kind, sec in w.action_seconds.items():
+                step[kind] = step.get(kind, 0.0) + sec
+        for kind, sec in step.items():
+            totals.setdefault(kind, []).append(sec)
+    return {k: summary(v)["median"] for k, v in totals.items()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every run on one local cluster with the calibrated cluster description."""
+    import yaml
+
+    from coordinator.calibrate import local_cluster
+    from coordinator.client import CoordinatorClient
+    from pipefb.local import LocalCluster
+
+    todo = runs(args)
+    n_max = max(n for _, _, n in todo)
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as tmp:
+        cluster_file = Path(tmp) / "cluster.yaml"
+        cluster_file.write_text(yaml.safe_dump(local_cluster(n_max).to_dict(), sort_keys=False))
+        with LocalCluster(n_max, Path(tmp), threads=args.threads,
+                          cluster_file=cluster_file) as cluster, \
+                CoordinatorClient(cluster.coordinator) as client:
+            client.wait_for_workers(n_max)
+            for k, (model, schedule, n) in enumerate(todo):
+                res = run_job(client, make_job(args, model, schedule, n), args.warmup)
+                results.append({"model": model, "schedule": schedule, "workers": n, **res})
+                print(f"[{k + 1}/{len(todo)}] {model} {schedule} x{n}: simulated "
+                      f"{res['predicted'] * 1e3:.1f} ms, measured "
+                      f"{res['measured']['median'] * 1e3:.1f} ms "
+                      f"({res['error']:+.0%}) [{time.perf_counter() - started:.0f} s]",
+                      flush=True)
+    errors = [abs(r["error"]) for r in results]
+    return {"bench": "sim_accuracy", "machine": machine.describe(),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "target": TARGET, "runs": results,
+            "abs_error": summary(errors), "within_target": sum(e <= TARGET for e in errors),
+            "wall_seconds": time.perf_counter() - started}
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    """Simulated against measured step time, one point per run, with the ±15% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    markers = {"gpipe": "o", "1f1b": "s", "pipedream": "^", "pipefb": "D"}
+    colors = {"gpt": "#4C72B0", "mlp": "#DD8452"}
+    top = 0.0
+    for r in results["runs"]:
+        x, y = r["measured"]["median"] * 1e3, r["predicted"] * 1e3
+        top = max(top, x, y)
+        ax.scatter(x, y, marker=markers[r["schedule"]], color=colors[r["model"]], s=40)
+        ax.annotate(f"{r['workers']}", (x, y), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    line = [0.0, top * 1.1]
+    ax.plot(line, line, color="black", lw=0.8)
+    ax.fill_between(line, [v * (1 - TARGET) for v in line], [v * (1 + TARGET) for v in line],
+                    color="grey", alpha=0.2, label="±15%")
+    for s, m in markers.items():
+        ax.scatter([], [], marker=m, color="grey", label=s)
+    for name, c in colors.items():
+        ax.scatter([], [], marker="o", color=c, label=name)
+    ax.set_xlabel("measured ms/step (median)")
+    ax.set_ylabel("simulated ms/step")
+    ax.set_title("Simulator against measured local runs (label: workers)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_results(results: dict[str, Any]) -> None:
+    """One line per run, then the error summary."""
+    for r in results["runs"]:
+        m = r["measured"]
+        print(f"{r['model']:4s} {r['schedule']:10s} x{r['workers']}  simulated "
+              f"{r['predicted'] * 1e3:7.1f} ms  measured {m['median'] * 1e3:7.1f} "
+              f"[{m['min'] * 1e3:.1f}-{m['max'] * 1e3:.1f}] ms  error {r['error']:+6.1%}  "
+              f"{r['label']}")
+    e = results["abs_error"]
+    print(f"|error| median {e['median']:.1%}, max {e['max']:.1%}; "
+          f"{results['within_target']}/{len(results['runs'])} within {TARGET:.0%}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's flags; `--quick` picks tiny sizes for CI."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny models, 2 timed steps")
+    p.add_argument("--out", type=Path, default=None, help="write results.json and a PNG here")
+    p.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
+    p.add_argument("--workers", default="2,3,4", help="comma-separated worker counts")
+    p.add_argument("--batch", type=int, default=32, help="samples per step")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.batch, args.workers = 2, 1, 8, "2"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the bench, prints it, and writes `results.json` + `sim_accuracy.png` to `--out`."""
+    results = run(parse_args(argv))
+    print_results(results)
+    write_results(parse_args(argv).out, results, chart, "sim_accuracy.png")
+    return results
+
+
+if __name__ == "__main__":
+    main()
