@@ -374,12 +374,13 @@ def measure_links(settings: Settings = Settings()) -> tuple[Link, Link]:
 
 
 def build_cluster(workers: int, measured: Measured) -> Cluster:
-    """`workers` workers w0..w{n-1} on one host with this machine's cores and links."""
+    """`workers` workers w0..w{n-1} on one loopback host with this machine's cores and
+    links: transfers and store traffic are CPU work there, as on this machine."""
     if workers < 1:
         raise ConfigError(f"a cluster needs at least one worker, got {workers}")
     return Cluster(tuple(WorkerSpec(f"w{i}", host=HOST) for i in range(workers)),
                    network=measured.network, store=measured.store,
-                   host_cores={HOST: os.cpu_count() or 1},
+                   host_cores={HOST: os.cpu_count() or 1}, loopback_hosts=frozenset({HOST}),
                    action_overhead=measured.action_overhead,
                    step_overhead=measured.step_overhead)
 

@@ -27,8 +27,10 @@ from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
 from pipefb.cluster import Cluster
 from pipefb.config import AUTO, JobConfig, layer_policies
+from pipefb.costs import Profile
 from pipefb.errors import ConfigError, WorkerFailed
 from pipefb.evaluate import evaluate
+from pipefb.insitu import FITTED, fit
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from pipefb.planning import job_cluster, plan_job, summary
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
@@ -37,6 +39,7 @@ from protos.convert import job_to_proto, plan_to_proto
 log = logging.getLogger(__name__)
 
 TERMINAL = ("DONE", "FAILED", "STOPPED")
+IN_SITU_STEPS = 4  # plan "auto": fit in-situ costs once this many steps ran (first skipped)
 DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
 
 
@@ -51,6 +54,7 @@ class Job:
     config: JobConfig
     layer_costs: list[float] = field(default_factory=list)  # from check_job at submit
     planner: dict[str, Any] = field(default_factory=dict)  # plan "auto": the search summary
+    costs: tuple[Profile, Cluster] | None = None  # plan "auto": what it was planned with
     state: str = "PENDING"
     step: int = 0
     error: str = ""
@@ -183,6 +187,7 @@ class Driver:
         base = self.cluster or Cluster.uniform(cfg.workers)
         cluster = job_cluster(base, cfg.workers, speeds, cfg.memory_cap)
         result = plan_job(cfg, profile, cluster)
+        job.costs = (profile, cluster)
         job.planner = {**summary(result), "profile": profile.to_dict(),
                        "speeds": speeds}
         log.info("job %s: planned %s, predicted %.2f ms/step", job.job_id, result.best.label,
@@ -199,6 +204,8 @@ class Driver:
                 job.reports.append(report)
                 job.step = step + 1
                 job.cond.notify_all()
+            if job.costs is not None and step + 1 == min(IN_SITU_STEPS, job.config.steps):
+                self._fit_in_situ(job)
 
         assert job.plan is not None
         # async forward ranks may run `staleness` steps ahead of the backward ranks
@@ -215,6 +222,20 @@ class Driver:
             raise _first_failure(failures, ranks)
         if job.step < job.config.steps:
             job.set_state("STOPPED", "stopped by request")
+
+    def _fit_in_situ(self, job: Job) -> None:
+        """Fits the plan's costs to the action times of the steps after the first
+        (pipefb.insitu); the factors and refined step time go into the planner summary."""
+        assert job.costs is not None and job.plan is not None
+        reports = job.reports[1:] or job.reports
+        per_step = [{kind: sum(w.action_seconds.get(kind, 0.0) for w in r.workers)
+                     for kind in (*FITTED, "FETCH")} for r in reports]
+        measured = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
+        refined = fit(job.plan, *job.costs, measured)
+        with job.cond:
+            job.planner["in_situ"] = {**refined.to_dict(), "steps": len(reports)}
+        log.info("job %s: in-situ factors %s, refined %.2f ms/step", job.job_id,
+                 refined.factors, refined.step_seconds * 1e3)
 
     def _collect_weights(self, job: Job, ranks: Ranks, version: int = 0
                          ) -> dict[str, torch.Tensor]:

@@ -7,7 +7,8 @@ simulator take it as plain data. Sizes and rates accept units::
       - {name: gpu0, speed: 1.0, memory: 80GiB, host: node0}
       - {name: gpu1, speed: 0.5, memory: 40GiB, host: node0}
     hosts:                         # optional: cores the workers of a host share
-      - {name: node0, cores: 16}
+      - {name: node0, cores: 16}   # loopback: true -> transfers between its workers and
+                                   # the store's traffic run on those cores too
     network: {bandwidth: 25GB/s, latency: 5us}     # any two workers, unless `links` says
     links:
       - {between: [gpu0, gpu1], bandwidth: 300GB/s, latency: 2us}
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,9 @@ class Cluster:
     store: Link = Link(bandwidth=1e9, latency=1e-4)
     links: Mapping[frozenset[str], Link] = field(default_factory=dict)
     host_cores: Mapping[str, int] = field(default_factory=dict)
+    #: hosts whose workers talk over loopback (gRPC, a local store): moving bytes between
+    #: them is CPU work that shares the host's cores with computes (one machine, no NICs)
+    loopback_hosts: frozenset[str] = frozenset()
     action_overhead: float = 0.0  # seconds the runtime spends per action, beyond its work
     step_overhead: float = 0.0  # seconds per step and worker (the step call's round trip)
 
@@ -137,6 +141,9 @@ class Cluster:
         for host, cores in self.host_cores.items():
             if cores < 1:
                 raise ConfigError(f"host {host!r}: cores {cores!r} must be >= 1")
+        unknown = sorted(self.loopback_hosts - set(self.host_cores))
+        if unknown:
+            raise ConfigError(f"loopback host(s) {unknown} need an entry with cores in `hosts`")
 
     @property
     def size(self) -> int:
@@ -155,11 +162,15 @@ class Cluster:
             return spec.host, self.host_cores[spec.host]
         return f"worker:{spec.name}", 1
 
+    def on_loopback(self, a: int, b: int) -> bool:
+        """Whether workers `a` and `b` share a loopback host (see `loopback_hosts`)."""
+        host = self.workers[a].host
+        return bool(host) and host == self.workers[b].host and host in self.loopback_hosts
+
     def with_memory(self, memory: float) -> Cluster:
         """The same cluster with every worker's memory cap set to `memory` bytes."""
         workers = tuple(WorkerSpec(w.name, w.speed, memory, w.host) for w in self.workers)
-        return Cluster(workers, self.network, self.store, self.links, self.host_cores,
-                       self.action_overhead, self.step_overhead)
+        return replace(self, workers=workers)
 
     @staticmethod
     def uniform(n: int, *, speed: float = 1.0, memory: float = math.inf,
@@ -178,13 +189,18 @@ class Cluster:
         if "workers" not in top:
             raise ConfigError(f"{source} needs `workers`")
         workers = _workers(top["workers"], f"{source}.workers")
-        hosts = {}
+        hosts, loopback = {}, set()
         for i, item in enumerate(top.get("hosts") or []):
-            host = _mapping(item, f"{source}.hosts[{i}]", {"name", "cores"})
-            cores = host.get("cores", 1)
+            host = _mapping(item, f"{source}.hosts[{i}]", {"name", "cores", "loopback"})
+            cores, name = host.get("cores", 1), str(host.get("name", ""))
             if isinstance(cores, bool) or not isinstance(cores, int):
                 raise ConfigError(f"{source}.hosts[{i}].cores = {cores!r} is not an integer")
-            hosts[str(host.get("name", ""))] = cores
+            if not isinstance(host.get("loopback", False), bool):
+                raise ConfigError(f"{source}.hosts[{i}].loopback = {host['loopback']!r} is "
+                                  "not true or false")
+            hosts[name] = cores
+            if host.get("loopback", False):
+                loopback.add(name)
         links = {}
         for i, item in enumerate(top.get("links") or []):
             what = f"{source}.links[{i}]"
@@ -199,7 +215,7 @@ class Cluster:
         if "store" in top:
             kwargs["store"] = Link.parse(top["store"], f"{source}.store")
         return Cluster(
-            workers, links=links, host_cores=hosts,
+            workers, links=links, host_cores=hosts, loopback_hosts=frozenset(loopback),
             action_overhead=parse_quantity(over.get("action", 0), f"{source}.overheads.action",
                                            "seconds"),
             step_overhead=parse_quantity(over.get("step", 0), f"{source}.overheads.step",
@@ -241,7 +257,9 @@ class Cluster:
             "overheads": {"action": self.action_overhead, "step": self.step_overhead},
         }
         if self.host_cores:
-            out["hosts"] = [{"name": h, "cores": c} for h, c in self.host_cores.items()]
+            out["hosts"] = [{"name": h, "cores": c,
+                             **({"loopback": True} if h in self.loopback_hosts else {})}
+                            for h, c in self.host_cores.items()]
         if self.links:
             out["links"] = [{"between": sorted(p), **link(x)} for p, x in self.links.items()]
         return out

@@ -242,9 +242,10 @@ class _Planner:
             policy = self.relieve(plan, over)
             if policy is None:
                 r, excess = max(over.items(), key=lambda kv: kv[1])
-                return plan, sim, (f"refused: worker {r} needs {_gb(sim.peak_memory[r])}, over "
-                                   f"its cap ({_gb(self.space.cluster.workers[r].memory)}) "
-                                   f"by {_gb(excess)} even with offload/recompute")
+                cap = self.space.cluster.workers[r].memory
+                return plan, sim, (f"refused: worker {r} needs {_gb(sim.peak_memory[r])} even "
+                                   f"with offload/recompute, {_gb(excess)} over "
+                                   f"{MEMORY_MARGIN:.0%} of its cap ({_gb(cap)})")
             n_fwd = len(plan.forward_partition) - 1
             plan = self.build(plan.schedule, plan.mode, plan.microbatches, n_fwd, policy)
         return plan, None, "refused: memory plan did not converge"

@@ -6,10 +6,10 @@ profile and a cluster description, and predicts the step time, each worker's tim
 the bubble fraction and each worker's peak memory as the runtime accounts it.
 
 [Note: cost model]
-- F, B, OPT run on one core of the worker's host (hosts may have fewer cores than
-  workers: computes then queue for a core); their time is the profiled layer time over
-  the worker's speed: F sums the stage's forwards, B its backwards plus the forwards of
-  its recomputed layers, OPT is optimizer seconds per byte times the bytes it updates.
+- F, B, OPT run on the worker's host (see [Note: shared hosts]); their time is the
+  profiled layer time over the worker's speed: F sums the stage's forwards, B its
+  backwards plus the forwards of its recomputed layers, OPT is optimizer seconds per byte
+  times the bytes it updates.
 - SEND_F, SEND_B, SEND_L and PUSH_W cost the sender only the action overhead; the bytes
   then cross the link between the two workers, one transfer at a time per direction
   (FIFO), arriving `latency + bytes / bandwidth` after they start.
@@ -19,6 +19,15 @@ the bubble fraction and each worker's peak memory as the runtime accounts it.
   (the runtime prefetches).
 - RECV_* and RECV_W wait for the arrival; every action adds the cluster's action
   overhead, every iteration its step overhead.
+
+[Note: shared hosts]
+A host with fewer cores than workers, or a loopback host (`Cluster.loopback_hosts`: one
+machine whose workers talk over loopback gRPC and a local store), is simulated with
+processor sharing, as an OS schedules threads: every busy action of its workers is a job,
+and n jobs each progress at min(1, cores / n). On a loopback host a transfer between two
+of its workers is a job too (bytes over the link bandwidth, then the latency), since
+copying and (de)serialising bytes is what loopback costs. Events then run in time order;
+otherwise every rank runs ahead as far as its inputs allow (same times, faster).
 
 [Note: simulated memory]
 After every action the simulator sums, per worker, the same kinds the runtime accounts
@@ -33,8 +42,10 @@ input of each run).
 from __future__ import annotations
 
 import heapq
+import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -50,6 +61,7 @@ from pipefb.schedule.deps import requirements
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
 SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L})
 LOSS_BYTES = 4  # a float32 scalar
+_EPSILON = 1e-12  # seconds of work left that count as none
 
 
 @dataclass
@@ -368,9 +380,48 @@ def _destination(t: Topology, a: Action) -> int:
     return t.backward_workers[-1]
 
 
+@dataclass(slots=True)
+class _Job:
+    """Work left on a shared host (seconds at full speed) and what to do when it ends."""
+
+    work: float
+    on_finish: Callable[[float], None]
+
+
+class _Host:
+    """Processor sharing on a host's cores: each of its n running jobs (one thread each)
+    progresses at min(1, cores / n) seconds of work per second."""
+
+    def __init__(self, cores: int) -> None:
+        self.cores = cores
+        self.jobs: list[_Job] = []
+        self.clock = 0.0
+        self.version = 0  # bumped when the running set changes: older finish events are void
+
+    def rate(self) -> float:
+        return min(1.0, self.cores / len(self.jobs)) if self.jobs else 1.0
+
+    def advance(self, t: float) -> None:
+        """Runs the jobs until `t`."""
+        if t > self.clock and self.jobs:
+            done = (t - self.clock) * self.rate()
+            for job in self.jobs:
+                job.work -= done
+        self.clock = max(self.clock, t)
+
+    def next_finish(self) -> float:
+        return self.clock + min(job.work for job in self.jobs) / self.rate()
+
+    def finished(self) -> list[Callable[[float], None]]:
+        """Removes and returns the callbacks of the jobs with no work left."""
+        done = [job for job in self.jobs if job.work <= _EPSILON]
+        self.jobs = [job for job in self.jobs if job.work > _EPSILON]
+        return [job.on_finish for job in done]
+
+
 class _Engine:
     """The event loop: each rank runs its unrolled list; an action starts when the rank is
-    free, its inputs have arrived and, for a compute, a core of its host is free."""
+    free and its inputs have arrived (see [Note: shared hosts])."""
 
     def __init__(self, plan: Plan, costs: _Costs, schedule: Schedule, iterations: int
                  ) -> None:
@@ -388,17 +439,23 @@ class _Engine:
         self.links: dict[tuple[int, int], float] = defaultdict(float)
         self.link_of: dict[tuple[int, int], Link] = {}
         self.host = {r: self.cluster.cores_of(r) for r in self.runs}
-        self.cores = {host: [0.0] * n for host, n in self.host.values()}
+        self.hosts = {name: _Host(n) for name, n in self.host.values()}
         self.waiting: dict[int, list[int]] = defaultdict(list)
-        self.heap: list[tuple[float, int, int]] = []
+        self.heap: list[tuple[float, int, int, str, int]] = []
         self.spans: list[Span] = []
         self.last_b: dict[int, float] = {}
         self.seq = 0
 
+    def shared(self) -> bool:
+        """Whether some host has fewer cores than ranks, or moves bytes on its cores."""
+        on: dict[str, int] = defaultdict(int)
+        for name, _ in self.host.values():
+            on[name] += 1
+        return any(on[name] > host.cores or name in self.cluster.loopback_hosts
+                   for name, host in self.hosts.items())
+
     def run(self) -> None:
-        shared = any(n < sum(1 for r in self.runs if self.host[r][0] == host)
-                     for host, n in self.host.values())
-        if shared:
+        if self.shared():
             self._run_in_time_order()
         else:
             self._run_greedy()
@@ -407,7 +464,7 @@ class _Engine:
             raise self._deadlock(stuck)
 
     def _run_greedy(self) -> None:
-        """Without shared cores, each rank's actions only wait for their inputs, and links
+        """Without shared hosts, each rank's actions only wait for their inputs, and links
         carry one sender's transfers in that sender's order: every rank may run ahead as
         far as its inputs allow, in any order, and the times come out the same."""
         ops, runs = self.program.ops, self.runs
@@ -429,23 +486,51 @@ class _Engine:
                 ready_ranks += self._execute(r, k, step, op, start, schedule=False)
 
     def _run_in_time_order(self) -> None:
-        """Computes queue for the cores of their host: actions run in order of start time."""
+        """Events in time order: a rank's next action may start, or a host's job ends."""
         for r in self.runs:
             self._schedule(r)
         ops = self.program.ops
         while self.heap:
-            t, _, r = heapq.heappop(self.heap)
+            t, _, r, name, version = heapq.heappop(self.heap)
+            if r < 0:
+                host = self.hosts[name]
+                if version == host.version:
+                    host.advance(t)
+                    for on_finish in host.finished():
+                        on_finish(t)
+                    self._host_changed(name)
+                continue
             k, step, i = self.runs[r][self.pos[r]]
             op = ops[r][i]
-            start = max(t, min(self.cores[self.host[r][0]])) if op.compute else t
-            if start > t:
-                self._push(start, r)
+            if op.prefetched:  # runs beside the backward: see _execute
+                self._execute(r, k, step, op, t)
                 continue
-            self._execute(r, k, step, op, start)
+            self.free[r] = math.inf  # busy until the job ends
+            self._start_job(self.host[r][0], t, op.seconds, self._finisher(r, k, step, op, t))
+
+    def _finisher(self, r: int, k: int, step: int, op: _Op, start: float
+                  ) -> Callable[[float], None]:
+        def on_finish(end: float) -> None:
+            self._finish(r, k, step, op, start, end)
+        return on_finish
+
+    def _start_job(self, name: str, t: float, work: float,
+                   on_finish: Callable[[float], None]) -> None:
+        host = self.hosts[name]
+        host.advance(t)
+        host.jobs.append(_Job(work, on_finish))
+        self._host_changed(name)
+
+    def _host_changed(self, name: str) -> None:
+        host = self.hosts[name]
+        host.version += 1
+        if host.jobs:
+            self.seq += 1
+            heapq.heappush(self.heap, (host.next_finish(), self.seq, -1, name, host.version))
 
     def _push(self, t: float, r: int) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, r))
+        heapq.heappush(self.heap, (t, self.seq, r, "", 0))
 
     def _missing(self, step: int, op: _Op) -> tuple[int, float]:
         """The first awaited key not yet available (-1: none) and when all are."""
@@ -475,23 +560,28 @@ class _Engine:
 
     def _execute(self, r: int, k: int, step: int, op: _Op, start: float,
                  schedule: bool = True) -> list[int]:
-        """Runs one action; schedules the ranks it wakes, or returns them."""
+        """Runs one action on a host of its own; schedules the ranks it wakes, or returns
+        them."""
         seconds = op.seconds
-        if op.compute:
-            slots = self.cores[self.host[r][0]]
-            slots[slots.index(min(slots))] = start + seconds
-            if op.action.kind is Kind.B:
-                self.last_b[r] = seconds
-        elif op.prefetched:
+        if op.prefetched:
             overhead = self.cluster.action_overhead
             seconds = overhead + max(0.0, seconds - overhead - self.last_b.get(r, 0.0))
-        end = start + seconds
+        return self._finish(r, k, step, op, start, start + seconds, schedule)
+
+    def _finish(self, r: int, k: int, step: int, op: _Op, start: float, end: float,
+                schedule: bool = True) -> list[int]:
+        """Ends one action: its span, memory, transfers and what it makes available."""
+        if op.action.kind is Kind.B:
+            self.last_b[r] = end - start
         self.free[r] = end
         self.spans.append(Span(r, k, step, op.action, start, end))
         self.memory[r].apply(step, op)
         base = step * self.stride
         woken: list[int] = []
         for dst, nbytes, key in op.sends:
+            if self.cluster.on_loopback(r, dst):
+                self._loopback_transfer(r, dst, nbytes, base + key, end)
+                continue
             self.avail[base + key] = self._transfer(r, dst, nbytes, end)
             woken += self.waiting.pop(base + key, [])
         if op.key >= 0:
@@ -507,12 +597,30 @@ class _Engine:
 
     def _transfer(self, src: int, dst: int, nbytes: int, sent: float) -> float:
         """Arrival time of `nbytes` sent at `sent` over the src->dst link (FIFO)."""
-        link = self.link_of.get((src, dst))
-        if link is None:
-            link = self.link_of[(src, dst)] = self.cluster.link(src, dst)
+        link = self._link(src, dst)
         begin = max(sent, self.links[(src, dst)])
         self.links[(src, dst)] = begin + nbytes / link.bandwidth
         return begin + link.seconds(nbytes)
+
+    def _link(self, src: int, dst: int) -> Link:
+        link = self.link_of.get((src, dst))
+        if link is None:
+            link = self.link_of[(src, dst)] = self.cluster.link(src, dst)
+        return link
+
+    def _loopback_transfer(self, src: int, dst: int, nbytes: int, slot: int, sent: float
+                           ) -> None:
+        """Bytes between ranks of a loopback host: CPU work (bytes over the link's
+        bandwidth) on the host's cores, then the link's latency."""
+        latency = self._link(src, dst).latency
+
+        def arrived(end: float) -> None:
+            self.avail[slot] = end + latency
+            for waiter in self.waiting.pop(slot, []):
+                self._schedule(waiter)
+
+        self._start_job(self.host[src][0], sent, nbytes / self._link(src, dst).bandwidth,
+                        arrived)
 
     def _deadlock(self, stuck: dict[int, tuple[int, int, int]]) -> ScheduleError:
         names = {v: k for k, v in self.program.keys.items()}

@@ -4,12 +4,18 @@ simulates, and trains exactly what one process trains; bad requests are refused.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 
 import grpc
 import pytest
 
+from pipefb.cluster import Cluster
 from pipefb.config import JobConfig
+from pipefb.costs import Profile
+from pipefb.errors import ConfigError
+from pipefb.plan import Plan
+from pipefb.planning import job_cluster, plan_job
 from protos.convert import plan_from_proto
 from tests.test_transparency import assert_same_training
 
@@ -45,3 +51,64 @@ def test_auto_plan_refuses_an_impossible_cap(client):
         list(client.train(job_id))
     status = client.status(job_id)
     assert "no plan fits" in status.error and "cap" in status.error
+
+
+def _run(client, job: JobConfig) -> tuple[list, dict, object, Plan]:
+    job_id = client.submit(job).job_id
+    reports = list(client.train(job_id))
+    status = client.status(job_id)
+    return reports, client.weights(job_id), status, plan_from_proto(status.plan)
+
+
+def test_a_binding_cap_changes_the_plan_and_measured_peaks_respect_it(client):
+    """Wide layers and 64 samples: activations matter. The cap is below the uncapped
+    plan's predicted peak, so the planner must choose differently; every measured peak
+    stays under it and training still equals one process."""
+    job = JobConfig(model="mlp", dataset="digits", model_config={"hidden": 256, "depth": 4},
+                    schedule="auto", plan="auto", workers=2, batch_size=64, steps=4,
+                    lr=0.01, seed=7, optimizer="sgd")
+    _, _, status, free = _run(client, job)
+    peak = max(free.predicted_peak_memory_bytes)
+    planner = json.loads(status.planner_json)
+    profile = Profile.from_dict(planner["profile"])
+
+    def fits(cap: int) -> bool:
+        cluster = job_cluster(Cluster.uniform(2), 2, planner["speeds"], cap)
+        try:
+            plan_job(replace(job, memory_cap=cap), profile, cluster)
+        except ConfigError:
+            return False
+        return True
+
+    # the lowest cap that fits here, plus slack: the second job profiles its layers again,
+    # and other timings may move a stage boundary (and bytes) a little
+    lowest = next((f for f in (0.5, 0.6, 0.7, 0.8) if fits(int(peak * f))), None)
+    assert lowest is not None, f"no cap below 80% of the uncapped peak {peak} fits"
+    cap = int(peak * (lowest + 0.1))
+    capped = replace(job, memory_cap=cap)
+    reports, weights, _, plan = _run(client, capped)
+    assert max(plan.predicted_peak_memory_bytes) <= cap < peak
+    assert (plan.schedule, plan.microbatches, plan.policy, plan.forward_partition) != (
+        free.schedule, free.microbatches, free.policy, free.forward_partition)
+    measured = [w.peak_memory_bytes for r in reports for w in r.workers]
+    assert 0 < max(measured) <= cap, (max(measured), cap)
+    assert_same_training(replace(capped, schedule="single", plan="", memory_cap=0,
+                                 microbatches=plan.microbatches), reports, weights)
+
+
+def test_in_situ_costs_are_fitted_after_three_steps(client):
+    """The coordinator fits per-kind factors to steps 1-3 and re-simulates; a loose bound
+    (noise on a shared machine must not fail CI; bench/sim_accuracy.py measures it)."""
+    job = JobConfig(model="gpt", dataset="text", loss="cross_entropy", schedule="1f1b",
+                    plan="auto", workers=2, batch_size=16, microbatches=4, steps=8,
+                    model_config={"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 32},
+                    dataset_config={"block_size": 32, "max_bytes": 200_000}, seed=1)
+    reports, _, status, plan = _run(client, job)
+    in_situ = json.loads(status.planner_json)["in_situ"]
+    assert in_situ["steps"] == 3
+    assert set(in_situ["factors"]) == {"F", "B", "OPT", "STASH"}
+    assert all(f > 0 for f in in_situ["factors"].values())
+    assert in_situ["factors"]["STASH"] == 1.0  # 1f1b keeps everything: nothing stashed
+    measured = statistics.median(r.seconds for r in reports[4:])
+    for predicted in (plan.predicted_step_seconds, in_situ["step_seconds"]):
+        assert measured / 4 < predicted < measured * 4, (predicted, measured)

@@ -1,0 +1,89 @@
+"""Processor sharing on loopback hosts, and in-situ cost fitting (pipefb.insitu)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipefb.cluster import Cluster, Link, WorkerSpec
+from pipefb.costs import uniform_profile
+from pipefb.errors import ConfigError
+from pipefb.insitu import FITTED, fit, measured_kinds, scaled, simulated_kinds
+from pipefb.plan import balanced_plan
+from pipefb.simulate import simulate
+
+
+def box(n: int, cores: int, *, loopback: bool = False) -> Cluster:
+    """`n` workers on one host of `cores` cores; a 1 GB/s, 50 us network and store."""
+    return Cluster(tuple(WorkerSpec(f"w{i}", host="box") for i in range(n)),
+                   network=Link(1e9, 50e-6), store=Link(1e9, 50e-6),
+                   host_cores={"box": cores},
+                   loopback_hosts=frozenset({"box"} if loopback else set()))
+
+
+def test_processor_sharing_stretches_concurrent_computes():
+    """Two stages always computing on one core take twice as long as on two."""
+    profile = uniform_profile(4, activation=8, params=0)
+    plan = balanced_plan("pipedream", 2, [1.0] * 4, 64, 32, mode="async")
+    two, one = simulate(plan, profile, box(2, 2)), simulate(plan, profile, box(2, 1))
+    assert one.step_seconds == pytest.approx(2 * two.step_seconds, rel=0.05)
+
+
+def test_loopback_transfers_take_cpu_from_computes():
+    """On a loopback host moving bytes costs core time: with big activations and one
+    core a step is slower by about the bytes moved over the bandwidth."""
+    profile = uniform_profile(4, activation=1 << 20, params=0)  # 1 MiB per sample
+    plan = balanced_plan("gpipe", 2, [1.0] * 4, 8, 4)
+    links = simulate(plan, profile, box(2, 1))
+    cpu = simulate(plan, profile, box(2, 1, loopback=True))
+    moved = 2 * 4 * 2 * (1 << 20) / 1e9  # F and B, 4 micro-batches of 2 samples
+    assert cpu.step_seconds - links.step_seconds == pytest.approx(moved, rel=0.25)
+    assert box(2, 1, loopback=True).on_loopback(0, 1)
+    assert not box(2, 1).on_loopback(0, 1)
+
+
+def test_loopback_needs_a_host_with_cores():
+    with pytest.raises(ConfigError, match=r"loopback host\(s\) \['x'\]"):
+        Cluster(Cluster.uniform(2).workers, loopback_hosts=frozenset({"x"}))
+    with pytest.raises(ConfigError, match=r"hosts\[0\].loopback = 'yes'"):
+        Cluster.from_dict({"workers": {"count": 2}, "hosts": [{"name": "a", "loopback": "yes"}]})
+    text = box(2, 2, loopback=True).to_dict()
+    assert text["hosts"] == [{"name": "box", "cores": 2, "loopback": True}]
+    assert Cluster.from_dict(text).loopback_hosts == {"box"}
+
+
+@pytest.mark.parametrize(("schedule", "workers", "cores"), [
+    ("gpipe", 2, 2), ("1f1b", 4, 2), ("pipefb", 4, 2), ("pipedream", 3, 4)])
+def test_fit_recovers_the_true_costs(schedule: str, workers: int, cores: int):
+    """Measured times from a 'true' profile (forward 1.5x, backward 2x, optimizer 3x,
+    store 2x slower than profiled) give back those factors and the true step time."""
+    profile = uniform_profile(8, activation=1 << 12, params=1 << 16)
+    cluster = box(workers, cores, loopback=True)
+    mode = "async" if schedule == "pipedream" else "sync"
+    plan = balanced_plan(schedule, workers, [1.0] * 8, 8, 4, mode=mode)
+    true = {"F": 1.5, "B": 2.0, "OPT": 3.0, "STASH": 2.0}
+    truth = simulate(plan, *scaled(profile, cluster, true))
+    kinds = simulated_kinds(truth)
+    measured = {**kinds, "STASH": kinds["STASH"] / 2, "FETCH": kinds["STASH"] / 2}
+    got = fit(plan, profile, cluster, measured, rounds=8)
+    for kind in FITTED:
+        if kinds[kind] > 0:
+            assert got.factors[kind] == pytest.approx(true[kind], rel=0.03), kind
+    assert got.step_seconds == pytest.approx(truth.step_seconds, rel=0.03)
+    assert simulate(plan, profile, cluster).step_seconds < 0.8 * truth.step_seconds
+
+
+def test_measured_kinds_folds_fetch_into_stash():
+    assert measured_kinds({"F": 1.0, "STASH": 0.25, "FETCH": 0.5, "RECV_F": 9.0}) == {
+        "F": 1.0, "B": 0.0, "OPT": 0.0, "STASH": 0.75}
+
+
+def test_scaled_leaves_bytes_alone():
+    profile = uniform_profile(3)
+    new, cluster = scaled(profile, box(1, 1), {"F": 2.0, "STASH": 4.0})
+    assert [x.forward_seconds for x in new.layers] == [2e-3] * 3
+    assert [x.backward_seconds for x in new.layers] == [2e-3] * 3
+    assert new.layers[0].saved_bytes == profile.layers[0].saved_bytes
+    assert cluster.store.bandwidth == 1e9 / 4
+    assert replace(new, layers=profile.layers).optimizer_seconds_per_byte == 1e-10
