@@ -16,6 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import planner_doc
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 
@@ -28,6 +29,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "stream_vs_tcp": ("stream_vs_tcp", []),
     "backward_worker": ("backward_worker", []),
     "schedules": ("schedules", []),
+    "planner": ("planner", []),
 }
 
 
@@ -159,6 +161,17 @@ def schedules_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     return lines
 
 
+def planner_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
+    """Markdown of the planner bench: simulated 8-GPU comparison, then measured plan auto."""
+    lines = ["## Planner: its plans against fixed schedules and the even split", "",
+             f"`{cmd}`", ""]
+    if "simulated" in res:
+        lines += planner_doc.simulated(res["simulated"])
+    if "measured" in res:
+        lines += planner_doc.measured(res["measured"], res["args"])
+    return [*lines, f"![planner]({png})", ""]
+
+
 READING = [
     "## Reading these figures", "",
     "- The machine has 2 cores shared with other tenants (CPU steal is visible in `vmstat`); "
@@ -205,6 +218,8 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
     lines += backward_section(*results["backward_worker"])
     lines += schedules_section(*results["schedules"], os.path.relpath(
         out / "schedules" / "schedules.png", doc.parent))
+    lines += planner_section(*results["planner"], os.path.relpath(
+        out / "planner" / "planner.png", doc.parent))
     lines += READING
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))

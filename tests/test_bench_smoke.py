@@ -14,11 +14,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_quick(bench: str, out: Path) -> dict:
+def run_quick(bench: str, out: Path, timeout: float = 120) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     subprocess.run([sys.executable, f"bench/{bench}.py", "--quick", "--out", str(out)],
-                   cwd=ROOT, env=env, check=True, timeout=120)
+                   cwd=ROOT, env=env, check=True, timeout=timeout)
     return json.loads((out / "results.json").read_text())
 
 
@@ -73,3 +73,42 @@ def test_schedules_quick(tmp_path: Path) -> None:
         # offload moves PipeDream's stash out of the first worker: less activation memory
         assert (r["ranks"]["pipedream-offload"]["0"]["activation"]
                 < r["ranks"]["pipedream-keep"]["0"]["activation"])
+
+
+@pytest.mark.timeout(330)
+def test_planner_quick(tmp_path: Path) -> None:
+    import math
+
+    from bench.planner import RATIOS, SYSTEMS
+    from bench.planner_sim import KIND_MODES
+    from bench.planner_sim import RATIOS as SIM_RATIOS
+
+    res = run_quick("planner", tmp_path, timeout=300)
+    assert (tmp_path / "planner.png").stat().st_size > 0
+    sim = res["simulated"]
+    kinds = [name for name, _, _ in KIND_MODES]
+    assert set(sim["systems"]) == {
+        "gpipe", "1f1b", "pipedream-keep", "pipedream-offload", "pipefb-offload", "planner",
+        "planner-free-m", *(f"planner-{k}" for k in kinds), *(f"even-{k}" for k in kinds)}
+    for name, r in sim["systems"].items():
+        assert math.isfinite(r["step_seconds"]) and r["step_seconds"] > 0, name
+        assert r["max_peak_bytes"] > 0 and len(r["peak_bytes"]) == 8, name
+    assert all(sim["systems"][s]["fits"] for s in sim["systems"] if s.startswith("planner"))
+    assert sim["systems"]["pipedream-offload"]["policy"] == "offload 27"
+    assert sim["systems"]["pipefb-offload"]["schedule"] == "pipefb"
+    assert set(sim["ratios"]) == set(SIM_RATIOS)
+    assert all(math.isfinite(r["value"]) and r["value"] > 0 for r in sim["ratios"].values())
+    assert [r["ratio"] > 0 for r in sim["store_sweep"]] == [True, True]
+    measured = res["measured"]["workers"]
+    assert set(measured) == {"2"}
+    r = measured["2"]
+    assert set(r["samples_per_second"]) == set(SYSTEMS)
+    for s in SYSTEMS:
+        assert_summary(r["samples_per_second"][s])
+        assert r["max_peak_bytes"][s] > 0
+    for s in ("gpipe", "1f1b", "pipedream", "pipefb"):  # plan auto kept the fixed schedule
+        assert r["plans"][f"auto-{s}"]["label"].startswith(s)
+        assert r["plans"][f"even-{s}"]["label"].startswith(s)
+    assert r["plans"]["even-pipefb"]["label"].startswith("pipefb sync 1F+1B")
+    assert set(r["ratios"]) == set(RATIOS)
+    assert all(v["median"] > 0 for v in r["ratios"].values())
