@@ -65,10 +65,16 @@ def _sweep(sim: dict[str, Any]) -> list[str]:
     lines = ["", "PipeDream and PipeFB, both offloading every layer, as the store gets faster:",
              "", "| store GB/s | pipedream-offload ms | pipefb-offload ms | PipeFB speed-up |",
              "| --- | --- | --- | --- |"]
-    return lines + [f"| {r['store_bytes_per_second'] / 1e9:.0f} | "
-                    f"{r['pipedream_offload_seconds'] * 1e3:,.0f} | "
-                    f"{r['pipefb_offload_seconds'] * 1e3:,.0f} | {r['ratio']:.2f}x |"
-                    for r in sim["store_sweep"]] + [""]
+    lines += [f"| {r['store_bytes_per_second'] / 1e9:.0f} | "
+              f"{r['pipedream_offload_seconds'] * 1e3:,.0f} | "
+              f"{r['pipefb_offload_seconds'] * 1e3:,.0f} | {r['ratio']:.2f}x |"
+              for r in sim["store_sweep"]]
+    if "planning_time" in sim:
+        t = sim["planning_time"]
+        lines += ["", f"Planning {t['layers']} random layers for {t['workers']} workers "
+                  f"(every schedule kind): {fmt(t['seconds'], digits=2)} s over "
+                  f"{t['seconds']['n']} runs (target: under 2 s)."]
+    return [*lines, ""]
 
 
 def reading(sim: dict[str, Any]) -> list[str]:

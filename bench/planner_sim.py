@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.stats import summary
 from pipefb.cluster import Cluster, Link
 from pipefb.config import JobConfig
 from pipefb.costs import LayerProfile, Profile
@@ -297,6 +298,25 @@ def store_sweep(profile: Profile, cluster: Cluster, sc: Scenario) -> list[dict[s
     return out
 
 
+def planning_seconds(repeats: int = 5, layers: int = 200, workers: int = 64
+                     ) -> dict[str, Any]:
+    """Wall time of `search` for `layers` random layers on `workers` equal workers, every
+    schedule kind (the issue's target: under 2 s for 200 on 64): median and range."""
+    import random
+
+    rng = random.Random(3)
+    profile = Profile(2, tuple(LayerProfile(
+        f"l{i}", rng.uniform(1e-4, 2e-3), rng.uniform(2e-4, 4e-3), rng.randrange(1, 1 << 16),
+        rng.randrange(1, 1 << 16), rng.randrange(1, 1 << 18), rng.randrange(0, 1 << 20))
+        for i in range(layers)), optimizer_seconds_per_byte=1e-10, optimizer_state_ratio=2.0)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        search(profile, Cluster.uniform(workers), 64)
+        times.append(time.perf_counter() - started)
+    return {"layers": layers, "workers": workers, "seconds": summary(times)}
+
+
 def run_simulated(quick: bool, cluster_file: Path = CLUSTER_FILE) -> dict[str, Any]:
     """Part 1: profile, plan and simulate every system; the ratios and the store sweep."""
     started = time.perf_counter()
@@ -316,6 +336,7 @@ def run_simulated(quick: bool, cluster_file: Path = CLUSTER_FILE) -> dict[str, A
             "profile": _profile_summary(profile),
             "systems": rows, "ratios": ratios(rows),
             "store_sweep": store_sweep(profile, cluster, sc),
+            "planning_time": planning_seconds(repeats=1 if quick else 5),
             "profile_seconds": profiled, "wall_seconds": time.perf_counter() - started}
 
 

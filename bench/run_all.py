@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import planner_doc
+from bench import planner_doc, sim_accuracy
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 
@@ -30,6 +30,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "backward_worker": ("backward_worker", []),
     "schedules": ("schedules", []),
     "planner": ("planner", []),
+    "sim_accuracy": ("sim_accuracy", []),
 }
 
 
@@ -220,6 +221,8 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
         out / "schedules" / "schedules.png", doc.parent))
     lines += planner_section(*results["planner"], os.path.relpath(
         out / "planner" / "planner.png", doc.parent))
+    lines += sim_accuracy.doc_section(*results["sim_accuracy"], os.path.relpath(
+        out / "sim_accuracy" / "sim_accuracy.png", doc.parent))
     lines += READING
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))

@@ -30,7 +30,7 @@ from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.costs import Profile
 from pipefb.errors import ConfigError, WorkerFailed
 from pipefb.evaluate import evaluate
-from pipefb.insitu import FITTED, fit
+from pipefb.insitu import fit
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from pipefb.planning import job_cluster, plan_job, summary
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
@@ -228,9 +228,10 @@ class Driver:
         (pipefb.insitu); the factors and refined step time go into the planner summary."""
         assert job.costs is not None and job.plan is not None
         reports = job.reports[1:] or job.reports
+        kinds = {kind for r in reports for w in r.workers for kind in w.action_seconds}
         per_step = [{kind: sum(w.action_seconds.get(kind, 0.0) for w in r.workers)
-                     for kind in (*FITTED, "FETCH")} for r in reports]
-        measured = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
+                     for kind in kinds} for r in reports]
+        measured = {k: statistics.median(s[k] for s in per_step) for k in kinds}
         refined = fit(job.plan, *job.costs, measured)
         with job.cond:
             job.planner["in_situ"] = {**refined.to_dict(), "steps": len(reports)}

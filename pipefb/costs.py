@@ -139,6 +139,15 @@ class Profile:
             raise ConfigError(f"not a profile: {error}") from None
 
 
+def kept_bytes(layer: LayerProfile, policy: str, starts_run: bool = True) -> int:
+    """What `layer` holds per micro-batch for its backward under `policy`: its saved
+    tensors (keep; offload moves them through the store), or under recompute the input of
+    the run it starts (`starts_run`), nothing inside a run."""
+    if policy != "recompute":
+        return layer.saved_bytes
+    return layer.input_bytes if starts_run else 0
+
+
 def uniform_profile(n_layers: int, forward: float = 1e-3, backward: float = 2e-3,
                     activation: int = 1 << 16, params: int = 1 << 20) -> Profile:
     """A profile of `n_layers` identical layers, for tests and described clusters."""

@@ -2,12 +2,15 @@
 
 A profile measured on an idle worker underestimates what the same layers cost inside a
 pipeline on a shared machine: other workers compete for cores and memory bandwidth, and
-the worker's own gRPC threads compete for its interpreter while it computes. After a few
-steps of a plan, `fit` finds one factor per kind of work (forward, backward, optimizer,
-store traffic) such that the simulated time of each kind, summed over ranks, equals the
-measured one, and re-simulates the plan with the scaled profile. The factors say where a
-run is slower than its profile; the refined step time is what the simulator predicts from
-costs measured where they run.
+the worker's own gRPC threads compete for its interpreter while it computes; a calibrated
+link latency (an echo between idle processes) underestimates a hop between busy ones.
+After a few steps of a plan, `fit` finds one factor per kind of work (forward, backward,
+optimizer, store traffic) such that the simulated time of each kind, summed over ranks,
+equals the measured one, then one factor on every link's latency such that the simulated
+receive waits (RECV_*, summed over ranks) equal the measured ones, and re-simulates the
+plan. The step time is never fitted: it is what the simulator predicts from busy and
+waiting times measured where they happen. The factors say where a run is slower than its
+profile and cluster description.
 
 [Note: fixed point]
 On a host with fewer cores than busy workers the simulator stretches each action by the
@@ -25,12 +28,14 @@ from dataclasses import dataclass, replace
 from pipefb.cluster import Cluster, Link
 from pipefb.costs import Profile
 from pipefb.plan import Plan
-from pipefb.schedule import Kind
 from pipefb.simulate import Simulation, simulate
 
 #: kinds of work a factor scales; STASH also covers FETCH (both move bytes via the store)
 FITTED = ("F", "B", "OPT", "STASH")
+RECEIVES = ("RECV_F", "RECV_B", "RECV_L", "RECV_W")  # their waits fit the link latency
+LATENCY = "latency"  # the factor on every link's latency
 ROUNDS = 4  # fixed-point rounds (see [Note: fixed point])
+BISECTIONS = 12  # latency factor steps per round: within 2^-12 of its bracket
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,9 @@ class InSitu:
     """A plan's simulation with costs fitted to measured action times.
 
     Attributes:
-        factors: per fitted kind, measured over profiled cost (1.0: as profiled; kinds
-            the plan does not run keep 1.0).
+        factors: per fitted kind, measured over profiled cost, and `latency`: fitted over
+            described link latency (1.0: as described; what the plan does not run or
+            wait for keeps 1.0).
         simulation: the plan simulated with the fitted profile and store.
         profile: the fitted profile.
     """
@@ -60,26 +66,28 @@ class InSitu:
 
 
 def measured_kinds(action_seconds: Mapping[str, float]) -> dict[str, float]:
-    """Measured seconds per fitted kind from action seconds by kind (FETCH joins STASH)."""
+    """Measured seconds per fitted kind from action seconds by kind (FETCH joins STASH),
+    and the receive waits under LATENCY."""
     out = {kind: float(action_seconds.get(kind, 0.0)) for kind in FITTED}
     out["STASH"] += float(action_seconds.get("FETCH", 0.0))
+    out[LATENCY] = sum(float(action_seconds.get(kind, 0.0)) for kind in RECEIVES)
     return out
 
 
 def simulated_kinds(sim: Simulation) -> dict[str, float]:
-    """Seconds per fitted kind in the simulation's steady iteration, summed over ranks."""
+    """`measured_kinds` of the simulation's steady iteration, summed over ranks."""
     k = max(0, sim.iterations - 2)
     out: dict[str, float] = defaultdict(float)
     for s in sim.spans:
         if s.iteration == k:
-            name = "STASH" if s.action.kind is Kind.FETCH else s.action.kind.name
-            out[name] += s.end - s.start
-    return {kind: out.get(kind, 0.0) for kind in FITTED}
+            out[s.action.kind.name] += s.end - s.start
+    return measured_kinds(out)
 
 
 def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
            ) -> tuple[Profile, Cluster]:
-    """The profile and cluster with each kind's cost multiplied by its factor."""
+    """The profile and cluster with each kind's cost, and every link's latency,
+    multiplied by its factor."""
     f, b = factors.get("F", 1.0), factors.get("B", 1.0)
     layers = tuple(replace(x, forward_seconds=x.forward_seconds * f,
                            forward_fixed_seconds=x.forward_fixed_seconds * f,
@@ -89,35 +97,63 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
     profile = replace(profile, layers=layers, optimizer_seconds_per_byte=(
         profile.optimizer_seconds_per_byte * factors.get("OPT", 1.0)))
     store = Link(cluster.store.bandwidth / factors.get("STASH", 1.0), cluster.store.latency)
-    return profile, replace(cluster, store=store)
+    hop = factors.get(LATENCY, 1.0)
+
+    def slower(link: Link) -> Link:
+        return Link(link.bandwidth, link.latency * hop)
+
+    return profile, replace(cluster, store=store, network=slower(cluster.network),
+                            links={pair: slower(x) for pair, x in cluster.links.items()})
 
 
 def fit(plan: Plan, profile: Profile, cluster: Cluster, measured: Mapping[str, float],
         rounds: int = ROUNDS) -> InSitu:
-    """Fits per-kind factors so the simulated seconds of each kind match `measured`.
+    """Fits per-kind factors and a latency factor to measured action seconds.
 
     Args:
         plan: the plan that ran.
         profile: the profile it was planned with.
         cluster: the cluster it was simulated on.
-        measured: per kind (F, B, OPT, STASH, FETCH), seconds per step summed over ranks,
-            e.g. medians of the workers' `action_seconds` after warm-up.
+        measured: per action kind (F, B, OPT, STASH, FETCH, RECV_*), seconds per step
+            summed over ranks, e.g. medians of the workers' `action_seconds` after warm-up.
         rounds: fixed-point rounds (see [Note: fixed point]).
 
     Returns:
         The factors and the plan's simulation with the fitted costs.
     """
     want = measured_kinds(measured)
-    factors = dict.fromkeys(FITTED, 1.0)
-    fitted_profile, sim = profile, simulate(plan, profile, cluster, check=False)
+    factors = {**dict.fromkeys(FITTED, 1.0), LATENCY: 1.0}
+    fitted = (profile, cluster)
+    sim = simulate(plan, profile, cluster, check=False)
     for _ in range(rounds):
         got = simulated_kinds(sim)
         for kind in FITTED:
             if got[kind] > 0 and want[kind] > 0:
                 factors[kind] *= want[kind] / got[kind]
-        fitted_profile, fitted_cluster = scaled(profile, cluster, factors)
-        sim = simulate(plan, fitted_profile, fitted_cluster, check=False)
-    return InSitu({k: round(v, 4) for k, v in factors.items()}, sim, fitted_profile)
+        factors[LATENCY] = _latency_factor(plan, profile, cluster, factors, want[LATENCY])
+        fitted = scaled(profile, cluster, factors)
+        sim = simulate(plan, *fitted, check=False)
+    return InSitu({k: round(v, 4) for k, v in factors.items()}, sim, fitted[0])
 
 
-__all__ = ["FITTED", "InSitu", "fit", "measured_kinds", "scaled", "simulated_kinds"]
+def _latency_factor(plan: Plan, profile: Profile, cluster: Cluster,
+                    factors: dict[str, float], want: float) -> float:
+    """The latency factor whose simulated receive waits match `want` (bisection; waits
+    grow with latency), given the other factors; 1.0 when nothing is received."""
+    def waits(hop: float) -> float:
+        trial = scaled(profile, cluster, {**factors, LATENCY: hop})
+        return simulated_kinds(simulate(plan, *trial, check=False))[LATENCY]
+
+    if want <= 0 or waits(1.0) <= 0:
+        return 1.0
+    low, high = 0.0, 1.0
+    while waits(high) < want and high < 1e4:
+        low, high = high, high * 4
+    for _ in range(BISECTIONS):
+        mid = (low + high) / 2
+        low, high = (mid, high) if waits(mid) < want else (low, mid)
+    return (low + high) / 2
+
+
+__all__ = ["FITTED", "LATENCY", "InSitu", "fit", "measured_kinds", "scaled",
+           "simulated_kinds"]

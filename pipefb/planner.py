@@ -35,9 +35,9 @@ from typing import Any
 
 from pipefb.cluster import Cluster
 from pipefb.config import SCHEDULE_MODES
-from pipefb.costs import LayerProfile, Profile
+from pipefb.costs import Profile, kept_bytes
 from pipefb.errors import ConfigError, ScheduleError
-from pipefb.plan import Plan, WorkerAssignment, partitions
+from pipefb.plan import Plan, WorkerAssignment, partitions, recompute_runs
 from pipefb.schedule import KINDS, Topology
 from pipefb.simulate import Simulation, simulate
 
@@ -87,6 +87,7 @@ class PlanSearch:
     best: Candidate
     simulation: Simulation
     candidates: tuple[Candidate, ...]  # best first, then by simulated, then estimated time
+    simulated_actions: int = 0  # the work the search did: actions it simulated in all
 
     @property
     def plan(self) -> Plan:
@@ -156,7 +157,7 @@ class _Planner:
         out = []
         for i, x in enumerate(prof.layers):
             recompute = x.forward_seconds if policy[i] == "recompute" else 0.0
-            moved = _moved_bytes(x, policy[i])
+            moved = kept_bytes(x, policy[i])
             if which == "combined":
                 offload = 2 * store.seconds(moved) if policy[i] == "offload" else 0.0
                 out.append(x.forward_seconds + x.backward_seconds + recompute + offload)
@@ -198,15 +199,29 @@ class _Planner:
                     assignment=assignment, mode=mode, staleness=staleness)
 
     def initial_policy(self, kind: str, microbatches: int) -> list[str]:
-        """keep on combined kinds; PipeFB: offload, or recompute where that is cheaper."""
+        """keep on combined kinds; PipeFB: offload, or recompute where re-running the
+        forward is cheaper than moving what it frees through the store (alone, joining the
+        run before it, or starting a run with the layer before: a loss whose saved tensor is
+        its input is only worth recomputing together with the head that makes it)."""
         if kind != "pipefb":
             return ["keep"] * self.space.profile.n_layers
-        prof = self.space.profile.at(self.space.batch_size // microbatches)
-        store = self.space.cluster.store
-        out = []
-        for x in prof.layers:
-            saving = (x.saved_bytes - x.input_bytes) / store.bandwidth
-            out.append("recompute" if x.forward_seconds < saving else "offload")
+        layers = self.space.profile.at(self.space.batch_size // microbatches).layers
+        bandwidth = self.space.cluster.store.bandwidth
+        out: list[str] = []
+        for i, x in enumerate(layers):
+            joins = bool(out) and out[-1] == "recompute"
+            if x.forward_seconds < (x.saved_bytes - kept_bytes(x, "recompute", not joins)
+                                    ) / bandwidth:
+                out.append("recompute")
+                continue
+            prev = layers[i - 1] if i else None
+            if prev is not None and out[-1] == "offload" and (
+                    prev.forward_seconds + x.forward_seconds
+                    < (prev.saved_bytes - prev.input_bytes + x.saved_bytes) / bandwidth):
+                out[-1] = "recompute"
+                out.append("recompute")
+                continue
+            out.append("offload")
         return out
 
     # -- simulating -------------------------------------------------------------------------
@@ -251,27 +266,36 @@ class _Planner:
         return plan, None, "refused: memory plan did not converge"
 
     def relieve(self, plan: Plan, over: dict[int, int]) -> list[str] | None:
-        """The policy with one more layer of each over-cap worker switched to the cheaper
-        of offload and recompute (most bytes freed per second of extra time); None if no
-        switch is left."""
+        """The policy with one more change per over-cap worker: a kept layer offloaded, or
+        a layer recomputed (alone or with the layer before it, as one run), whichever frees
+        the most bytes per second of extra time; None if no change frees anything."""
         prof = self.space.profile.at(plan.microbatch_size)
         store = self.space.cluster.store
         policy, changed = list(plan.policy), False
         topology = plan.topology()
         for r in over:
             layers = _layers_of_rank(topology, r)
-            options = []
+            held = _held_bytes(plan, policy, layers, prof)
+            options: list[tuple[float, tuple[int, ...], str]] = []
             for i in layers:
                 x = prof.layers[i]
                 if policy[i] == "keep" and x.saved_bytes > 0:
                     options.append((x.saved_bytes / max(2 * store.seconds(x.saved_bytes), 1e-12),
-                                    i, "offload"))
-                if policy[i] != "recompute" and x.saved_bytes > x.input_bytes:
-                    freed = x.saved_bytes - x.input_bytes
-                    options.append((freed / max(x.forward_seconds, 1e-12), i, "recompute"))
+                                    (i,), "offload"))
+                for run in ((i,), (i - 1, i)):
+                    if run[0] not in layers or all(policy[j] == "recompute" for j in run):
+                        continue
+                    trial = [("recompute" if j in run else p) for j, p in enumerate(policy)]
+                    freed = held - _held_bytes(plan, trial, layers, prof)
+                    extra = sum(prof.layers[j].forward_seconds for j in run
+                                if policy[j] != "recompute")
+                    if freed > 0:
+                        options.append((freed / max(extra, 1e-12), run, "recompute"))
             if options:
-                _, i, new = max(options)
-                policy[i], changed = new, True
+                _, best, new = max(options)
+                for j in best:
+                    policy[j] = new
+                changed = True
         return policy if changed else None
 
     # -- the search -------------------------------------------------------------------------
@@ -290,14 +314,14 @@ class _Planner:
 
         def f_time(s: int) -> float:
             layers = t.layers_of_forward(s)
-            moved = sum(_moved_bytes(prof.layers[i], policy[i]) for i in layers)
+            moved = sum(kept_bytes(prof.layers[i], policy[i]) for i in layers)
             store = c.store.seconds(moved) if t.is_split else 0.0
             return (prof.forward_seconds(layers) + store) / speed[t.forward_workers[s]]
 
         def b_time(s: int) -> float:
             layers = t.layers_of_backward(s)
             rec = [i for i in layers if policy[i] == "recompute"]
-            moved = sum(_moved_bytes(prof.layers[i], policy[i]) for i in layers)
+            moved = sum(kept_bytes(prof.layers[i], policy[i]) for i in layers)
             store = c.store.seconds(moved) if t.is_split or "offload" in policy else 0.0
             return (prof.backward_seconds(layers) + prof.forward_seconds(rec) + store
                     ) / speed[t.backward_workers[s]]
@@ -346,11 +370,11 @@ class _Planner:
         return plan, sim
 
 
-def _moved_bytes(x: LayerProfile, policy: str) -> int:
-    """Bytes a layer puts in the store per micro-batch under a policy (split or offload)."""
-    if policy == "recompute":
-        return int(x.input_bytes)
-    return int(x.saved_bytes)
+
+def _held_bytes(plan: Plan, policy: list[str], layers: list[int], prof: Profile) -> int:
+    """Bytes `layers` hold per micro-batch for their backward under `policy`."""
+    runs = recompute_runs(replace(plan, policy=tuple(policy)))
+    return sum(kept_bytes(prof.layers[i], policy[i], runs.get(i) == i) for i in layers)
 
 
 def _layers_of_rank(topology: Topology, rank: int) -> list[int]:
@@ -463,7 +487,7 @@ def search(profile: Profile, cluster: Cluster, batch_size: int, *,
                      sim.bubble_fraction)
     others = [_lost(c, best) for c in results if c is not top]
     others.sort(key=lambda c: (c.step_seconds, c.estimate_seconds))
-    return PlanSearch(best, sim, (best, *others))
+    return PlanSearch(best, sim, (best, *others), planner.events)
 
 
 def _lost(c: Candidate, best: Candidate) -> Candidate:

@@ -51,7 +51,7 @@ from itertools import pairwise
 from typing import Any
 
 from pipefb.cluster import Cluster, Link
-from pipefb.costs import Profile
+from pipefb.costs import Profile, kept_bytes
 from pipefb.errors import ScheduleError
 from pipefb.memory import KINDS
 from pipefb.plan import Plan, lowered_schedule, recompute_runs, schedule_for
@@ -152,10 +152,8 @@ class _Costs:
 
     def kept_bytes(self, layer: int) -> int:
         """What layer `layer` saves per micro-batch for its backward under its policy."""
-        x = self.profile.layers[layer]
-        if self.plan.policy[layer] != "recompute":
-            return x.saved_bytes
-        return x.input_bytes if self.runs[layer] == layer else 0
+        return kept_bytes(self.profile.layers[layer], self.plan.policy[layer],
+                          self.runs.get(layer) == layer)
 
     def stashed_layers(self, layers: range) -> list[int]:
         """Layers of a stage whose saved tensors go through the store."""
@@ -435,6 +433,7 @@ class _Engine:
         self.stride = max(1, len(self.program.keys))
         self.pos = dict.fromkeys(self.runs, 0)
         self.free = dict.fromkeys(self.runs, 0.0)
+        self.reached = dict.fromkeys(self.runs, 0.0)  # when the rank got to its next action
         self.avail: dict[int, float] = {}  # step * stride + key -> when consumers may use it
         self.links: dict[tuple[int, int], float] = defaultdict(float)
         self.link_of: dict[tuple[int, int], Link] = {}
@@ -482,7 +481,8 @@ class _Engine:
                     self.waiting[missing].append(r)
                     break
                 first = p == 0 or run[p - 1][0] != k
-                start = max(self.free[r] + (overhead if first else 0.0), ready)
+                self.reached[r] = self.free[r] + (overhead if first else 0.0)
+                start = max(self.reached[r], ready)
                 ready_ranks += self._execute(r, k, step, op, start, schedule=False)
 
     def _run_in_time_order(self) -> None:
@@ -555,8 +555,8 @@ class _Engine:
             self.waiting[missing].append(r)
             return
         first = p == 0 or self.runs[r][p - 1][0] != k
-        start = max(self.free[r] + (self.cluster.step_overhead if first else 0.0), ready)
-        self._push(start, r)
+        self.reached[r] = self.free[r] + (self.cluster.step_overhead if first else 0.0)
+        self._push(max(self.reached[r], ready), r)
 
     def _execute(self, r: int, k: int, step: int, op: _Op, start: float,
                  schedule: bool = True) -> list[int]:
@@ -570,11 +570,12 @@ class _Engine:
 
     def _finish(self, r: int, k: int, step: int, op: _Op, start: float, end: float,
                 schedule: bool = True) -> list[int]:
-        """Ends one action: its span, memory, transfers and what it makes available."""
+        """Ends one action: its span (from when the rank reached it: a receive's span holds
+        its wait, as the runtime times it), memory, transfers and what it makes available."""
         if op.action.kind is Kind.B:
             self.last_b[r] = end - start
         self.free[r] = end
-        self.spans.append(Span(r, k, step, op.action, start, end))
+        self.spans.append(Span(r, k, step, op.action, min(self.reached[r], start), end))
         self.memory[r].apply(step, op)
         base = step * self.stride
         woken: list[int] = []

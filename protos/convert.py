@@ -1,12 +1,17 @@
-"""Core data (JobConfig, Plan, StepResult) <-> protobuf messages, field by field."""
+"""Core data (JobConfig, Plan, Profile and profile queries) <-> protobuf messages, field by
+field."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from pipefb.config import JobConfig, parse_json_object
+from pipefb.costs import LayerProfile, Profile
+from pipefb.errors import ConfigError
 from pipefb.plan import Plan, WorkerAssignment
-from protos import job_pb2
+from pipefb.profiler import REPEATS, WARMUP
+from protos import job_pb2, worker_pb2
 
 
 def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
@@ -66,3 +71,71 @@ def plan_from_proto(msg: job_pb2.Plan) -> Plan:
         staleness=msg.staleness,
         predicted_peak_memory_bytes=tuple(msg.predicted_peak_memory_bytes),
     )
+
+
+@dataclass(frozen=True)
+class ProfileQuery:
+    """What a Profile request asks: the arguments of `pipefb.profiler.measure_profile`."""
+
+    job: JobConfig
+    microbatch_size: int
+    layers: range | None = None  # None: time every layer
+    warmup: int = WARMUP
+    repeats: int = REPEATS
+
+    def to_proto(self) -> worker_pb2.ProfileRequest:
+        """The ProfileRequest message."""
+        request = worker_pb2.ProfileRequest(job=job_to_proto(self.job),
+                                            microbatch_size=self.microbatch_size,
+                                            warmup=self.warmup, repeats=self.repeats)
+        if self.layers is not None:
+            if self.layers.step != 1:
+                raise ConfigError(f"layers {self.layers!r} must be a range of step 1")
+            request.layers.start, request.layers.stop = self.layers.start, self.layers.stop
+        return request
+
+    @classmethod
+    def from_proto(cls, request: worker_pb2.ProfileRequest) -> ProfileQuery:
+        """Decodes a ProfileRequest (ConfigError naming a bad job field); the values are
+        checked by `measure_profile`."""
+        layers = (range(request.layers.start, request.layers.stop)
+                  if request.HasField("layers") else None)
+        return cls(job=job_from_proto(request.job), microbatch_size=request.microbatch_size,
+                   layers=layers,
+                   warmup=request.warmup if request.HasField("warmup") else WARMUP,
+                   repeats=request.repeats if request.HasField("repeats") else REPEATS)
+
+
+def profile_to_proto(profile: Profile, torch_threads: int) -> worker_pb2.ProfileReply:
+    """A profile as the ProfileReply message, with the thread count it was timed with."""
+    return worker_pb2.ProfileReply(
+        microbatch_size=profile.microbatch_size,
+        layers=[_layer_to_proto(x) for x in profile.layers],
+        optimizer_seconds_per_byte=profile.optimizer_seconds_per_byte,
+        optimizer_state_ratio=profile.optimizer_state_ratio, source=profile.source,
+        torch_threads=torch_threads)
+
+
+def profile_from_proto(reply: worker_pb2.ProfileReply) -> Profile:
+    """A ProfileReply as a Profile (ConfigError on a negative or missing value)."""
+    return Profile(
+        microbatch_size=reply.microbatch_size,
+        layers=tuple(_layer_from_proto(x) for x in reply.layers),
+        optimizer_seconds_per_byte=reply.optimizer_seconds_per_byte,
+        optimizer_state_ratio=reply.optimizer_state_ratio, source=reply.source)
+
+
+def _layer_to_proto(x: LayerProfile) -> worker_pb2.LayerProfile:
+    return worker_pb2.LayerProfile(
+        name=x.name, forward_seconds=x.forward_seconds, backward_seconds=x.backward_seconds,
+        input_bytes=x.input_bytes, output_bytes=x.output_bytes, saved_bytes=x.saved_bytes,
+        param_bytes=x.param_bytes, forward_fixed_seconds=x.forward_fixed_seconds,
+        backward_fixed_seconds=x.backward_fixed_seconds)
+
+
+def _layer_from_proto(x: worker_pb2.LayerProfile) -> LayerProfile:
+    return LayerProfile(
+        name=x.name, forward_seconds=x.forward_seconds, backward_seconds=x.backward_seconds,
+        input_bytes=x.input_bytes, output_bytes=x.output_bytes, saved_bytes=x.saved_bytes,
+        param_bytes=x.param_bytes, forward_fixed_seconds=x.forward_fixed_seconds,
+        backward_fixed_seconds=x.backward_fixed_seconds)

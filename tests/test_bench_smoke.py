@@ -112,3 +112,20 @@ def test_planner_quick(tmp_path: Path) -> None:
     assert r["plans"]["even-pipefb"]["label"].startswith("pipefb sync 1F+1B")
     assert set(r["ratios"]) == set(RATIOS)
     assert all(v["median"] > 0 for v in r["ratios"].values())
+
+
+@pytest.mark.timeout(300)
+def test_sim_accuracy_quick(tmp_path: Path) -> None:
+    from bench.sim_accuracy import SCHEDULES, doc_section
+
+    res = run_quick("sim_accuracy", tmp_path, timeout=280)
+    assert (tmp_path / "sim_accuracy.png").stat().st_size > 0
+    assert [(r["model"], r["schedule"], r["workers"]) for r in res["runs"]] == [
+        ("mlp", s, 2) for s in SCHEDULES]
+    for r in res["runs"]:
+        assert_summary(r["measured"])
+        assert r["predicted"] > 0 and r["in_situ"]["step_seconds"] > 0
+        assert r["error"] == pytest.approx(r["predicted"] / r["measured"]["median"] - 1)
+        assert all(f > 0 for f in r["in_situ"]["factors"].values())
+    assert res["in_situ_abs_error"]["n"] == len(SCHEDULES)
+    assert len(doc_section("cmd", res, "x.png")) > len(SCHEDULES) + 4

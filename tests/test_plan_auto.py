@@ -61,11 +61,11 @@ def _run(client, job: JobConfig) -> tuple[list, dict, object, Plan]:
 
 
 def test_a_binding_cap_changes_the_plan_and_measured_peaks_respect_it(client):
-    """Wide layers and 64 samples: activations matter. The cap is below the uncapped
+    """Narrow layers and 256 samples: activations outweigh parameters. The cap is below the uncapped
     plan's predicted peak, so the planner must choose differently; every measured peak
     stays under it and training still equals one process."""
-    job = JobConfig(model="mlp", dataset="digits", model_config={"hidden": 256, "depth": 4},
-                    schedule="auto", plan="auto", workers=2, batch_size=64, steps=4,
+    job = JobConfig(model="mlp", dataset="digits", model_config={"hidden": 64, "depth": 4},
+                    schedule="auto", plan="auto", workers=2, batch_size=256, steps=4,
                     lr=0.01, seed=7, optimizer="sgd")
     _, _, status, free = _run(client, job)
     peak = max(free.predicted_peak_memory_bytes)
@@ -106,9 +106,9 @@ def test_in_situ_costs_are_fitted_after_three_steps(client):
     reports, _, status, plan = _run(client, job)
     in_situ = json.loads(status.planner_json)["in_situ"]
     assert in_situ["steps"] == 3
-    assert set(in_situ["factors"]) == {"F", "B", "OPT", "STASH"}
+    assert set(in_situ["factors"]) == {"F", "B", "OPT", "STASH", "latency"}
     assert all(f > 0 for f in in_situ["factors"].values())
     assert in_situ["factors"]["STASH"] == 1.0  # 1f1b keeps everything: nothing stashed
-    measured = statistics.median(r.seconds for r in reports[4:])
+    measured = statistics.mean(r.seconds for r in reports[4:])  # steps overlap: gaps burst
     for predicted in (plan.predicted_step_seconds, in_situ["step_seconds"]):
         assert measured / 4 < predicted < measured * 4, (predicted, measured)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -17,7 +16,7 @@ from pipefb.cluster import Cluster, Link
 from pipefb.costs import LayerProfile, Profile, uniform_profile
 from pipefb.errors import ConfigError, ScheduleError
 from pipefb.plan import Plan, WorkerAssignment, balanced_plan, partition, schedule_for
-from pipefb.planner import _Planner, _Space, microbatch_choices, search
+from pipefb.planner import EVENT_BUDGET, _events, _Planner, _Space, microbatch_choices, search
 from pipefb.schedule import Action, Kind
 from pipefb.simulate import simulate
 
@@ -144,13 +143,16 @@ def test_planner_is_within_two_percent_of_exhaustive_search(seed, layers, mode):
     assert chosen.best.step_seconds <= exhaustive * 1.02
 
 
-def test_planning_200_layers_on_64_workers_takes_under_two_seconds():
+def test_planning_200_layers_on_64_workers_stays_within_its_event_budget():
+    """The work is bounded, not timed (bench/planner.py times it: under 2 s here): the
+    candidates beyond the first are simulated only while the budget lasts, and boundary
+    moves stop at twice the budget."""
     profile = _profile(3, 200)
-    started = time.perf_counter()
     result = search(profile, Cluster.uniform(64), 64)
-    elapsed = time.perf_counter() - started
     assert len(result.plan.assignment) == 64
-    assert elapsed < 2.0, f"planning took {elapsed:.2f} s"
+    assert result.plan.forward_partition[-1] == 200
+    one = _events(result.plan)
+    assert 0 < result.simulated_actions <= 2 * EVENT_BUDGET + 2 * one
 
 
 def test_plans_respect_memory_caps_and_switch_policies():
@@ -191,3 +193,24 @@ def test_plan_cli_prints_json_and_writes_the_timeline(tmp_path, capsys):
     assert len(plan.assignment) == 2
     assert (tmp_path / "plan" / "timeline.png").stat().st_size > 1000
     assert main(["plan", "--cluster", str(tmp_path / "missing.yaml")]) == 2
+
+
+def _head_heavy_profile() -> Profile:
+    """Three blocks, a head that turns a small input into big logits, and a loss that
+    saves those logits (its input): recomputing the loss alone frees nothing."""
+    small, big = 1 << 10, 1 << 24
+    block = LayerProfile("block", 1e-3, 2e-3, small, small, 4 * small, 1 << 16)
+    return Profile(1, (block, block, block,
+                       LayerProfile("head", 1e-4, 2e-4, small, big, small, 1 << 16),
+                       LayerProfile("loss", 1e-5, 1e-5, big, 4, big, 0)),
+                   optimizer_seconds_per_byte=1e-10, optimizer_state_ratio=2.0)
+
+
+def test_head_and_loss_are_recomputed_as_one_run():
+    planner = _Planner(_Space(_head_heavy_profile(), Cluster.uniform(2, store=Link(1e9, 1e-5)),
+                              1, 1))
+    assert planner.initial_policy("pipefb", 1) == ["offload"] * 3 + ["recompute"] * 2
+    plan = balanced_plan("gpipe", 2, [10.0, 10.0, 10.0, 1.0, 1.0], 1, 1)
+    assert plan.forward_partition == (0, 2, 5)
+    relieved = planner.relieve(plan, {1: 1})
+    assert relieved == ["keep"] * 3 + ["recompute"] * 2  # frees the logits for 0.11 ms

@@ -16,12 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.profiling import (
-    ProfileQuery,
-    profile_from_proto,
-    profile_to_proto,
-    profile_workers,
-)
+from coordinator.profiling import profile_workers
 from pipefb.config import JobConfig, build_layers
 from pipefb.costs import Profile, uniform_profile
 from pipefb.data import build_dataset
@@ -39,6 +34,7 @@ from pipefb.profiler import (
 from pipefb.runtime import _needs_grad
 from pipefb.shapes import TensorSpec, infer_input_specs, spec_of
 from protos import server, worker_pb2, worker_pb2_grpc
+from protos.convert import ProfileQuery, profile_from_proto, profile_to_proto
 from tests.conftest import worker_threads
 
 ROOT = str(Path(__file__).resolve().parent.parent)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from coordinator.profiling import ProfileQuery, profile_to_proto
 from offload_store import OffloadStore, connect
 from pipefb import codec
 from pipefb.errors import Aborted, CodecError, ConfigError
@@ -19,7 +18,7 @@ from pipefb.profiler import measure_profile
 from pipefb.runtime import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
-from protos.convert import job_from_proto, plan_from_proto
+from protos.convert import ProfileQuery, job_from_proto, plan_from_proto, profile_to_proto
 from protos.server import FailedPrecondition
 from worker.inbox import Inbox
 from worker.transport import GrpcTransport, inbox_key, nbytes, weight_key
