@@ -118,16 +118,19 @@ def run_measured(args: argparse.Namespace) -> dict[str, Any]:
     return {"job": {k: v for k, v in job.to_dict().items()
                     if k not in ("schedule", "mode", "plan", "workers")},
             "wall_seconds": time.perf_counter() - started,
-            "workers": {n: summarise(per, args.batch) for n, per in runs.items()}}
+            "workers": {n: summarise(per, args.batch) for n, per in runs.items()},
+            "step_seconds": {n: {s: [rep["seconds"] for rep in reps] for s, reps in per.items()}
+                             for n, per in runs.items()}}
 
 
 def summarise(per: dict[str, list[dict[str, Any]]], batch: int) -> dict[str, Any]:
-    """Samples/s per system, the ratios of per-repeat medians, the plans of the first repeat."""
-    sps = {s: summary([batch / t for rep in reps for t in rep["seconds"]])
-           for s, reps in per.items()}
-    medians = {s: [summary([batch / t for t in rep["seconds"]])["median"] for rep in reps]
-               for s, reps in per.items()}
-    ratios = {name: summary([x / y for x, y in zip(medians[a], medians[b], strict=True)])
+    """Samples/s per system (per repeat: the timed steps' samples over their wall time;
+    steps overlap, so single step gaps come in bursts), median and range over repeats; the
+    ratios of per-repeat throughputs; the plans of the first repeat."""
+    rates = {s: [batch * len(rep["seconds"]) / sum(rep["seconds"]) for rep in reps]
+             for s, reps in per.items()}
+    sps = {s: summary(v) for s, v in rates.items()}
+    ratios = {name: summary([x / y for x, y in zip(rates[a], rates[b], strict=True)])
               for name, (a, b) in RATIOS.items()}
     return {"samples_per_second": sps, "ratios": ratios,
             "plans": {s: reps[0]["plan"] for s, reps in per.items()},

@@ -175,8 +175,9 @@ def measured(meas: dict[str, Any], args: dict[str, Any]) -> list[str]:
         "and async mode; `auto-<kind>` runs `plan: auto` with the schedule fixed. Under `plan: "
         "auto` the coordinator profiles the layers on its workers and the planner picks the "
         "micro-batch count, partition and policy for the calibrated local cluster, so a ratio "
-        "holds all three. Samples/s: median [min-max] over all timed steps; ratios: of "
-        "per-repeat medians, median [min-max] over repeats.", ""]
+        "holds all three. Samples/s: per repeat, the timed steps' samples over their wall "
+        "time (steps overlap, so single step gaps come in bursts), median [min-max] over "
+        "repeats; ratios: of per-repeat samples/s, median [min-max] over repeats.", ""]
     for n, r in meas["workers"].items():
         lines += _measured_table(n, r)
     return lines

@@ -36,6 +36,10 @@ RECEIVES = ("RECV_F", "RECV_B", "RECV_L", "RECV_W")  # their waits fit the link 
 LATENCY = "latency"  # the factor on every link's latency
 ROUNDS = 4  # fixed-point rounds (see [Note: fixed point])
 BISECTIONS = 12  # latency factor steps per round: within 2^-12 of its bracket
+MAX_LATENCY_FACTOR = 64.0  # beyond this, waits are not the links' doing: keep 1.0
+#: iterations simulated: enough that the compared one (the second to last) follows a
+#: whole step, as the measured steps do (a sync step's first waits are for the last one's)
+ITERATIONS = 4
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ def fit(plan: Plan, profile: Profile, cluster: Cluster, measured: Mapping[str, f
     want = measured_kinds(measured)
     factors = {**dict.fromkeys(FITTED, 1.0), LATENCY: 1.0}
     fitted = (profile, cluster)
-    sim = simulate(plan, profile, cluster, check=False)
+    sim = _simulate(plan, *fitted)
     for _ in range(rounds):
         got = simulated_kinds(sim)
         for kind in FITTED:
@@ -132,27 +136,36 @@ def fit(plan: Plan, profile: Profile, cluster: Cluster, measured: Mapping[str, f
                 factors[kind] *= want[kind] / got[kind]
         factors[LATENCY] = _latency_factor(plan, profile, cluster, factors, want[LATENCY])
         fitted = scaled(profile, cluster, factors)
-        sim = simulate(plan, *fitted, check=False)
+        sim = _simulate(plan, *fitted)
     return InSitu({k: round(v, 4) for k, v in factors.items()}, sim, fitted[0])
 
 
 def _latency_factor(plan: Plan, profile: Profile, cluster: Cluster,
                     factors: dict[str, float], want: float) -> float:
     """The latency factor whose simulated receive waits match `want` (bisection; waits
-    grow with latency), given the other factors; 1.0 when nothing is received."""
+    grow with latency), given the other factors; 1.0 when nothing is received, or when
+    even MAX_LATENCY_FACTOR leaves the waits short (then they come from elsewhere, say a
+    worker descheduled, and a slower link would only mispredict the step)."""
     def waits(hop: float) -> float:
         trial = scaled(profile, cluster, {**factors, LATENCY: hop})
-        return simulated_kinds(simulate(plan, *trial, check=False))[LATENCY]
+        return simulated_kinds(_simulate(plan, *trial))[LATENCY]
 
     if want <= 0 or waits(1.0) <= 0:
         return 1.0
+    if waits(MAX_LATENCY_FACTOR) < want:
+        return 1.0
     low, high = 0.0, 1.0
-    while waits(high) < want and high < 1e4:
+    while waits(high) < want:
         low, high = high, high * 4
     for _ in range(BISECTIONS):
         mid = (low + high) / 2
         low, high = (mid, high) if waits(mid) < want else (low, mid)
     return (low + high) / 2
+
+
+def _simulate(plan: Plan, profile: Profile, cluster: Cluster) -> Simulation:
+    iterations = ITERATIONS if plan.mode == "sync" else 0  # async: the default is longer
+    return simulate(plan, profile, cluster, iterations, check=False)
 
 
 __all__ = ["FITTED", "LATENCY", "InSitu", "fit", "measured_kinds", "scaled",

@@ -10,7 +10,7 @@ import pytest
 from pipefb.cluster import Cluster, Link, WorkerSpec
 from pipefb.costs import uniform_profile
 from pipefb.errors import ConfigError
-from pipefb.insitu import FITTED, LATENCY, fit, measured_kinds, scaled, simulated_kinds
+from pipefb.insitu import FITTED, ITERATIONS, LATENCY, fit, measured_kinds, scaled, simulated_kinds
 from pipefb.plan import balanced_plan
 from pipefb.simulate import simulate
 
@@ -66,7 +66,8 @@ def test_fit_recovers_the_true_costs(schedule: str, workers: int, cores: int):
     mode = "async" if schedule == "pipedream" else "sync"
     plan = balanced_plan(schedule, workers, [1.0] * 8, 8, 4, mode=mode)
     true = {"F": 1.5, "B": 2.0, "OPT": 3.0, "STASH": 2.0, LATENCY: 4.0}
-    truth = simulate(plan, *scaled(profile, cluster, true))
+    truth = simulate(plan, *scaled(profile, cluster, true),
+                     ITERATIONS if mode == "sync" else 0)
     measured: dict[str, float] = defaultdict(float)  # what the workers would report
     for span in truth.spans:
         if span.iteration == truth.iterations - 2:
