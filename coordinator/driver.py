@@ -28,7 +28,7 @@ from offload_store import OffloadStore, connect
 from pipefb.cluster import Cluster
 from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.costs import Profile
-from pipefb.errors import ConfigError, WorkerFailed
+from pipefb.errors import ConfigError, ScheduleError, WorkerFailed
 from pipefb.evaluate import evaluate
 from pipefb.insitu import fit
 from pipefb.plan import Plan, balanced_plan, schedule_for
@@ -39,7 +39,7 @@ from protos.convert import job_to_proto, plan_to_proto
 log = logging.getLogger(__name__)
 
 TERMINAL = ("DONE", "FAILED", "STOPPED")
-IN_SITU_STEPS = 4  # plan "auto": fit in-situ costs once this many steps ran (first skipped)
+IN_SITU_STEPS = range(1, 4)  # plan "auto": the steps whose action times the fit uses
 DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
 
 
@@ -129,6 +129,8 @@ class Driver:
             ranks = Ranks.connect(job.workers)
             self._plan_and_assign(job, ranks)
             self._run_steps(job, ranks)
+            if job.costs is not None and job.reports:
+                self._fit_in_situ(job)
             if job.state == "RUNNING":
                 job.weights = self._collect_weights(job, ranks)
                 self._check_store_empty(job)
@@ -204,8 +206,6 @@ class Driver:
                 job.reports.append(report)
                 job.step = step + 1
                 job.cond.notify_all()
-            if job.costs is not None and step + 1 == min(IN_SITU_STEPS, job.config.steps):
-                self._fit_in_situ(job)
 
         assert job.plan is not None
         # async forward ranks may run `staleness` steps ahead of the backward ranks
@@ -224,15 +224,21 @@ class Driver:
             job.set_state("STOPPED", "stopped by request")
 
     def _fit_in_situ(self, job: Job) -> None:
-        """Fits the plan's costs to the action times of the steps after the first
-        (pipefb.insitu); the factors and refined step time go into the planner summary."""
+        """Fits the plan's costs to the action times of steps 1-3 (pipefb.insitu; fewer
+        if the job had fewer); the factors and refined step time go into the planner
+        summary. It runs after the last step: on a shared machine, simulating mid-run
+        would take cores from the workers and disturb the steps it explains."""
         assert job.costs is not None and job.plan is not None
-        reports = job.reports[1:] or job.reports
+        reports = job.reports[IN_SITU_STEPS.start:IN_SITU_STEPS.stop] or job.reports
         kinds = {kind for r in reports for w in r.workers for kind in w.action_seconds}
         per_step = [{kind: sum(w.action_seconds.get(kind, 0.0) for w in r.workers)
                      for kind in kinds} for r in reports]
         measured = {k: statistics.median(s[k] for s in per_step) for k in kinds}
-        refined = fit(job.plan, *job.costs, measured)
+        try:
+            refined = fit(job.plan, *job.costs, measured)
+        except (ScheduleError, ConfigError, ValueError) as error:  # explains; never fails a job
+            log.warning("job %s: in-situ fit failed: %s", job.job_id, error)
+            return
         with job.cond:
             job.planner["in_situ"] = {**refined.to_dict(), "steps": len(reports)}
         log.info("job %s: in-situ factors %s, refined %.2f ms/step", job.job_id,
