@@ -157,7 +157,10 @@ class _Planner:
         out = []
         for i, x in enumerate(prof.layers):
             recompute = x.forward_seconds if policy[i] == "recompute" else 0.0
-            moved = kept_bytes(x, policy[i])
+            # inside a run of recomputed layers nothing moves (stage cuts, unknown here,
+            # start a run too: one input per stage is left out)
+            starts = i == 0 or policy[i - 1] != "recompute"
+            moved = kept_bytes(x, policy[i], starts)
             if which == "combined":
                 offload = 2 * store.seconds(moved) if policy[i] == "offload" else 0.0
                 out.append(x.forward_seconds + x.backward_seconds + recompute + offload)
