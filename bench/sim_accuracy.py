@@ -208,7 +208,8 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
              "range is of single step gaps, bursty since steps overlap); error = simulated / "
              "measured - 1. *Profile*: the "
              "planner's prediction from layers profiled on idle workers. *In situ*: the same "
-             "plan simulated with per-kind costs fitted to steps 1-3 (`pipefb.insitu`).", "",
+             "plan simulated with per-kind costs and a link-latency factor fitted to the busy and "
+             "waiting times of steps 1-3 (`pipefb.insitu`; the step time is not fitted).", "",
              "| model | schedule | workers | plan | measured ms [gaps] | profile ms (error) "
              "| in situ ms (error) | in-situ factors F / B / OPT / store / latency |",
              "|---|---|---|---|---|---|---|---|"]
