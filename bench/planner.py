@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench import machine
+from bench.cluster import local_client, run_interleaved
 from bench.output import write_results
 from bench.stats import fmt, summary
 from pipefb.config import JobConfig
@@ -88,32 +89,14 @@ def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
 
 def run_measured(args: argparse.Namespace) -> dict[str, Any]:
     """Every measured system, each worker count, `repeats` times interleaved, one cluster."""
-    import yaml
-
-    from coordinator.calibrate import local_cluster
-    from coordinator.client import CoordinatorClient
-    from pipefb.local import LocalCluster
-
     counts = [int(w) for w in args.workers.split(",")]
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        str(n): {s: [] for s in SYSTEMS} for n in counts}
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as tmp:
-        cluster_file = Path(tmp) / "cluster.yaml"
-        cluster_file.write_text(yaml.safe_dump(local_cluster(max(counts)).to_dict(),
-                                               sort_keys=False))
-        with LocalCluster(max(counts), Path(tmp) / "logs", threads=args.threads,
-                          extra_env={"OMP_NUM_THREADS": str(args.threads)},
-                          cluster_file=cluster_file) as cluster, \
-                CoordinatorClient(cluster.coordinator) as client:
-            client.wait_for_workers(max(counts))
-            for r in range(args.repeats):
-                for n in counts:
-                    for name in SYSTEMS:
-                        runs[str(n)][name].append(run_job(client, make_job(args, name, n),
-                                                          args.warmup))
-                    print(f"repeat {r + 1}/{args.repeats}, {n} workers done "
-                          f"({time.perf_counter() - started:.0f} s)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as tmp, \
+            local_client(max(counts), Path(tmp), threads=args.threads,
+                         env={"OMP_NUM_THREADS": str(args.threads)},
+                         calibrated=True) as client:
+        runs = run_interleaved(counts, list(SYSTEMS), args.repeats, lambda name, n: run_job(
+            client, make_job(args, name, n), args.warmup))
     job = make_job(args, "even-gpipe", max(counts))
     return {"job": {k: v for k, v in job.to_dict().items()
                     if k not in ("schedule", "mode", "plan", "workers")},

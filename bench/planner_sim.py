@@ -44,6 +44,7 @@ from pipefb.config import JobConfig
 from pipefb.costs import LayerProfile, Profile
 from pipefb.plan import Plan, WorkerAssignment, partition
 from pipefb.planner import MEMORY_MARGIN, PlanSearch, search
+from pipefb.planner import pass_times as planner_pass_times
 from pipefb.schedule import KINDS
 from pipefb.simulate import simulate
 
@@ -143,20 +144,7 @@ Costs = Callable[[str], list[float]]
 def pass_times(profile: Profile, store: Link, policy: Sequence[str]) -> Costs:
     """Per-layer time of each pass under `policy`, store traffic included: the rule the
     planner balances stages by (`pipefb.planner`, [Note: search] step 1)."""
-    def times(which: str) -> list[float]:
-        out = []
-        for x, p in zip(profile.layers, policy, strict=True):
-            moved = x.input_bytes if p == "recompute" else x.saved_bytes
-            redo = x.forward_seconds if p == "recompute" else 0.0
-            if which == "combined":
-                copies = 2 * store.seconds(moved) if p == "offload" else 0.0
-                out.append(x.forward_seconds + x.backward_seconds + redo + copies)
-            elif which == "forward":
-                out.append(x.forward_seconds + moved / store.bandwidth)
-            else:
-                out.append(x.backward_seconds + redo + moved / store.bandwidth)
-        return out
-    return times
+    return lambda which: planner_pass_times(profile, store, policy, which)
 
 
 def param_costs(profile: Profile) -> Costs:

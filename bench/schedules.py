@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench import machine
+from bench.cluster import local_client, run_interleaved
 from bench.output import write_results
 from bench.stats import fmt, summary
 from pipefb.config import JobConfig
@@ -72,25 +73,13 @@ def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every system, 2 and 4 workers, `repeats` times interleaved, on one local cluster."""
-    from coordinator.client import CoordinatorClient
-    from pipefb.local import LocalCluster
-
     counts = [int(w) for w in args.workers.split(",")]
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        str(n): {s: [] for s in SYSTEMS} for n in counts}
     env = {"OMP_NUM_THREADS": str(args.threads)}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as logs, \
-            LocalCluster(max(counts), Path(logs), extra_env=env) as cluster, \
-            CoordinatorClient(cluster.coordinator) as client:
-        client.wait_for_workers(max(counts))
-        for r in range(args.repeats):
-            for n in counts:
-                for name in SYSTEMS:
-                    runs[str(n)][name].append(run_job(client, make_job(args, name, n),
-                                                      args.warmup))
-                print(f"repeat {r + 1}/{args.repeats}, {n} workers done "
-                      f"({time.perf_counter() - started:.0f} s)", flush=True)
+            local_client(max(counts), Path(logs), env=env) as client:
+        runs = run_interleaved(counts, list(SYSTEMS), args.repeats, lambda name, n: run_job(
+            client, make_job(args, name, n), args.warmup))
     job = make_job(args, "pipefb-sync", max(counts))
     return {"bench": "schedules", "machine": machine.describe(),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -24,25 +24,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import machine
+from bench.cluster import local_client
 from bench.output import write_results
+from bench.pipeline_throughput import MODELS
+from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
 from bench.stats import summary
 from pipefb.config import JobConfig
+from pipefb.insitu import median_action_seconds
 
 TARGET = 0.15  # |simulated / measured - 1|
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipefb")
-MODELS: dict[str, dict[str, Any]] = {
-    "gpt": {"model": "gpt", "dataset": "text", "loss": "cross_entropy",
-            "model_config": {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64},
-            "dataset_config": {"block_size": 64, "max_bytes": 1_000_000}},
-    "mlp": {"model": "mlp", "dataset": "digits", "loss": "cross_entropy",
-            "model_config": {"hidden": 512, "depth": 4}},
-}
+# the throughput bench's models; the quick mlp (all that quick mode runs) is a little wider
 QUICK_MODELS: dict[str, dict[str, Any]] = {
-    "gpt": {**MODELS["gpt"],
-            "model_config": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
-            "dataset_config": {"block_size": 16, "max_bytes": 100_000}},
-    "mlp": {**MODELS["mlp"], "model_config": {"hidden": 64, "depth": 3}},
-}
+    **THROUGHPUT_QUICK, "mlp": {**MODELS["mlp"], "model_config": {"hidden": 64, "depth": 3}}}
 
 
 def make_job(args: argparse.Namespace, model: str, schedule: str, workers: int) -> JobConfig:
@@ -82,51 +76,28 @@ def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
             "in_situ_error": in_situ["step_seconds"] / measured["mean"] - 1.0,
             "simulated_timeline": planner.get("timeline"),
             "measured_timeline": timeline(reports[-1]), "profile": planner["profile"],
-            "measured_compute": _compute_by_kind(reports[warmup:])}
-
-
-def _compute_by_kind(reports: list[Any]) -> dict[str, float]:
-    """Median per step of each rank's action seconds, by action kind, summed over ranks."""
-    totals: dict[str, list[float]] = {}
-    for r in reports:
-        step: dict[str, float] = {}
-        for w in r.workers:
-            for kind, sec in w.action_seconds.items():
-                step[kind] = step.get(kind, 0.0) + sec
-        for kind, sec in step.items():
-            totals.setdefault(kind, []).append(sec)
-    return {k: summary(v)["median"] for k, v in totals.items()}
+            "measured_compute": median_action_seconds(
+                [[w.action_seconds for w in r.workers] for r in reports[warmup:]])}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every run on one local cluster with the calibrated cluster description."""
-    import yaml
-
-    from coordinator.calibrate import local_cluster
-    from coordinator.client import CoordinatorClient
-    from pipefb.local import LocalCluster
-
     todo = runs(args)
     n_max = max(n for _, _, n in todo)
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as tmp:
-        cluster_file = Path(tmp) / "cluster.yaml"
-        cluster_file.write_text(yaml.safe_dump(local_cluster(n_max).to_dict(), sort_keys=False))
-        with LocalCluster(n_max, Path(tmp), threads=args.threads,
-                          cluster_file=cluster_file) as cluster, \
-                CoordinatorClient(cluster.coordinator) as client:
-            client.wait_for_workers(n_max)
-            for k, (model, schedule, n) in enumerate(todo):
-                res = run_job(client, make_job(args, model, schedule, n), args.warmup)
-                results.append({"model": model, "schedule": schedule, "workers": n, **res})
-                print(f"[{k + 1}/{len(todo)}] {model} {schedule} x{n}: simulated "
-                      f"{res['predicted'] * 1e3:.1f} ms ({res['error']:+.0%}), in situ "
-                      f"{res['in_situ']['step_seconds'] * 1e3:.1f} ms "
-                      f"({res['in_situ_error']:+.0%}), measured "
-                      f"{res['measured']['mean'] * 1e3:.1f} ms "
-                      f"[{time.perf_counter() - started:.0f} s]",
-                      flush=True)
+    with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as tmp, \
+            local_client(n_max, Path(tmp), threads=args.threads, calibrated=True) as client:
+        for k, (model, schedule, n) in enumerate(todo):
+            res = run_job(client, make_job(args, model, schedule, n), args.warmup)
+            results.append({"model": model, "schedule": schedule, "workers": n, **res})
+            print(f"[{k + 1}/{len(todo)}] {model} {schedule} x{n}: simulated "
+                  f"{res['predicted'] * 1e3:.1f} ms ({res['error']:+.0%}), in situ "
+                  f"{res['in_situ']['step_seconds'] * 1e3:.1f} ms "
+                  f"({res['in_situ_error']:+.0%}), measured "
+                  f"{res['measured']['mean'] * 1e3:.1f} ms "
+                  f"[{time.perf_counter() - started:.0f} s]",
+                  flush=True)
     return {"bench": "sim_accuracy", "machine": machine.describe(),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "target": TARGET, "runs": results,

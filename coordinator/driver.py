@@ -30,7 +30,7 @@ from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.costs import Profile
 from pipefb.errors import ConfigError, ScheduleError, WorkerFailed
 from pipefb.evaluate import evaluate
-from pipefb.insitu import fit
+from pipefb.insitu import fit, median_action_seconds
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from pipefb.planning import job_cluster, plan_job, summary
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
@@ -230,10 +230,8 @@ class Driver:
         would take cores from the workers and disturb the steps it explains."""
         assert job.costs is not None and job.plan is not None
         reports = job.reports[IN_SITU_STEPS.start:IN_SITU_STEPS.stop] or job.reports
-        kinds = {kind for r in reports for w in r.workers for kind in w.action_seconds}
-        per_step = [{kind: sum(w.action_seconds.get(kind, 0.0) for w in r.workers)
-                     for kind in kinds} for r in reports]
-        measured = {k: statistics.median(s[k] for s in per_step) for k in kinds}
+        measured = median_action_seconds([[w.action_seconds for w in r.workers]
+                                          for r in reports])
         try:
             refined = fit(job.plan, *job.costs, measured)
         except (ScheduleError, ConfigError, ValueError) as error:  # explains; never fails a job

@@ -21,8 +21,9 @@ rounds settle (each round's change shrinks with the share of time spent waiting)
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pipefb.cluster import Cluster, Link
@@ -67,6 +68,15 @@ class InSitu:
         """JSON-able summary for job status and reports."""
         return {"factors": self.factors, "step_seconds": self.step_seconds,
                 "bubble_fraction": self.simulation.bubble_fraction}
+
+
+def median_action_seconds(steps: Sequence[Sequence[Mapping[str, float]]]) -> dict[str, float]:
+    """Per action kind, the median over steps of its seconds summed over the ranks; each
+    step lists every rank's action seconds by kind (a kind a rank did not run counts 0)."""
+    kinds = {kind for ranks in steps for rank in ranks for kind in rank}
+    per_step = [{kind: sum(rank.get(kind, 0.0) for rank in ranks) for kind in kinds}
+                for ranks in steps]
+    return {kind: statistics.median(s[kind] for s in per_step) for kind in kinds}
 
 
 def measured_kinds(action_seconds: Mapping[str, float]) -> dict[str, float]:
@@ -168,5 +178,5 @@ def _simulate(plan: Plan, profile: Profile, cluster: Cluster) -> Simulation:
     return simulate(plan, profile, cluster, iterations, check=False)
 
 
-__all__ = ["FITTED", "LATENCY", "InSitu", "fit", "measured_kinds", "scaled",
-           "simulated_kinds"]
+__all__ = ["FITTED", "LATENCY", "InSitu", "fit", "measured_kinds", "median_action_seconds",
+           "scaled", "simulated_kinds"]

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pipefb.cluster import Cluster
+from pipefb.cluster import Cluster, Link
 from pipefb.config import SCHEDULE_MODES
 from pipefb.costs import Profile, kept_bytes
 from pipefb.errors import ConfigError, ScheduleError
@@ -152,23 +152,9 @@ class _Planner:
     # -- building candidates ---------------------------------------------------------------
 
     def layer_times(self, which: str, policy: Sequence[str], microbatch: int) -> list[float]:
-        """Per-layer time of one pass for partitioning (see [Note: search], step 1)."""
-        prof, store = self.space.profile.at(microbatch), self.space.cluster.store
-        out = []
-        for i, x in enumerate(prof.layers):
-            recompute = x.forward_seconds if policy[i] == "recompute" else 0.0
-            # inside a run of recomputed layers nothing moves (stage cuts, unknown here,
-            # start a run too: one input per stage is left out)
-            starts = i == 0 or policy[i - 1] != "recompute"
-            moved = kept_bytes(x, policy[i], starts)
-            if which == "combined":
-                offload = 2 * store.seconds(moved) if policy[i] == "offload" else 0.0
-                out.append(x.forward_seconds + x.backward_seconds + recompute + offload)
-            elif which == "forward":
-                out.append(x.forward_seconds + moved / store.bandwidth)
-            else:
-                out.append(x.backward_seconds + recompute + moved / store.bandwidth)
-        return out
+        """`pass_times` of this search's profile at `microbatch` samples and its store."""
+        return pass_times(self.space.profile.at(microbatch), self.space.cluster.store,
+                          policy, which)
 
     def split_partition(self, times: list[float], ranks: Sequence[int]) -> tuple[int, ...]:
         """Balanced stages of `times` over the workers `ranks`; one dynamic program serves
@@ -372,6 +358,27 @@ class _Planner:
                     break
         return plan, sim
 
+
+
+def pass_times(profile: Profile, store: Link, policy: Sequence[str], which: str
+               ) -> list[float]:
+    """Per-layer time of one pass (combined, forward or backward) that partitions balance
+    (see [Note: search], step 1): compute, recompute, and store traffic."""
+    out = []
+    for i, x in enumerate(profile.layers):
+        recompute = x.forward_seconds if policy[i] == "recompute" else 0.0
+        # inside a run of recomputed layers nothing moves (stage cuts, unknown here,
+        # start a run too: one input per stage is left out)
+        starts = i == 0 or policy[i - 1] != "recompute"
+        moved = kept_bytes(x, policy[i], starts)
+        if which == "combined":
+            offload = 2 * store.seconds(moved) if policy[i] == "offload" else 0.0
+            out.append(x.forward_seconds + x.backward_seconds + recompute + offload)
+        elif which == "forward":
+            out.append(x.forward_seconds + moved / store.bandwidth)
+        else:
+            out.append(x.backward_seconds + recompute + moved / store.bandwidth)
+    return out
 
 
 def _held_bytes(plan: Plan, policy: list[str], layers: list[int], prof: Profile) -> int:

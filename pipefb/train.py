@@ -143,7 +143,7 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
     from protos.convert import plan_from_proto
 
     report = base_report(job, job.workers)
-    cluster_file = local_cluster_file(job, out) if job.plan == "auto" else None
+    cluster_file = local_cluster_file(job.workers, out) if job.plan == "auto" else None
     with LocalCluster(job.workers, out / "logs", threads=threads,
                       cluster_file=cluster_file) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
@@ -167,13 +167,14 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
     return report
 
 
-def local_cluster_file(job: JobConfig, out: Path) -> Path:
-    """This machine's cluster description (measured once, cached) for plan "auto"."""
+def local_cluster_file(workers: int, out: Path) -> Path:
+    """`out`/cluster.yaml: this machine's cluster description for `workers` workers
+    (measured once, cached), what the coordinator plans "auto" on."""
     from coordinator.calibrate import local_cluster
 
     path = out / "cluster.yaml"
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(local_cluster(job.workers).to_dict(), sort_keys=False))
+    path.write_text(yaml.safe_dump(local_cluster(workers).to_dict(), sort_keys=False))
     return path
 
 
