@@ -32,5 +32,6 @@ def describe() -> dict[str, Any]:
         "torch": torch.__version__,
         "grpcio": grpc.__version__,
         "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }

@@ -5,7 +5,8 @@ GPipe, on the same model, micro-batching and number of processes (2 and 4 worker
 local cluster, systems interleaved. Figures are medians and ranges (min-max) over the timed
 steps of all repeats; speed ratios compare per-repeat medians. Peak memory is each rank's
 highest accounted peak (parameters, gradients, optimizer state, weight versions, live and
-stashed activations). Run: `python bench/schedules.py [--quick] [--out DIR]`.
+stashed activations); with `--device cuda` also each rank's CUDA allocator peak. Run:
+`python bench/schedules.py [--quick] [--device cuda] [--out DIR]`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ PUBLISHED = (1.48, 2.27)  # PipeFB paper: speed-up over PipeDream with offload, 
 MODEL = {"model": "gpt", "dataset": "text", "loss": "cross_entropy",
          "model_config": {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64},
          "dataset_config": {"block_size": 64, "max_bytes": 1_000_000}}
+# --device cuda: a model large enough that kernels, not launches, take the time
+GPU_MODEL = {**MODEL, "model_config": {"n_layer": 6, "n_embd": 384, "n_head": 6,
+                                        "block_size": 128},
+             "dataset_config": {"block_size": 128, "max_bytes": 4_000_000}}
 QUICK_MODEL = {**MODEL, "model_config": {"n_layer": 2, "n_embd": 32, "n_head": 2,
                                           "block_size": 16},
                "dataset_config": {"block_size": 16, "max_bytes": 100_000}}
@@ -49,9 +54,10 @@ QUICK_MODEL = {**MODEL, "model_config": {"n_layer": 2, "n_embd": 32, "n_head": 2
 def make_job(args: argparse.Namespace, name: str, workers: int) -> JobConfig:
     """The bench job of one system with `workers` workers."""
     schedule, mode, policy = SYSTEMS[name]
-    spec = QUICK_MODEL if args.quick else MODEL
+    spec = QUICK_MODEL if args.quick else GPU_MODEL if args.device == "cuda" else MODEL
     return JobConfig(schedule=schedule, mode=mode, policy=policy, workers=workers,
-                     staleness=1, batch_size=args.batch, microbatches=args.microbatches,
+                     device=args.device, staleness=1, batch_size=args.batch,
+                     microbatches=args.microbatches,
                      steps=args.warmup + args.steps, optimizer="adamw", lr=1e-3, seed=0,
                      **spec)
 
@@ -63,10 +69,13 @@ def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
     for r in reports:
         for w in r.workers:
             entry = ranks.setdefault(str(w.rank), {"role": f"{w.role[0].upper()}{w.stage}",
-                                                   "peak": 0, "kinds": {}, "activation": 0})
+                                                   "peak": 0, "kinds": {}, "activation": 0,
+                                                   "device_peak": 0})
             if w.peak_memory_bytes > entry["peak"]:
                 entry["peak"], entry["kinds"] = w.peak_memory_bytes, dict(w.memory_bytes)
             entry["activation"] = max(entry["activation"], w.activation_peak_bytes)
+            entry["device_peak"] = max(entry["device_peak"],
+                                       w.device_memory_bytes.get("allocated_peak", 0))
     return {"seconds": [r.seconds for r in reports[warmup:]], "losses": [r.loss for r in reports],
             "ranks": ranks}
 
@@ -99,7 +108,9 @@ def summarise(per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"step_seconds": step, "speedup_vs_baseline": speedup,
             "ranks": {s: reps[0]["ranks"] for s, reps in per.items()},
             "max_peak_bytes": {s: max(r["peak"] for r in reps[0]["ranks"].values())
-                               for s, reps in per.items()}}
+                               for s, reps in per.items()},
+            "max_device_peak_bytes": {s: max(r["device_peak"] for r in reps[0]["ranks"].values())
+                                      for s, reps in per.items()}}
 
 
 def chart(results: dict[str, Any], path: Path) -> None:
@@ -143,9 +154,10 @@ def print_results(results: dict[str, Any]) -> None:
         print(f"{n} workers:")
         for s in SYSTEMS:
             peak = res["max_peak_bytes"][s] / 2**20
+            cuda = res["max_device_peak_bytes"][s] / 2**20
             print(f"  {s:18s} {fmt(res['step_seconds'][s], 1e3)} ms/step  "
                   f"speed vs {BASELINE} {fmt(res['speedup_vs_baseline'][s], digits=2)}  "
-                  f"max rank peak {peak:.1f} MiB")
+                  f"max rank peak {peak:.1f} MiB" + (f", cuda {cuda:.1f} MiB" if cuda else ""))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--repeats", type=int, default=2, help="whole runs of every system")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the workers compute (cuda: all share this machine's GPU)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats, args.batch = 2, 1, 1, 8

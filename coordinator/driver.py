@@ -355,7 +355,8 @@ def _report(job: Job, step: int, seconds: float, replies: list[worker_pb2.StepRe
         bytes_sent=rep.bytes_sent, bytes_stashed=rep.bytes_stashed,
         action_seconds=rep.action_seconds, spans=rep.spans, versions=rep.versions,
         kept_versions=rep.kept_versions, weight_version=rep.weight_version,
-        kind_peak_bytes=rep.kind_peak_bytes, activation_peak_bytes=rep.activation_peak_bytes)
+        kind_peak_bytes=rep.kind_peak_bytes, activation_peak_bytes=rep.activation_peak_bytes,
+        device_memory_bytes=rep.device_memory_bytes)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
     return coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from pipefb.config import SCHEDULES, JobConfig, check_job, parse_json_object
+from pipefb.config import DEVICES, SCHEDULES, JobConfig, check_job, job_device, parse_json_object
 from pipefb.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -63,6 +63,9 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-cap", default="0",
                    help="with --plan auto: bytes each worker may hold, e.g. 200MB (0: none)")
     p.add_argument("--job-id", default="", help="job id (default: the coordinator picks)")
+    p.add_argument("--device", default=d.device, choices=DEVICES,
+                   help="where workers compute: cpu, or cuda (each worker's current CUDA "
+                        "device; several workers may share one GPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +116,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     values = dict(base or {})
     for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
-                 "policy", "eval_every", "plan", "job_id"):
+                 "policy", "eval_every", "plan", "job_id", "device"):
         values.setdefault(name, getattr(args, name))
     if args.schedule is not None or "schedule" not in values:
         auto = values.get("plan") == "auto" and args.schedule is None
@@ -150,6 +153,7 @@ def cmd_local_train(args: argparse.Namespace) -> int:
 
     job = job_from_args(args)
     check_job(job)
+    job_device(job)  # every process of a local run shares this machine's devices
     if args.threads < 0:
         raise ConfigError(f"--threads {args.threads} must be >= 0")
     return run_local(job, args.out, progress=not args.no_progress, threads=args.threads)

@@ -20,6 +20,7 @@ SCHEDULE_MODES = {"single": ("sync",), "gpipe": ("sync",), "1f1b": ("sync",),
 POLICIES = ("keep", "offload", "recompute")
 PLANS = ("", "even", "auto")  # "" and even: stages balanced by parameter count
 AUTO = "auto"  # schedule and plan value: the planner picks
+DEVICES = ("cpu", "cuda")  # cuda: each worker's current CUDA device (CUDA_VISIBLE_DEVICES)
 MAX_STALENESS = 8  # bounds the weight versions and stashed steps a job may hold
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -64,6 +65,7 @@ class JobConfig:
     eval_every: int = 0  # held-out evaluation every K steps in the step reports; 0: at the end
     plan: str = ""  # "" or even: balanced by parameter count; auto: profile, search, simulate
     memory_cap: int = 0  # plan auto: bytes each worker may hold; 0: the cluster's caps
+    device: str = "cpu"  # where workers hold layers, activations and optimizer state
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -89,6 +91,8 @@ class JobConfig:
                 0 <= self.staleness <= MAX_STALENESS):
             raise ConfigError(f"staleness {self.staleness!r} must be an integer in "
                               f"0..{MAX_STALENESS}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"unknown device {self.device!r}; choose one of {DEVICES}")
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"microbatches {self.microbatches} does not divide batch size {self.batch_size}"
@@ -160,6 +164,23 @@ def layer_policies(config: JobConfig, n_layers: int) -> tuple[str, ...]:
         raise ConfigError(f"policy 'keep' of layer {names.index('keep')} cannot cross the "
                           "forward/backward split of pipefb; use offload or recompute")
     return tuple(names)
+
+
+def job_device(config: JobConfig) -> torch.device:
+    """The torch device a process computes the job on.
+
+    Checked where the tensors are placed (a worker, the single process), not at submit:
+    the coordinator of a GPU cluster may itself have no GPU.
+
+    Raises:
+        ConfigError: the job asks for cuda and this process sees no CUDA device.
+    """
+    if config.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' asked for, but this process sees no CUDA device "
+                              "(torch.cuda.is_available() is False)")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _check_positive(config: JobConfig, names: tuple[str, ...]) -> None:

@@ -89,8 +89,10 @@ class SplitExec:
     """The explicit forward/backward split; the stash may travel through the offload store."""
 
     def __init__(self, layer: torch.nn.Module, input_specs: list[TensorSpec],
-                 input_requires_grad: Sequence[bool]) -> None:
-        self.split = LayerSplit(layer, input_specs, input_requires_grad=input_requires_grad)
+                 input_requires_grad: Sequence[bool], device: torch.device | None = None
+                 ) -> None:
+        self.split = LayerSplit(layer, input_specs, input_requires_grad=input_requires_grad,
+                                device=device)
         self.params = list(layer.parameters())
         self.has_random_ops = self.split.has_random_ops
         self.stash_names = self.split.stash_names

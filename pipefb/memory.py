@@ -72,3 +72,39 @@ class MemoryAccount:
         self.peak = dict(self.current)
         self.peak_each = dict(self.current)
         self.peak_activation = sum(self.current.get(k, 0) for k in ACTIVATION_KINDS)
+
+
+#: The CUDA caching allocator's statistics that a step reports (`DeviceMemory.snapshot`).
+DEVICE_STATS = ("allocated_peak", "allocated", "reserved_peak")
+
+
+@dataclass
+class DeviceMemory:
+    """This process's CUDA allocator statistics per step; nothing on the cpu.
+
+    They complement `MemoryAccount`: the account counts the tensors the runtime holds by
+    kind, the allocator counts every byte the process allocated on the device (temporaries
+    inside a layer's forward or backward, workspaces, block rounding), so the account's
+    peak is at most `allocated_peak`. Each worker process has its own allocator, also when
+    several share one GPU.
+    """
+
+    device: torch.device
+
+    def reset_peak(self) -> None:
+        """Starts a new peak window (each step)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work, so wall-clock times cover it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def snapshot(self) -> dict[str, int]:
+        """allocated_peak and reserved_peak since `reset_peak`, allocated now; {} on cpu."""
+        if self.device.type != "cuda":
+            return {}
+        return {"allocated_peak": torch.cuda.max_memory_allocated(self.device),
+                "allocated": torch.cuda.memory_allocated(self.device),
+                "reserved_peak": torch.cuda.max_memory_reserved(self.device)}

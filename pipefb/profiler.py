@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipefb.config import JobConfig, build_layers
+from pipefb.config import JobConfig, build_layers, job_device
 from pipefb.costs import LayerProfile, Profile
 from pipefb.data import Dataset, build_dataset
 from pipefb.errors import ConfigError
@@ -80,8 +80,11 @@ class _Sequence:
 
 
 def _sequence(layers: list[nn.Module], dataset: Dataset, size: int) -> _Sequence:
+    """The layers with their input specs and the micro-batch, on the layers' device."""
     x, y = dataset.microbatch(DATA_STEP, 0, size)
-    return _Sequence(layers, infer_input_specs(layers, spec_of(x), spec_of(y)), x, y)
+    device = next((p.device for p in _params(layers)), torch.device("cpu"))
+    specs = infer_input_specs(layers, spec_of(x), spec_of(y))
+    return _Sequence(layers, specs, x.to(device), y.to(device))
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
 
     Layer i runs on what layers 0 .. i-1 computed from the job's micro-batch of step 0,
     through `SplitExec` as a split rank runs it (random ops seeded as the runtime seeds
-    them). Each time is the median of `repeats` runs after `warmup` untimed ones; the fixed
+    them), on the job's device. Each time is the median of `repeats` runs after `warmup`
+    untimed ones (on CUDA each run waits for its kernels); the fixed
     parts are the same timed at `FIXED_SIZE` samples (at most the full time). The torch
     thread count is the caller's; the caller's random generator state is left unchanged.
 
@@ -121,9 +125,11 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
     _check_int("micro-batch size", microbatch_size, 1)
     _check_int("warmup", warmup, 0)
     _check_int("repeats", repeats, 1)
-    with torch.random.fork_rng(devices=[]):
+    device = job_device(job)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
-        seq = _sequence(build_layers(job), dataset, microbatch_size)
+        seq = _sequence([layer.to(device) for layer in build_layers(job)], dataset,
+                        microbatch_size)
         timed = _timed_layers(layers, len(seq.layers))
         full = _chain(seq, timed, len(seq.layers), job.seed, warmup, repeats)
         small = (full if microbatch_size == FIXED_SIZE else
@@ -157,7 +163,7 @@ def _run_layer(seq: _Sequence, i: int, x: torch.Tensor, seed: int, warmup: int, 
         The layer's output and its run; untimed (repeats 0): one forward, zero times.
     """
     layer, specs = seq.layers[i], seq.specs[i]
-    executor = SplitExec(layer, specs, _needs_grad(i, specs))
+    executor = SplitExec(layer, specs, _needs_grad(i, specs), seq.inputs.device)
     inputs = seq.layer_inputs(i, x)
 
     def forward() -> tuple[torch.Tensor, Saved]:
@@ -194,6 +200,8 @@ def _median_seconds(fn: Callable[[], T], warmup: int, repeats: int) -> tuple[flo
 def _timed(fn: Callable[[], T]) -> tuple[float, T]:
     start = time.perf_counter()
     result = fn()
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()  # the kernels, not their launch
     return time.perf_counter() - start, result
 
 

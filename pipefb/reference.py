@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipefb.config import JobConfig, build_layers
+from pipefb.config import JobConfig, build_layers, job_device
 from pipefb.data import build_dataset
-from pipefb.memory import tensor_bytes
+from pipefb.memory import DeviceMemory, tensor_bytes
 from pipefb.optim import build_optimizer, optimizer_state_bytes
 from pipefb.seeding import derive_seed, seed_random_ops
 
@@ -31,6 +31,7 @@ class SingleStep:
     seconds: float
     samples_per_second: float
     peak_memory_bytes: int  # parameters + gradients + optimizer state after the step
+    device_memory_bytes: dict[str, int]  # CUDA allocator statistics of the step; {} on cpu
 
 
 class SingleProcess:
@@ -38,7 +39,9 @@ class SingleProcess:
 
     def __init__(self, job: JobConfig, staleness: int = 0) -> None:
         self.job, self.staleness = job, staleness
-        self.layers = build_layers(job)
+        self.device = job_device(job)
+        self.device_memory = DeviceMemory(self.device)
+        self.layers = [layer.to(self.device) for layer in build_layers(job)]
         self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
         self.params = [p for layer in self.layers for p in layer.parameters()]
         self.optimizer = build_optimizer(job.optimizer, self.params, job.lr, job.optimizer_config)
@@ -48,6 +51,7 @@ class SingleProcess:
     def loss(self, step: int, microbatch: int) -> torch.Tensor:
         """Forward of one micro-batch through every layer, loss layer last."""
         x, targets = self.dataset.microbatch(step, microbatch, self.job.microbatch_size)
+        x, targets = x.to(self.device), targets.to(self.device)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             seed_random_ops(derive_seed(self.job.seed, step, microbatch, i))
@@ -57,6 +61,7 @@ class SingleProcess:
     def step(self, step: int) -> SingleStep:
         """Runs one optimizer step over `microbatches` accumulated micro-batches."""
         started = time.perf_counter()
+        self.device_memory.reset_peak()
         # the version of step k's forward: k - S, or 0 before step S
         live = self._swap_in(self.history[0]) if self.history else None
         losses = []
@@ -74,9 +79,10 @@ class SingleProcess:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         memory += optimizer_state_bytes(self.optimizer)
+        self.device_memory.synchronize()
         seconds = time.perf_counter() - started
         return SingleStep(step, sum(losses) / len(losses), seconds,
-                          self.job.batch_size / seconds, memory)
+                          self.job.batch_size / seconds, memory, self.device_memory.snapshot())
 
     def _swap_in(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """Puts `values` into the parameters; returns what they held."""
@@ -93,5 +99,5 @@ class SingleProcess:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The whole model's weights, named `layers.{i}.{param}`."""
-        return {f"layers.{i}.{name}": p.detach().clone()
+        return {f"layers.{i}.{name}": p.detach().cpu().clone()
                 for i, layer in enumerate(self.layers) for name, p in layer.named_parameters()}

@@ -15,11 +15,11 @@ from itertools import islice
 
 import torch
 
-from pipefb.config import JobConfig, build_layers
+from pipefb.config import JobConfig, build_layers, job_device
 from pipefb.data import build_dataset
 from pipefb.errors import CodecError, ConfigError
 from pipefb.execs import AutogradExec, LayerExec, Saved, SplitExec
-from pipefb.memory import MemoryAccount, tensor_bytes
+from pipefb.memory import DeviceMemory, MemoryAccount, tensor_bytes
 from pipefb.optim import build_optimizer, optimizer_state_bytes
 from pipefb.plan import Plan, recompute_runs, schedule_for
 from pipefb.schedule import Action, Kind, iteration
@@ -51,6 +51,7 @@ class StepResult:
     kept_versions: list[int]  # old weight versions held after the step
     kind_peak_bytes: dict[str, int]  # each kind's own peak during the step
     activation_peak_bytes: int  # peak of activations + stashed during the step
+    device_memory_bytes: dict[str, int]  # CUDA allocator statistics (DeviceMemory); {} on cpu
 
 
 # Keys of in-flight tensors: (training step, stage, micro-batch) or (step, micro-batch, layer).
@@ -107,14 +108,15 @@ class StageRuntime:
                            if self.fwd_stage is not None else range(0))
         self.bwd_layers = (self.topology.layers_of_backward(self.bwd_stage)
                            if self.bwd_stage is not None else range(0))
-        all_layers = build_layers(job)
+        self.device = job_device(job)
+        all_layers = build_layers(job)  # on the cpu until the held ones move
         self.n_layers = len(all_layers)
         self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
         specs = self._layer_specs(all_layers)
         held = sorted(set(self.fwd_layers) | set(self.bwd_layers))
-        self.layers = {i: all_layers[i] for i in held}
+        self.layers = {i: all_layers[i].to(self.device) for i in held}
         self.n_inputs = {i: len(specs[i]) for i in held}
-        self.execs = {i: self._executor(i, all_layers[i], specs[i]) for i in held}
+        self.execs = {i: self._executor(i, self.layers[i], specs[i]) for i in held}
         self.run_start = recompute_runs(plan)
         self._stash_layers = self._stored_layers(self.fwd_layers)  # constant per rank
         self._fetch_names = {i: self.stash_names(i) for i in self._stored_layers(self.bwd_layers)}
@@ -132,6 +134,7 @@ class StageRuntime:
         self._eval_bytes = 0  # of `_eval_weights`, updated where it changes
         self.flight = _InFlight()
         self.memory = MemoryAccount()
+        self.device_memory = DeviceMemory(self.device)
         params = [p for layer in self.layers.values() for p in layer.parameters()]
         self.param_bytes = tensor_bytes(params)
         self._param_storage = {p.untyped_storage().data_ptr() for p in params}
@@ -164,7 +167,7 @@ class StageRuntime:
         if (self.role == "combined" and self.plan.policy[i] == "keep"
                 and self.plan.mode == "sync"):
             return AutogradExec(layer, needs)
-        return SplitExec(layer, specs, needs)
+        return SplitExec(layer, specs, needs, self.device)
 
     def _receive_specs(self, specs: list[list[TensorSpec]], loss: TensorSpec
                        ) -> dict[tuple[str, int], dict[str, TensorSpec]]:
@@ -222,10 +225,13 @@ class StageRuntime:
         """Runs iteration `step` of this rank's action list and reports what it did."""
         it = _Iteration(step)
         self.memory.reset_peak()
+        self.device_memory.reset_peak()
         todo = iteration(self.actions, step, self.job.steps)
         for index, (at, action) in enumerate(todo):
             wall, started = time.time(), time.perf_counter()
             self._handlers[action.kind](action, at, it)
+            if action.kind in COMPUTE:
+                self.device_memory.synchronize()  # time the kernels, not their launch
             if action.kind is Kind.FETCH and self.role == "combined":
                 self._prefetch_next(todo, index)
             elapsed = time.perf_counter() - started
@@ -257,6 +263,7 @@ class StageRuntime:
             kept_versions=self.versions.versions(),
             kind_peak_bytes=dict(self.memory.peak_each),
             activation_peak_bytes=self.memory.peak_activation,
+            device_memory_bytes=self.device_memory.snapshot(),
         )
 
     def _account(self) -> None:
@@ -305,11 +312,15 @@ class StageRuntime:
     def _stage_input(self, stage: int, m: int, step: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         needs_data = stage == 0 or self.fwd_layers[-1] == self.n_layers - 1
-        inputs, targets = (self.dataset.microbatch(step, m, self.plan.microbatch_size)
-                           if needs_data else (None, None))
+        inputs, targets = self._microbatch(step, m) if needs_data else (None, None)
         x = inputs if stage == 0 else self.flight.inputs.pop((step, stage, m))
         assert x is not None  # stage 0 always has data
         return x, targets
+
+    def _microbatch(self, step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch m of `step` (inputs, targets) on this rank's device."""
+        x, y = self.dataset.microbatch(step, m, self.plan.microbatch_size)
+        return x.to(self.device), y.to(self.device)
 
     def _forward_version(self, step: int, stage: int, m: int) -> int:
         """The weight version the forward of (step, m) used: what its stash is keyed by and
@@ -329,7 +340,8 @@ class StageRuntime:
         last = len(self.topology.backward_workers) - 1
         grad: torch.Tensor | None
         if action.stage == last:
-            grad = torch.full((), 1.0 / self.plan.microbatches)  # d(mean over micro-batches)
+            # d(mean over micro-batches)
+            grad = torch.full((), 1.0 / self.plan.microbatches, device=self.device)
         else:
             grad = self.flight.grads.pop((step, action.stage, m))
         recomputed: dict[int, dict[str, torch.Tensor]] = {}
@@ -363,7 +375,7 @@ class StageRuntime:
             x, out[i] = self._run_layer(i, step, m, inputs, self._params(version, i))
             inputs = [x]
             if i + 1 == self.n_layers - 1:  # the loss layer also takes the targets
-                inputs.append(self.dataset.microbatch(step, m, self.plan.microbatch_size)[1])
+                inputs.append(self._microbatch(step, m)[1])
         return out
 
     def _optimizer_step(self, action: Action, step: int, it: _Iteration) -> None:
@@ -404,7 +416,7 @@ class StageRuntime:
     def _recv_activation(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
         got = self.transport.recv(Kind.RECV_F, step, action.stage, m)
-        self.flight.inputs[(step, action.stage, m)] = got["x"]
+        self.flight.inputs[(step, action.stage, m)] = got["x"].to(self.device)
 
     def _send_loss(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
@@ -426,7 +438,7 @@ class StageRuntime:
     def _recv_grad(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
         got = self.transport.recv(Kind.RECV_B, step, action.stage, m)
-        self.flight.grads[(step, action.stage, m)] = got["g"]
+        self.flight.grads[(step, action.stage, m)] = got["g"].to(self.device)
 
     def _stored_layers(self, layers: range) -> list[int]:
         """Layers whose saved tensors go through the offload store (all on split ranks)."""
@@ -446,7 +458,7 @@ class StageRuntime:
         version = self._forward_version(step, action.stage, m)
         got = self.transport.fetch(step, m, version, self._fetch_names)
         for i, stash in got.items():
-            self.flight.saved[(step, m, i)] = stash
+            self.flight.saved[(step, m, i)] = {k: t.to(self.device) for k, t in stash.items()}
         self.flight.stashed_here.discard((step, m))
 
     def _prefetch_next(self, todo: list[tuple[int, Action]], index: int) -> None:

@@ -127,8 +127,10 @@ def output_spec(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> TensorSp
         TypeError: the layer returns something other than one tensor.
     """
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in _state(layer).items()}
-        inputs = tuple(torch.empty(s.shape, dtype=s.dtype) for s in input_specs)
+        real = _state(layer)
+        device = next(iter(real.values())).device if real else torch.device("cpu")
+        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in real.items()}
+        inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in input_specs)
         out = functional_call(layer, state, inputs)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"layer {type(layer).__name__} returned {type(out).__name__}, not a tensor")

@@ -53,6 +53,7 @@ class LayerSplit:
         input_requires_grad: Sequence[bool] | None = None,
         *,
         cache_size: int = 2,
+        device: torch.device | None = None,
     ) -> None:
         """Traces `layer` once on example inputs of `input_specs`.
 
@@ -61,6 +62,8 @@ class LayerSplit:
             input_specs: the specs of its positional inputs.
             input_requires_grad: which inputs get a grad; default `requires_grad_for`.
             cache_size: how many weight versions keep their derived tensors.
+            device: where it computes; default: where its weights live (CPU for a layer
+                without any). A layer without weights traces constants on this device.
 
         Raises:
             ValueError: an integer input marked as requiring a grad, or a flag count that
@@ -69,6 +72,7 @@ class LayerSplit:
                 gradient at all, or saves non-tensors.
         """
         self.layer = layer
+        self._home = device
         self.input_specs = list(input_specs)
         self.input_requires_grad = self._grad_flags(input_requires_grad)
         self.param_names = [n for n, _ in layer.named_parameters()]
@@ -271,7 +275,10 @@ class LayerSplit:
         ]
 
     def _device(self) -> torch.device:
-        """Where the layer's weights live (CPU for a layer without any)."""
+        """Where the layer computes: the device given, else where its weights live (CPU for
+        a layer without any)."""
+        if self._home is not None:
+            return self._home
         weights = [*self._own_params(), *self._buffers()]
         return weights[0].device if weights else torch.device("cpu")
 

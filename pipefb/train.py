@@ -90,7 +90,8 @@ def run_local(job: JobConfig, out: Path, *, progress: bool = True, threads: int 
     report["eval"] = evaluate(job, weights)
     path = write_report(out, report, weights)
     if report.get("peak_memory_by_kind"):
-        console.print(memory_table(report["peak_memory_by_kind"], report["steps"][-1]))
+        console.print(memory_table(report["peak_memory_by_kind"], report["steps"][-1],
+                                   report["device"].get("peak_allocated_bytes")))
     held_out = ", ".join(f"held-out {k} {v:.4f}" for k, v in report["eval"].items())
     console.print(f"final loss {report['steps'][-1]['loss']:.4f}, "
                   f"{report['samples_per_second']:.1f} samples/s"
@@ -102,19 +103,25 @@ SHORT_KINDS = {"parameters": "params", "gradients": "grads", "optimizer_state": 
                "weight_versions": "versions", "activations": "live", "stashed": "stashed"}
 
 
-def memory_table(peaks: dict[str, dict[str, int]], last_step: dict[str, Any]) -> Table:
-    """Per-worker peak memory by kind (KiB), as `pipefb local train` prints at the end."""
+def memory_table(peaks: dict[str, dict[str, int]], last_step: dict[str, Any],
+                 device_peaks: dict[str, int] | None = None) -> Table:
+    """Per-worker peak memory by kind (KiB), as `pipefb local train` prints at the end;
+    on CUDA also each worker's allocator peak (`device_peaks`)."""
     table = Table(title="peak memory per worker, KiB (F/B/C: forward/backward/combined stage)")
     table.add_column("rank", justify="right")
     table.add_column("stage")
     for kind in KINDS:
         table.add_column(SHORT_KINDS.get(kind, kind), justify="right")
     table.add_column("total", justify="right")
+    if device_peaks:
+        table.add_column("cuda peak", justify="right")
     roles = {str(w["rank"]): f"{w['role'][0].upper()}{w['stage']}" for w in last_step["workers"]}
     for rank, kinds in peaks.items():
         cells = [f"{kinds.get(k, 0) / 1024:,.1f}" for k in KINDS]
-        table.add_row(rank, roles.get(rank, ""), *cells,
-                      f"{sum(kinds.values()) / 1024:,.1f}")
+        cells.append(f"{sum(kinds.values()) / 1024:,.1f}")
+        if device_peaks:
+            cells.append(f"{device_peaks.get(rank, 0) / 1024:,.1f}")
+        table.add_row(rank, roles.get(rank, ""), *cells)
     return table
 
 
@@ -126,11 +133,13 @@ def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
     with progress(job, show) as bar:
         for s in single.run():
             step = {"step": s.step, "loss": s.loss, "seconds": s.seconds,
-                    "samples_per_second": s.samples_per_second}
+                    "samples_per_second": s.samples_per_second,
+                    "device_memory_bytes": s.device_memory_bytes}
             report["steps"].append(step)
             peak = max(peak, s.peak_memory_bytes)
             bar.update(step, job.steps)
     report["peak_memory_bytes"] = {"0": peak}
+    report["device"] = device_summary(job, report["steps"])
     report["plan"] = {"schedule": "single", "microbatches": job.microbatches,
                       "microbatch_size": job.microbatch_size}
     report["_weights"] = single.weights()
@@ -164,6 +173,7 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
             report["planner"] = json.loads(status.planner_json)
         report["_weights"] = client.weights(job_id)
     report["peak_memory_bytes"], report["peak_memory_by_kind"] = peaks_by_rank(report["steps"])
+    report["device"] = device_summary(job, report["steps"])
     return report
 
 
@@ -193,7 +203,8 @@ def step_dict(msg: Any) -> dict[str, Any]:
                      "versions": [[v.action, v.step, v.version] for v in w.versions],
                      "kept_versions": list(w.kept_versions),
                      "kind_peak_bytes": dict(w.kind_peak_bytes),
-                     "activation_peak_bytes": w.activation_peak_bytes} for w in msg.workers],
+                     "activation_peak_bytes": w.activation_peak_bytes,
+                     "device_memory_bytes": dict(w.device_memory_bytes)} for w in msg.workers],
     }
 
 
@@ -204,6 +215,26 @@ def timeline(msg: Any) -> dict[str, Any]:
         {"rank": w.rank, "role": w.role, "stage": w.stage,
          "spans": [[s.action, s.start - t0, s.end - t0] for s in w.spans]}
         for w in msg.workers]}
+
+
+def device_summary(job: JobConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """report.json's `device`: where the job computed and, on CUDA, each rank's highest
+    allocator peak over all steps (`peak_allocated_bytes`, `peak_reserved_bytes`)."""
+    out: dict[str, Any] = {"type": job.device}
+    if job.device == "cuda" and torch.cuda.is_available():
+        out["name"] = torch.cuda.get_device_name()
+    allocated: dict[str, int] = {}
+    reserved: dict[str, int] = {}
+    for step in steps:
+        # a pipeline's step has one entry per rank; the single process's step is its own
+        for w in step.get("workers") or [{"rank": 0, **step}]:
+            stats, rank = w.get("device_memory_bytes") or {}, str(w["rank"])
+            if stats:
+                allocated[rank] = max(allocated.get(rank, 0), stats["allocated_peak"])
+                reserved[rank] = max(reserved.get(rank, 0), stats["reserved_peak"])
+    if allocated:
+        out["peak_allocated_bytes"], out["peak_reserved_bytes"] = allocated, reserved
+    return out
 
 
 def peaks_by_rank(steps: list[dict[str, Any]]

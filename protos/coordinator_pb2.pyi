@@ -93,7 +93,7 @@ class StepReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ..., eval: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
-    __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed", "action_seconds", "spans", "versions", "kept_versions", "weight_version", "kind_peak_bytes", "activation_peak_bytes")
+    __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed", "action_seconds", "spans", "versions", "kept_versions", "weight_version", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes")
     class MemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,13 @@ class WorkerStepStats(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     class KindPeakBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DeviceMemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +139,7 @@ class WorkerStepStats(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     worker_id: int
     role: str
@@ -149,7 +157,8 @@ class WorkerStepStats(_message.Message):
     weight_version: int
     kind_peak_bytes: _containers.ScalarMap[str, int]
     activation_peak_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[_worker_pb2.ActionSpan, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[_worker_pb2.VersionTag, _Mapping]]] = ..., kept_versions: _Optional[_Iterable[int]] = ..., weight_version: _Optional[int] = ..., kind_peak_bytes: _Optional[_Mapping[str, int]] = ..., activation_peak_bytes: _Optional[int] = ...) -> None: ...
+    device_memory_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[_worker_pb2.ActionSpan, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[_worker_pb2.VersionTag, _Mapping]]] = ..., kept_versions: _Optional[_Iterable[int]] = ..., weight_version: _Optional[int] = ..., kind_peak_bytes: _Optional[_Mapping[str, int]] = ..., activation_peak_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

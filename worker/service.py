@@ -143,6 +143,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                       for a, t, v in r.versions],
             kept_versions=r.kept_versions, kind_peak_bytes=r.kind_peak_bytes,
             activation_peak_bytes=r.activation_peak_bytes,
+            device_memory_bytes=r.device_memory_bytes,
         )
 
     def _check(self, transfer: tensor_pb2.Transfer, kinds: tuple[str, ...]) -> Assigned:
