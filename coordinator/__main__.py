@@ -24,6 +24,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cluster", type=Path, default=None,
                    help="cluster YAML that plan 'auto' assumes (links, store, caps); "
                         "default: uniform workers")
+    p.add_argument("--advertise", default=os.environ.get("PIPEFB_ADVERTISE", ""),
+                   help="host workers use to reach this coordinator's all-reduce rendezvous "
+                        "(default: the listen host)")
+    p.add_argument("--rendezvous-port", type=int,
+                   default=int(os.environ.get("PIPEFB_RENDEZVOUS_PORT", "0")),
+                   help="port of the all-reduce rendezvous of multi-group jobs (0: any free)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat before a worker counts as dead")
     args = p.parse_args(argv)
@@ -39,7 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     registry = Registry(timeout_seconds=args.heartbeat_timeout)
     cluster = Cluster.load(args.cluster) if args.cluster else None
-    servicer = CoordinatorServicer(registry, Driver(registry, args.store, cluster=cluster))
+    host = args.listen.rsplit(":", 1)[0]
+    driver = Driver(registry, args.store, cluster=cluster, rendezvous_host=host,
+                    rendezvous_advertise=args.advertise, rendezvous_port=args.rendezvous_port)
+    servicer = CoordinatorServicer(registry, driver)
     srv, port, health = server.create_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen)
     server.ready(health)

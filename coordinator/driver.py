@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.profiling import profile_workers
 from coordinator.registry import Registry, WorkerRecord
+from coordinator.rendezvous import Rendezvous
 from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
 from pipefb.cluster import Cluster
@@ -106,10 +107,25 @@ class Driver:
     """Runs each submitted job in its own thread."""
 
     def __init__(self, registry: Registry, store_address: str,
-                 worker_wait_seconds: float = 120.0, cluster: Cluster | None = None) -> None:
+                 worker_wait_seconds: float = 120.0, cluster: Cluster | None = None,
+                 rendezvous_host: str = "127.0.0.1", rendezvous_advertise: str = "",
+                 rendezvous_port: int = 0) -> None:
         self.registry, self.store_address = registry, store_address
         self.worker_wait_seconds = worker_wait_seconds
         self.cluster = cluster  # what plan "auto" assumes of links, store and caps
+        # where the all-reduce rendezvous of multi-group jobs listens and how workers reach
+        # it; opened by the first such job, shared by all (keys are per job and attempt)
+        self.rendezvous_at = (rendezvous_host, rendezvous_advertise or rendezvous_host,
+                              rendezvous_port)
+        self._rendezvous: Rendezvous | None = None
+        self._rendezvous_lock = threading.Lock()
+
+    def rendezvous(self) -> str:
+        """host:port of the all-reduce rendezvous, opened on first use."""
+        with self._rendezvous_lock:
+            if self._rendezvous is None:
+                self._rendezvous = Rendezvous(*self.rendezvous_at)
+            return self._rendezvous.address
 
     def start(self, job: Job) -> None:
         """Starts the job's thread."""
@@ -170,14 +186,15 @@ class Driver:
         else:
             plan = balanced_plan(cfg.schedule, cfg.workers, job.layer_costs, cfg.batch_size,
                                  cfg.microbatches, layer_policies(cfg, len(job.layer_costs)),
-                                 cfg.mode, cfg.staleness)
+                                 cfg.mode, cfg.staleness, cfg.groups)
         schedule_for(plan)  # refuses a plan whose schedule fails validation or deadlocks
         job.plan = plan
         spec, plan_msg = job_to_proto(job.config), plan_to_proto(plan)
         peers = [w.address for w in ranks.workers]
+        rendezvous = self.rendezvous() if plan.groups > 1 else ""
         calls = [stub.Assign.future(worker_pb2.AssignRequest(
-            job=spec, plan=plan_msg, rank=r, peers=peers, store_address=self.store_address),
-            timeout=300) for r, stub in enumerate(ranks.stubs)]
+            job=spec, plan=plan_msg, rank=r, peers=peers, store_address=self.store_address,
+            rendezvous=rendezvous), timeout=300) for r, stub in enumerate(ranks.stubs)]
         _wait_all(calls, ranks)
         job.set_state("RUNNING")
 
@@ -199,6 +216,7 @@ class Driver:
     def _run_steps(self, job: Job, ranks: Ranks) -> None:
         def on_step(step: int, replies: list[worker_pb2.StepReply], seconds: float) -> None:
             report = _report(job, step, seconds, replies, ranks)
+            _check_groups_agree(report)
             every = job.config.eval_every
             if every and (step + 1) % every == 0 and step + 1 < job.config.steps:
                 report.eval.update(self._evaluate(job, ranks, step + 1))
@@ -246,7 +264,9 @@ class Driver:
                          ) -> dict[str, torch.Tensor]:
         """The whole model's weights from the ranks that own them (0: the current ones)."""
         weights: dict[str, torch.Tensor] = {}
-        owners = {a.rank for a in job.plan.assignment if a.role != "forward"} if job.plan else set()
+        # every group holds the same weights (summed gradients): group 0's are the model's
+        owners = ({a.rank for a in job.plan.assignment if a.role != "forward" and a.group == 0}
+                  if job.plan else set())
         for rank in sorted(owners):
             stream = ranks.stubs[rank].ExportWeights(
                 job_pb2.ExportWeightsRequest(job_id=job.job_id, version=version), timeout=120)
@@ -350,14 +370,32 @@ def _report(job: Job, step: int, seconds: float, replies: list[worker_pb2.StepRe
     assert job.plan is not None
     stats = [coordinator_pb2.WorkerStepStats(
         rank=a.rank, worker_id=ranks.workers[a.rank].worker_id, role=a.role, stage=a.stage,
+        group=a.group,
         compute_seconds=rep.compute_seconds, idle_seconds=rep.idle_seconds,
         peak_memory_bytes=rep.peak_memory_bytes, memory_bytes=rep.memory_bytes,
         bytes_sent=rep.bytes_sent, bytes_stashed=rep.bytes_stashed,
         action_seconds=rep.action_seconds, spans=rep.spans, versions=rep.versions,
         kept_versions=rep.kept_versions, weight_version=rep.weight_version,
         kind_peak_bytes=rep.kind_peak_bytes, activation_peak_bytes=rep.activation_peak_bytes,
-        device_memory_bytes=rep.device_memory_bytes)
+        device_memory_bytes=rep.device_memory_bytes, weights_digest=rep.weights_digest)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
     return coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),
         seconds=seconds, samples_per_second=job.config.batch_size / seconds, workers=stats)
+
+
+def _check_groups_agree(report: coordinator_pb2.StepReport) -> None:
+    """Every group's copy of each backward stage holds the same weights after the step.
+
+    Raises:
+        WorkerFailed: two groups' digests differ; names the step, stage and ranks.
+    """
+    first: dict[int, coordinator_pb2.WorkerStepStats] = {}
+    for w in report.workers:
+        if not w.weights_digest:
+            continue
+        seen = first.setdefault(w.stage, w)
+        if seen.weights_digest != w.weights_digest:
+            raise WorkerFailed(f"groups diverged at step {report.step}: stage {w.stage} "
+                               f"weights of rank {seen.rank} (group {seen.group}) and rank "
+                               f"{w.rank} (group {w.group}) differ")

@@ -66,6 +66,10 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, choices=DEVICES,
                    help="where workers compute: cpu, or cuda (each worker's current CUDA "
                         "device; several workers may share one GPU)")
+    p.add_argument("--groups", type=int, default=d.groups,
+                   help="pipeline groups, data-parallel across groups: each runs the same "
+                        "stages on workers/G workers and microbatches/G micro-batches, and "
+                        "gradients are summed across groups before each optimizer step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +120,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     values = dict(base or {})
     for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
-                 "policy", "eval_every", "plan", "job_id", "device"):
+                 "policy", "eval_every", "plan", "job_id", "device", "groups"):
         values.setdefault(name, getattr(args, name))
     if args.schedule is not None or "schedule" not in values:
         auto = values.get("plan") == "auto" and args.schedule is None

@@ -295,3 +295,14 @@ def _workers(data: Any, what: str) -> tuple[WorkerSpec, ...]:
     if not isinstance(data, list) or not data:
         raise ConfigError(f"{what} must be a non-empty list or {{count: N, ...}}")
     return tuple(_worker(item, f"{what}[{i}]", f"w{i}") for i, item in enumerate(data))
+
+
+def group_view(cluster: Cluster, groups: int) -> Cluster:
+    """What one of `groups` equal pipeline groups runs on: the first size/groups workers,
+    each host's cores split evenly among the groups (every group holds the same share of a
+    host's workers, so a simulation of one group sees its share of the cores)."""
+    if groups == 1:
+        return cluster
+    width = cluster.size // groups
+    cores = {host: max(1, n // groups) for host, n in cluster.host_cores.items()}
+    return replace(cluster, workers=cluster.workers[:width], host_cores=cores)

@@ -66,6 +66,7 @@ class JobConfig:
     plan: str = ""  # "" or even: balanced by parameter count; auto: profile, search, simulate
     memory_cap: int = 0  # plan auto: bytes each worker may hold; 0: the cluster's caps
     device: str = "cpu"  # where workers hold layers, activations and optimizer state
+    groups: int = 1  # pipeline groups, data-parallel across groups; divides workers, microbatches
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -93,6 +94,7 @@ class JobConfig:
                               f"0..{MAX_STALENESS}")
         if self.device not in DEVICES:
             raise ConfigError(f"unknown device {self.device!r}; choose one of {DEVICES}")
+        self._check_groups()
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"microbatches {self.microbatches} does not divide batch size {self.batch_size}"
@@ -117,6 +119,19 @@ class JobConfig:
             raise ConfigError(f"memory_cap {self.memory_cap!r} must be a byte count >= 0")
         if self.memory_cap and self.plan != AUTO:
             raise ConfigError("--memory-cap is honoured by --plan auto only")
+
+    def _check_groups(self) -> None:
+        """Each of `groups` pipelines takes an equal share of the workers and micro-batches."""
+        g = self.groups
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ConfigError(f"groups {g!r} must be an integer >= 1")
+        if g == 1 or self.schedule == "single":
+            return
+        if self.workers % g:
+            raise ConfigError(f"groups {g} does not divide workers {self.workers}")
+        if self.microbatches % g:
+            raise ConfigError(f"groups {g} does not divide microbatches {self.microbatches} "
+                              "(each group runs microbatches / groups of them)")
 
     @property
     def microbatch_size(self) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from pipefb.cluster import Link
 from pipefb.errors import ConfigError
 
 
@@ -155,3 +156,11 @@ def uniform_profile(n_layers: int, forward: float = 1e-3, backward: float = 2e-3
                          params)
     return Profile(1, (layer,) * n_layers, optimizer_seconds_per_byte=1e-10,
                    optimizer_state_ratio=2.0)
+
+
+def ring_allreduce_seconds(nbytes: float, members: int, link: Link) -> float:
+    """A ring all-reduce of `nbytes` over `members` ranks: 2(m-1) steps of nbytes/m each
+    (reduce-scatter, then all-gather), each paying the link's latency."""
+    if members < 2 or nbytes <= 0:
+        return 0.0
+    return 2 * (members - 1) * link.seconds(nbytes / members)

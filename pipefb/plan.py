@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -50,6 +50,9 @@ class Plan:
             raise ConfigError(
                 f"policy has {len(self.policy)} entries for {self.forward_partition[-1]} layers"
             )
+        if self.groups < 1 or {a.group for a in self.assignment} != set(range(self.groups)):
+            raise ConfigError(f"groups {self.groups}: every group 0..{self.groups - 1} needs "
+                              f"ranks, got groups {sorted({a.group for a in self.assignment})}")
 
     def offloaded_stages(self) -> frozenset[int]:
         """Stages of a combined plan holding an `offload` layer (they STASH and FETCH)."""
@@ -57,16 +60,34 @@ class Plan:
         return frozenset(s for s in range(len(bounds) - 1)
                          if "offload" in self.policy[bounds[s]:bounds[s + 1]])
 
-    def topology(self) -> Topology:
-        """Stage boundaries and the rank of each forward and backward stage."""
-        fwd = sorted((a.stage, a.rank) for a in self.assignment if a.role != "backward")
-        bwd = sorted((a.stage, a.rank) for a in self.assignment if a.role != "forward")
+    def topology(self, group: int = 0) -> Topology:
+        """Stage boundaries and the rank of each forward and backward stage of one group
+        (every group runs the same partitions on its own ranks)."""
+        mine = [a for a in self.assignment if a.group == group]
+        fwd = sorted((a.stage, a.rank) for a in mine if a.role != "backward")
+        bwd = sorted((a.stage, a.rank) for a in mine if a.role != "forward")
         return Topology(
             forward_partition=self.forward_partition,
             backward_partition=self.backward_partition,
             forward_workers=tuple(rank for _, rank in fwd),
             backward_workers=tuple(rank for _, rank in bwd),
         )
+
+    def group_of(self, rank: int) -> int:
+        """The pipeline group of `rank`.
+
+        Raises:
+            ConfigError: the rank is not in the plan.
+        """
+        for a in self.assignment:
+            if a.rank == rank:
+                return a.group
+        raise ConfigError(f"rank {rank} is not in the plan")
+
+    def group_ranks(self) -> list[list[int]]:
+        """The ranks of each group, by group."""
+        return [sorted(a.rank for a in self.assignment if a.group == g)
+                for g in range(self.groups)]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form; inverse of `from_dict`."""
@@ -210,13 +231,35 @@ def balanced_plan(
     policy: Sequence[str] | None = None,
     mode: str = "sync",
     staleness: int = 0,
+    groups: int = 1,
 ) -> Plan:
     """The placeholder planner: contiguous stages balanced by `layer_costs`.
 
     Combined kinds put stage r on rank r; PipeFB puts the forward stages on the first ranks
     and the backward stages on the rest. `policy` (per layer) defaults to keep on combined
-    kinds and offload on PipeFB; `staleness` counts only for async PipeFB.
+    kinds and offload on PipeFB; `staleness` counts only for async PipeFB. With `groups`
+    G > 1, group g is the same pipeline on ranks g*W .. (g+1)*W - 1 (W = workers / G),
+    running `microbatches / G` of the step's micro-batches.
     """
+    if workers % groups or microbatches % groups:
+        raise ConfigError(f"groups {groups} must divide workers {workers} and "
+                          f"microbatches {microbatches}")
+    one = _one_group_plan(schedule, workers // groups, layer_costs, batch_size, microbatches,
+                          policy, mode, staleness)
+    return replace(one, groups=groups, microbatches=microbatches // groups,
+                   assignment=replicate(one.assignment, groups))
+
+
+def replicate(assignment: Sequence[WorkerAssignment], groups: int) -> tuple[WorkerAssignment, ...]:
+    """One group's assignment repeated for `groups` groups on consecutive blocks of ranks."""
+    width = len(assignment)
+    return tuple(replace(a, rank=g * width + a.rank, group=g)
+                 for g in range(groups) for a in assignment)
+
+
+def _one_group_plan(schedule: str, workers: int, layer_costs: Sequence[float], batch_size: int,
+                    microbatches: int, policy: Sequence[str] | None, mode: str, staleness: int
+                    ) -> Plan:
     n_fwd, n_bwd = stage_counts(schedule, workers)
     fwd = partition(layer_costs, n_fwd)
     if schedule == "pipefb":
@@ -244,10 +287,14 @@ def balanced_plan(
 
 
 def lowered_schedule(plan: Plan) -> Schedule:
-    """The plan's generated and lowered schedule, not validated (see `schedule_for`)."""
-    topology = plan.topology()
-    compute = generate(plan.schedule, topology, plan.microbatches)
-    return lower(compute, topology, plan.offloaded_stages())
+    """The plan's generated and lowered schedule, every group's ranks, not validated (see
+    `schedule_for`)."""
+    out: Schedule = {}
+    for group in range(plan.groups):
+        topology = plan.topology(group)
+        compute = generate(plan.schedule, topology, plan.microbatches)
+        out.update(lower(compute, topology, plan.offloaded_stages()))
+    return out
 
 
 def schedule_for(plan: Plan) -> Schedule:
@@ -257,5 +304,7 @@ def schedule_for(plan: Plan) -> Schedule:
         ScheduleError: the schedule fails validation or deadlocks in the dry run.
     """
     lowered = lowered_schedule(plan)
-    validate(lowered, plan.topology(), plan.microbatches, plan.staleness)
+    for group, ranks in enumerate(plan.group_ranks()):
+        validate({r: lowered[r] for r in ranks if r in lowered}, plan.topology(group),
+                 plan.microbatches, plan.staleness)
     return lowered

@@ -508,3 +508,22 @@ def _lost(c: Candidate, best: Candidate) -> Candidate:
                                      f"{best.bubble_fraction:.0%}"
                                      if c.bubble_fraction > best.bubble_fraction + 0.02 else ""))
     return replace(c, note=why)
+
+
+def best_estimate(profile: Profile, cluster: Cluster, batch_size: int, *,
+                  schedules: Sequence[str] = KINDS, mode: str = "sync", staleness: int = 1
+                  ) -> tuple[Plan, float]:
+    """The candidate with the best analytic step time (`_Planner.estimate`), simulating
+    nothing and ignoring memory caps: the training-time model's view of one pipeline.
+
+    Raises:
+        ConfigError: as `search`.
+    """
+    if profile.n_layers < cluster.size:
+        raise ConfigError(f"{cluster.size} workers need at least as many layers; the model "
+                          f"has {profile.n_layers} (loss included)")
+    planner = _Planner(_Space(profile, cluster, batch_size, staleness))
+    plans = planner.candidates(_kinds(schedules, mode),
+                               microbatch_choices(batch_size, cluster.size))
+    best = min(plans, key=planner.estimate)
+    return best, planner.estimate(best)

@@ -8,6 +8,7 @@ optimizer (backward and combined ranks) and the current weight version.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from itertools import islice
 
 import torch
 
+from pipefb.allreduce import Reducer
+from pipefb.codec import raw_view
 from pipefb.config import JobConfig, build_layers, job_device
 from pipefb.data import build_dataset
 from pipefb.errors import CodecError, ConfigError
@@ -52,6 +55,7 @@ class StepResult:
     kind_peak_bytes: dict[str, int]  # each kind's own peak during the step
     activation_peak_bytes: int  # peak of activations + stashed during the step
     device_memory_bytes: dict[str, int]  # CUDA allocator statistics (DeviceMemory); {} on cpu
+    weights_digest: str = ""  # several groups: digest of the owned weights after the step
 
 
 # Keys of in-flight tensors: (training step, stage, micro-batch) or (step, micro-batch, layer).
@@ -95,9 +99,15 @@ class _Iteration:
 class StageRuntime:
     """One rank of a job: its layers, splits, optimizer and action interpreter."""
 
-    def __init__(self, job: JobConfig, plan: Plan, rank: int, transport: Transport) -> None:
+    def __init__(self, job: JobConfig, plan: Plan, rank: int, transport: Transport,
+                 reducer: Reducer | None = None) -> None:
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
-        self.topology = plan.topology()
+        self.reducer = reducer  # sums gradients across groups; None with one group
+        self.group = plan.group_of(rank)
+        # [Note: groups] group g runs micro-batches g*M .. (g+1)*M - 1 of the step (M per
+        # group): data, random seeds and stash keys use that global index.
+        self.mb_offset = self.group * plan.microbatches
+        self.topology = plan.topology(self.group)
         if rank not in self.topology.workers():
             raise ConfigError(f"rank {rank} has no stage in the plan "
                               f"(ranks {sorted(self.topology.workers())})")
@@ -264,6 +274,7 @@ class StageRuntime:
             kind_peak_bytes=dict(self.memory.peak_each),
             activation_peak_bytes=self.memory.peak_activation,
             device_memory_bytes=self.device_memory.snapshot(),
+            weights_digest=self.weights_digest() if self.reducer is not None else "",
         )
 
     def _account(self) -> None:
@@ -306,7 +317,7 @@ class StageRuntime:
     def _run_layer(self, i: int, step: int, m: int, inputs: list[torch.Tensor],
                    params: list[torch.Tensor] | None) -> tuple[torch.Tensor, Saved]:
         if self.execs[i].has_random_ops:
-            seed_random_ops(derive_seed(self.job.seed, step, m, i))
+            seed_random_ops(derive_seed(self.job.seed, step, self.mb_offset + m, i))
         return self.execs[i].forward(inputs, params)
 
     def _stage_input(self, stage: int, m: int, step: int
@@ -319,7 +330,7 @@ class StageRuntime:
 
     def _microbatch(self, step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch m of `step` (inputs, targets) on this rank's device."""
-        x, y = self.dataset.microbatch(step, m, self.plan.microbatch_size)
+        x, y = self.dataset.microbatch(step, self.mb_offset + m, self.plan.microbatch_size)
         return x.to(self.device), y.to(self.device)
 
     def _forward_version(self, step: int, stage: int, m: int) -> int:
@@ -340,8 +351,9 @@ class StageRuntime:
         last = len(self.topology.backward_workers) - 1
         grad: torch.Tensor | None
         if action.stage == last:
-            # d(mean over micro-batches)
-            grad = torch.full((), 1.0 / self.plan.microbatches, device=self.device)
+            # d(mean over the step's micro-batches, every group's)
+            grad = torch.full((), 1.0 / (self.plan.microbatches * self.plan.groups),
+                              device=self.device)
         else:
             grad = self.flight.grads.pop((step, action.stage, m))
         recomputed: dict[int, dict[str, torch.Tensor]] = {}
@@ -383,6 +395,8 @@ class StageRuntime:
         if self.version in needed:
             self.versions.keep(self.version, {i: self.layers[i] for i in self.bwd_layers})
         if self.optimizer is not None:  # None: the stage owns no parameters
+            if self.reducer is not None:
+                self._sum_gradients_across_groups(self.reducer)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
@@ -396,6 +410,14 @@ class StageRuntime:
             self._eval_weights[self.version] = {k: v.clone()
                                                 for k, v in self.owned_weights().items()}
             self._eval_bytes = self._kept_eval_bytes()
+
+    def _sum_gradients_across_groups(self, reducer: Reducer) -> None:
+        """Every group's copy of this stage ends with the step's whole gradient (a parameter
+        no micro-batch touched contributes zeros)."""
+        for p in self._owned:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        reducer.sum_([p.grad for p in self._owned if p.grad is not None])
 
     def _versions_needed_after(self, step: int) -> set[int]:
         """Weight versions some backward after step `step`'s OPT will still use."""
@@ -450,13 +472,13 @@ class StageRuntime:
         m = _mb(action)
         tensors = {i: self.flight.saved.pop((step, m, i)) for i in self._stash_layers}
         version = self._forward_version(step, action.stage, m)
-        it.stashed += self.transport.stash(step, m, version, tensors)
+        it.stashed += self.transport.stash(step, self.mb_offset + m, version, tensors)
         self.flight.stashed_here.add((step, m))
 
     def _fetch(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
         version = self._forward_version(step, action.stage, m)
-        got = self.transport.fetch(step, m, version, self._fetch_names)
+        got = self.transport.fetch(step, self.mb_offset + m, version, self._fetch_names)
         for i, stash in got.items():
             self.flight.saved[(step, m, i)] = {k: t.to(self.device) for k, t in stash.items()}
         self.flight.stashed_here.discard((step, m))
@@ -470,7 +492,7 @@ class StageRuntime:
             step, action = nxt
             m = _mb(action)
             version = self._forward_version(step, action.stage, m)
-            self.transport.prefetch(step, m, version, self._fetch_names)
+            self.transport.prefetch(step, self.mb_offset + m, version, self._fetch_names)
 
     def _push_weights(self, action: Action, step: int, it: _Iteration) -> None:
         if self.version + self.plan.staleness >= self.job.steps:
@@ -502,6 +524,15 @@ class StageRuntime:
         """The weights this rank owns (its backward layers), named `layers.{i}.{param}`."""
         return {f"layers.{i}.{name}": p.detach()
                 for i in self.bwd_layers for name, p in self.layers[i].named_parameters()}
+
+    def weights_digest(self) -> str:
+        """BLAKE2b of the owned weights' bytes in name order: equal across groups exactly
+        when their copies of this stage are bit-identical (the coordinator checks it)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name, tensor in sorted(self.owned_weights().items()):
+            digest.update(name.encode())
+            digest.update(raw_view(tensor)[2])
+        return digest.hexdigest()
 
     def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:
         """The owned weights of `version`, kept after its OPT for evaluation (`eval_every`).

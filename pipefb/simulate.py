@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from pipefb.cluster import Cluster, Link
-from pipefb.costs import Profile, kept_bytes
+from pipefb.cluster import Cluster, Link, group_view
+from pipefb.costs import Profile, kept_bytes, ring_allreduce_seconds
 from pipefb.errors import ScheduleError
 from pipefb.memory import KINDS
 from pipefb.plan import Plan, lowered_schedule, recompute_runs, schedule_for
@@ -138,7 +138,8 @@ class _Costs:
         if len(plan.assignment) > cluster.size:
             raise ScheduleError(f"plan needs {len(plan.assignment)} workers, cluster has "
                                 f"{cluster.size}")
-        self.plan, self.cluster = plan, cluster
+        self.plan, self.cluster = plan, group_view(cluster, plan.groups)
+        self.links = cluster  # all groups' workers: the all-reduce crosses them
         self.profile = profile.at(plan.microbatch_size)
         self.topology = plan.topology()
         self.runs = recompute_runs(plan)
@@ -161,11 +162,23 @@ class _Costs:
                 if self.split or self.plan.policy[i] == "offload"]
 
     def compute(self, rank: int, a: Action) -> float:
-        """Seconds of an F, B or OPT on `rank`, overhead excluded."""
+        """Seconds of an F, B or OPT on `rank`, overhead excluded; with several groups an
+        OPT first sums the stage's gradients across them (a ring all-reduce)."""
         key = (rank, a.kind, a.stage)
         if key not in self._compute:
-            self._compute[key] = self._compute_seconds(rank, a) / self.cluster.workers[rank].speed
+            seconds = self._compute_seconds(rank, a) / self.cluster.workers[rank].speed
+            if a.kind is Kind.OPT and self.plan.groups > 1:
+                seconds += self.allreduce_seconds(rank, a.stage)
+            self._compute[key] = seconds
         return self._compute[key]
+
+    def allreduce_seconds(self, rank: int, stage: int) -> float:
+        """The ring all-reduce of backward stage `stage`'s gradients over the groups, on
+        the link from `rank` to the same stage's rank in the next group."""
+        owned = self.profile.param_bytes(self.topology.layers_of_backward(stage))
+        width = len(self.plan.assignment) // self.plan.groups
+        link = self.links.link(rank, rank + width)
+        return ring_allreduce_seconds(owned, self.plan.groups, link)
 
     def _compute_seconds(self, rank: int, a: Action) -> float:
         t = self.topology
@@ -663,6 +676,8 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster, iterations: int = 0
     costs = _Costs(plan, profile, cluster)
     if schedule is None:
         schedule = schedule_for(plan) if check else lowered_schedule(plan)
+    if plan.groups > 1:  # [Note: groups]: every group runs the same program; simulate one
+        schedule = {r: schedule[r] for r in plan.group_ranks()[0] if r in schedule}
     leads = any(a.lead for actions in schedule.values() for a in actions)
     n = iterations or (2 if plan.mode == "sync" and not leads
                        else 4 + plan.staleness + leads)

@@ -168,7 +168,9 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict
             report["timeline"] = timeline(last)
         report["job_id"] = job_id
         status = client.status(job_id)
-        report["plan"] = plan_from_proto(status.plan).to_dict()
+        plan = plan_from_proto(status.plan)
+        report["plan"] = plan.to_dict()
+        report["groups"] = plan.group_ranks()  # the ranks of each pipeline group
         if status.planner_json:
             report["planner"] = json.loads(status.planner_json)
         report["_weights"] = client.weights(job_id)
@@ -194,6 +196,7 @@ def step_dict(msg: Any) -> dict[str, Any]:
         "step": msg.step, "loss": msg.loss, "seconds": msg.seconds,
         "samples_per_second": msg.samples_per_second, "eval": dict(msg.eval),
         "workers": [{"rank": w.rank, "worker_id": w.worker_id, "role": w.role, "stage": w.stage,
+                     "group": w.group,
                      "compute_seconds": w.compute_seconds, "idle_seconds": w.idle_seconds,
                      "peak_memory_bytes": w.peak_memory_bytes,
                      "memory_bytes": dict(w.memory_bytes), "bytes_sent": w.bytes_sent,
@@ -204,7 +207,8 @@ def step_dict(msg: Any) -> dict[str, Any]:
                      "kept_versions": list(w.kept_versions),
                      "kind_peak_bytes": dict(w.kind_peak_bytes),
                      "activation_peak_bytes": w.activation_peak_bytes,
-                     "device_memory_bytes": dict(w.device_memory_bytes)} for w in msg.workers],
+                     "device_memory_bytes": dict(w.device_memory_bytes),
+                     "weights_digest": w.weights_digest} for w in msg.workers],
     }
 
 
@@ -212,7 +216,7 @@ def timeline(msg: Any) -> dict[str, Any]:
     """One step's executed actions per rank, times relative to the step's first action."""
     t0 = min((s.start for w in msg.workers for s in w.spans), default=0.0)
     return {"step": msg.step, "ranks": [
-        {"rank": w.rank, "role": w.role, "stage": w.stage,
+        {"rank": w.rank, "role": w.role, "stage": w.stage, "group": w.group,
          "spans": [[s.action, s.start - t0, s.end - t0] for s in w.spans]}
         for w in msg.workers]}
 

@@ -24,7 +24,7 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         batch_size=job.batch_size, microbatches=job.microbatches, steps=job.steps,
         schedule=job.schedule, workers=job.workers, mode=job.mode,
         staleness=job.staleness, policy=job.policy, eval_every=job.eval_every,
-        plan=job.plan, memory_cap=job.memory_cap, device=job.device,
+        plan=job.plan, memory_cap=job.memory_cap, device=job.device, groups=job.groups,
     )
 
 
@@ -41,6 +41,7 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         steps=spec.steps, schedule=spec.schedule, workers=spec.workers, mode=spec.mode or "sync",
         staleness=spec.staleness, policy=spec.policy, eval_every=spec.eval_every,
         plan=spec.plan, memory_cap=spec.memory_cap, device=spec.device or "cpu",
+        groups=spec.groups or 1,
     )
 
 

@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("job", "plan", "rank", "peers", "store_address", "attempt")
+    __slots__ = ("job", "plan", "rank", "peers", "store_address", "attempt", "rendezvous")
     JOB_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     job: _job_pb2.JobSpec
     plan: _job_pb2.Plan
     rank: int
     peers: _containers.RepeatedScalarFieldContainer[str]
     store_address: str
     attempt: int
-    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    rendezvous: str
+    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., attempt: _Optional[int] = ..., rendezvous: _Optional[str] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("role", "actions", "parameter_bytes")
@@ -43,7 +45,7 @@ class StepRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "losses", "compute_seconds", "idle_seconds", "memory_bytes", "peak_memory_bytes", "bytes_sent", "bytes_stashed", "weight_version", "action_seconds", "spans", "versions", "kept_versions", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes")
+    __slots__ = ("step", "losses", "compute_seconds", "idle_seconds", "memory_bytes", "peak_memory_bytes", "bytes_sent", "bytes_stashed", "weight_version", "action_seconds", "spans", "versions", "kept_versions", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "weights_digest")
     class MemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class StepReply(_message.Message):
     KIND_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     step: int
     losses: _containers.RepeatedScalarFieldContainer[float]
     compute_seconds: float
@@ -104,7 +107,8 @@ class StepReply(_message.Message):
     kind_peak_bytes: _containers.ScalarMap[str, int]
     activation_peak_bytes: int
     device_memory_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, step: _Optional[int] = ..., losses: _Optional[_Iterable[float]] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., peak_memory_bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., weight_version: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[ActionSpan, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionTag, _Mapping]]] = ..., kept_versions: _Optional[_Iterable[int]] = ..., kind_peak_bytes: _Optional[_Mapping[str, int]] = ..., activation_peak_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    weights_digest: str
+    def __init__(self, step: _Optional[int] = ..., losses: _Optional[_Iterable[float]] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., peak_memory_bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., weight_version: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[ActionSpan, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionTag, _Mapping]]] = ..., kept_versions: _Optional[_Iterable[int]] = ..., kind_peak_bytes: _Optional[_Mapping[str, int]] = ..., activation_peak_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[_Mapping[str, int]] = ..., weights_digest: _Optional[str] = ...) -> None: ...
 
 class VersionTag(_message.Message):
     __slots__ = ("action", "step", "version")

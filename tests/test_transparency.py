@@ -55,15 +55,15 @@ def run_on_cluster(client: Any, job: JobConfig) -> tuple[list[Any], dict[str, to
     return reports, client.weights(job_id)
 
 
-def assert_same_training(job: JobConfig, reports: list[Any], weights: dict[str, torch.Tensor]
-                         ) -> None:
+def assert_same_training(job: JobConfig, reports: list[Any], weights: dict[str, torch.Tensor],
+                         atol: float = 1e-7) -> None:
     want_losses, want_weights = reference(job)
     got_losses = [r.loss for r in reports]
     torch.testing.assert_close(torch.tensor(got_losses, dtype=torch.float64),
                                torch.tensor(want_losses, dtype=torch.float64), rtol=1e-5, atol=0)
     assert sorted(weights) == sorted(want_weights)
     for name, want in want_weights.items():
-        torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

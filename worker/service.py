@@ -13,7 +13,10 @@ import torch
 
 from offload_store import OffloadStore, connect
 from pipefb import codec
+from pipefb.allreduce import GroupAllReduce, rendezvous_key
+from pipefb.config import job_device
 from pipefb.errors import Aborted, CodecError, ConfigError
+from pipefb.plan import Plan
 from pipefb.profiler import measure_profile
 from pipefb.runtime import StageRuntime
 from pipefb.schedule import Kind
@@ -92,6 +95,7 @@ class Assigned:
     transport: GrpcTransport
     inbox: Inbox
     gate: StepGate
+    reducer: GroupAllReduce | None = None  # with several groups, on ranks that own weights
 
 
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
@@ -118,11 +122,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         store = (OffloadStore(connect(request.store_address), job.job_id, request.attempt)
                  if request.store_address else None)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox)
-        runtime = StageRuntime(job, plan, request.rank, transport)
+        reducer = _join_group(request, plan, job_device(job))
+        runtime = StageRuntime(job, plan, request.rank, transport, reducer)
         with self._lock:
             self._drop("reassigned")
             self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
-                                      StepGate())
+                                      StepGate(), reducer)
         log.info("assigned job %s rank %d as %s", job.job_id, request.rank, runtime.role)
         return worker_pb2.AssignReply(role=runtime.role, actions=[str(a) for a in runtime.actions],
                                       parameter_bytes=runtime.param_bytes)
@@ -143,7 +148,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                       for a, t, v in r.versions],
             kept_versions=r.kept_versions, kind_peak_bytes=r.kind_peak_bytes,
             activation_peak_bytes=r.activation_peak_bytes,
-            device_memory_bytes=r.device_memory_bytes,
+            device_memory_bytes=r.device_memory_bytes, weights_digest=r.weights_digest,
         )
 
     def _check(self, transfer: tensor_pb2.Transfer, kinds: tuple[str, ...]) -> Assigned:
@@ -242,4 +247,25 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 log.warning("a step of job %s still runs after %.0f s", self._assigned.job_id,
                             DRAIN_WAIT_SECONDS)
             self._assigned.transport.close()
+            if self._assigned.reducer is not None:
+                self._assigned.reducer.close()
             self._assigned = None
+
+
+def _join_group(request: worker_pb2.AssignRequest, plan: Plan, device: torch.device
+                ) -> GroupAllReduce | None:
+    """With several groups, a rank that owns a backward stage joins that stage's all-reduce
+    group (one rank per group) at the coordinator's rendezvous; blocks until all have."""
+    if plan.groups == 1:
+        return None
+    mine = [a for a in plan.assignment if a.rank == request.rank]
+    if not mine:
+        raise ConfigError(f"rank {request.rank} is not in the plan")
+    if mine[0].role == "forward":
+        return None
+    if not request.rendezvous:
+        raise ConfigError(f"a plan of {plan.groups} groups needs a rendezvous address")
+    key = rendezvous_key(request.job.job_id, request.attempt, mine[0].stage)
+    own_host = request.peers[request.rank].rpartition(":")[0]
+    return GroupAllReduce(request.rendezvous, key, mine[0].group, plan.groups, device,
+                          bind_host=own_host)

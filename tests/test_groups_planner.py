@@ -1,0 +1,83 @@
+"""The planner's choice of the number of pipeline groups: its training-time model against
+exhaustive search, on described clusters of 4 to 64 workers (nothing runs here)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipefb.cluster import Cluster, Link
+from pipefb.costs import LayerProfile, Profile
+from pipefb.errors import ConfigError
+from pipefb.groups import group_counts, grouped, search_groups
+from pipefb.plan import balanced_plan
+from pipefb.schedule import Kind
+from pipefb.simulate import Simulation, simulate
+
+
+def _profile(seed: int, n: int) -> Profile:
+    """n layers of 0.1-2 ms forward, 0.2-4 ms backward and 4-64 MB of parameters each:
+    heavy enough that the all-reduce competes with the bubble."""
+    rng = random.Random(seed)
+    layers = tuple(LayerProfile(f"l{i}", rng.uniform(1e-4, 2e-3), rng.uniform(2e-4, 4e-3),
+                                rng.randrange(1, 1 << 16), rng.randrange(1 << 16, 1 << 20),
+                                rng.randrange(1 << 16, 1 << 20), rng.randrange(1 << 22, 1 << 26))
+                   for i in range(n))
+    return Profile(4, layers, optimizer_seconds_per_byte=1e-11, optimizer_state_ratio=2.0)
+
+
+@pytest.mark.parametrize("workers", [4, 8, 16, 32, 64])
+def test_model_choice_of_groups_is_within_5_percent_of_exhaustive_search(workers: int) -> None:
+    profile = _profile(workers, max(workers, 16))
+    cluster = Cluster.uniform(workers, network=Link(12e9, 2e-5), store=Link(12e9, 2e-5))
+    result = search_groups(profile, cluster, 128, exhaustive=True)
+    assert [c.groups for c in result.choices] == group_counts(workers, 128, profile.n_layers)
+    assert all(c.plan is not None for c in result.choices)
+    assert result.by_model.step_seconds <= 1.05 * result.best.step_seconds
+    assert result.plan.groups == result.best.groups
+    assert len(result.plan.assignment) == workers
+    if workers == 8:  # without exhaustive, the planner returns exactly the model's choice
+        assert search_groups(profile, cluster, 128).best == result.by_model
+
+
+def test_allreduce_makes_many_small_groups_lose_on_a_slow_network() -> None:
+    """1 GB/s between workers: summing 64 MB stages over 8 replicas costs more than the
+    bubble it saves, so data parallelism loses to deeper pipelines."""
+    profile = _profile(1, 16)
+    fast = Cluster.uniform(8, network=Link(100e9, 1e-6), store=Link(12e9, 2e-5))
+    slow = Cluster.uniform(8, network=Link(1e9, 1e-4), store=Link(12e9, 2e-5))
+    on_fast = search_groups(profile, fast, 128, exhaustive=True)
+    on_slow = search_groups(profile, slow, 128, exhaustive=True)
+    assert on_slow.best.groups < on_fast.best.groups
+    pure_dp = {c.groups: c for c in on_slow.choices}[8]
+    assert pure_dp.step_seconds > on_slow.best.step_seconds
+
+
+def test_simulated_optimizer_steps_add_exactly_the_ring_allreduce() -> None:
+    """Two groups of one 1f1b pipeline: each stage's OPT lasts its optimizer time plus
+    2 (G-1) link transfers of 1/G of its gradients, and the step grows by at least the
+    smaller of the two all-reduces."""
+    profile = _profile(2, 4)
+    link = Link(1e9, 1e-4)
+    one = balanced_plan("1f1b", 2, [1.0] * 4, 8, 4)
+    alone = simulate(one, profile, Cluster.uniform(2, network=link, store=link))
+    two = simulate(grouped(one, 2), profile, Cluster.uniform(4, network=link, store=link))
+    assert sorted({s.rank for s in two.spans}) == [0, 1]  # one group simulated for all
+
+    def opt_seconds(sim: Simulation, rank: int) -> float:
+        return next(s.end - s.start for s in sim.spans
+                    if s.rank == rank and s.action.kind is Kind.OPT)
+
+    ring = []
+    for stage in range(2):
+        owned = profile.param_bytes(one.topology().layers_of_backward(stage))
+        ring.append(2 * (link.latency + owned / 2 / link.bandwidth))
+        assert opt_seconds(two, stage) == pytest.approx(opt_seconds(alone, stage) + ring[-1],
+                                                        rel=1e-9)
+    assert two.step_seconds >= alone.step_seconds + min(ring)
+
+
+def test_group_counts_that_do_not_divide_are_refused() -> None:
+    with pytest.raises(ConfigError, match="groups 3 must divide the workers"):
+        search_groups(_profile(0, 8), Cluster.uniform(4), 12, groups=[3])
