@@ -33,7 +33,7 @@ from pipefb.errors import ConfigError, ScheduleError, WorkerFailed
 from pipefb.evaluate import evaluate
 from pipefb.insitu import fit, median_action_seconds
 from pipefb.plan import Plan, balanced_plan, schedule_for
-from pipefb.planning import job_cluster, plan_job, summary
+from pipefb.planning import job_cluster, label, plan_job, summary
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_to_proto, plan_to_proto
 
@@ -209,7 +209,7 @@ class Driver:
         job.costs = (profile, cluster)
         job.planner = {**summary(result), "profile": profile.to_dict(),
                        "speeds": speeds}
-        log.info("job %s: planned %s, predicted %.2f ms/step", job.job_id, result.best.label,
+        log.info("job %s: planned %s, predicted %.2f ms/step", job.job_id, label(result),
                  result.best.step_seconds * 1e3)
         return result.plan
 

@@ -66,10 +66,21 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, choices=DEVICES,
                    help="where workers compute: cpu, or cuda (each worker's current CUDA "
                         "device; several workers may share one GPU)")
-    p.add_argument("--groups", type=int, default=d.groups,
+    p.add_argument("--groups", type=_groups, default=None,
                    help="pipeline groups, data-parallel across groups: each runs the same "
                         "stages on workers/G workers and microbatches/G micro-batches, and "
-                        "gradients are summed across groups before each optimizer step")
+                        "gradients are summed across groups before each optimizer step; "
+                        "auto (the default with --plan auto; else 1): the planner picks G")
+
+
+def _groups(text: str) -> int:
+    """`--groups`: a count, or auto (0: the planner picks)."""
+    if text == "auto":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a group count or auto") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,8 +131,11 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     values = dict(base or {})
     for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
-                 "policy", "eval_every", "plan", "job_id", "device", "groups"):
+                 "policy", "eval_every", "plan", "job_id", "device"):
         values.setdefault(name, getattr(args, name))
+    if args.groups is not None or "groups" not in values:  # default: auto with --plan auto
+        values["groups"] = (args.groups if args.groups is not None
+                            else 0 if values.get("plan") == "auto" else 1)
     if args.schedule is not None or "schedule" not in values:
         auto = values.get("plan") == "auto" and args.schedule is None
         values["schedule"] = args.schedule or ("auto" if auto else JobConfig().schedule)
@@ -165,7 +179,14 @@ def cmd_local_train(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`pipefb plan`: profile, search and simulate; print the candidates, write the timeline."""
-    from pipefb.planning import candidates_table, job_cluster, summary, write_timeline
+    from pipefb.planning import (
+        candidates_table,
+        groups_table,
+        job_cluster,
+        label,
+        summary,
+        write_timeline,
+    )
 
     args.plan = "auto"  # schedule defaults to auto: every kind
     job = job_from_args(args)
@@ -193,9 +214,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    console.print(candidates_table(result, job.batch_size))
+    console.print(groups_table(result, job.batch_size))
+    console.print(candidates_table(result, job.batch_size // result.best.groups))
     p = result.plan
-    console.print(f"chosen: {result.best.label}, predicted {result.best.step_seconds * 1e3:.2f}"
+    console.print(f"chosen: {label(result)}, predicted {result.best.step_seconds * 1e3:.2f}"
                   f" ms/step, peak {data['predicted_peak_memory_bytes'] / 2**20:.1f} MiB, "
                   f"bubble {result.simulation.bubble_fraction:.0%}; forward partition "
                   f"{list(p.forward_partition)}, backward {list(p.backward_partition)}; "

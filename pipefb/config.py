@@ -66,7 +66,7 @@ class JobConfig:
     plan: str = ""  # "" or even: balanced by parameter count; auto: profile, search, simulate
     memory_cap: int = 0  # plan auto: bytes each worker may hold; 0: the cluster's caps
     device: str = "cpu"  # where workers hold layers, activations and optimizer state
-    groups: int = 1  # pipeline groups, data-parallel across groups; divides workers, microbatches
+    groups: int = 1  # pipeline groups, data-parallel across groups; 0 with plan auto: it picks
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -123,9 +123,11 @@ class JobConfig:
     def _check_groups(self) -> None:
         """Each of `groups` pipelines takes an equal share of the workers and micro-batches."""
         g = self.groups
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise ConfigError(f"groups {g!r} must be an integer >= 1")
-        if g == 1 or self.schedule == "single":
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ConfigError(f"groups {g!r} must be an integer >= 1 (or 0: auto)")
+        if g == 0 and self.plan != AUTO:
+            raise ConfigError("groups 0 (auto: the planner picks) needs --plan auto")
+        if g <= 1 or self.schedule == "single":
             return
         if self.workers % g:
             raise ConfigError(f"groups {g} does not divide workers {self.workers}")

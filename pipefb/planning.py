@@ -2,7 +2,8 @@
 search, and how the result is shown (table, JSON, timelines).
 
 Shared by `pipefb plan` and the coordinator's `plan: auto`; the search itself is
-`pipefb.planner.search`.
+`pipefb.groups.search_groups` (the number of pipeline groups) over `pipefb.planner.search`
+(one group's plan).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pipefb.cluster import Cluster, WorkerSpec
 from pipefb.config import AUTO, JobConfig
 from pipefb.costs import Profile
 from pipefb.errors import ConfigError
-from pipefb.planner import PlanSearch, search
+from pipefb.groups import GroupSearch, search_groups
 from pipefb.schedule import KINDS
 
 
@@ -47,32 +48,65 @@ def job_cluster(cluster: Cluster, workers: int, speeds: Sequence[float] | None =
     return replace(cluster, workers=tuple(specs))
 
 
-def plan_job(job: JobConfig, profile: Profile, cluster: Cluster) -> PlanSearch:
-    """Searches the plans `job` allows on `cluster` (see `pipefb.planner.search`)."""
-    return search(profile, cluster, job.batch_size, schedules=job_schedules(job),
-                  mode=job.mode, staleness=job.staleness)
+def plan_job(job: JobConfig, profile: Profile, cluster: Cluster) -> GroupSearch:
+    """Searches the plans `job` allows on `cluster`: the number of groups it names, or
+    (groups 0) every count the training-time model ranks best (`pipefb.groups`)."""
+    return search_groups(profile, cluster, job.batch_size, schedules=job_schedules(job),
+                         mode=job.mode, staleness=job.staleness,
+                         groups=[job.groups] if job.groups else None)
 
 
-def summary(result: PlanSearch) -> dict[str, Any]:
-    """The JSON `pipefb plan --json` prints and report.json keeps under `planner`."""
+def summary(result: GroupSearch) -> dict[str, Any]:
+    """The JSON `pipefb plan --json` prints and report.json keeps under `planner`.
+
+    Peaks by rank cover the first group: every group runs the same program.
+    """
     peaks = result.simulation.peak_memory
     return {"plan": result.plan.to_dict(),
             "predicted_step_seconds": result.best.step_seconds,
             "predicted_peak_memory_bytes": max(peaks.values(), default=0),
             "predicted_peak_memory_by_rank": {str(r): b for r, b in sorted(peaks.items())},
             "bubble_fraction": result.simulation.bubble_fraction,
-            "candidates": [c.row() for c in result.candidates],
+            "groups": result.best.groups,
+            "group_candidates": [c.row(result.plan.microbatch_size * result.plan.microbatches
+                                       * result.plan.groups) for c in result.choices],
+            "candidates": [c.row() for c in result.search.candidates],
             "timeline": result.simulation.timeline()}
 
 
-def candidates_table(result: PlanSearch, batch_size: int, limit: int = 12) -> Table:
-    """The best candidates as a rich table; the chosen one first."""
-    table = Table(title="plans considered (simulated; best first)")
+def label(result: GroupSearch) -> str:
+    """The chosen plan in a few words, e.g. `1f1b sync, M=4 x 2 groups`."""
+    groups = result.best.groups
+    return result.search.best.label + (f" x {groups} groups" if groups > 1 else "")
+
+
+def groups_table(result: GroupSearch, batch_size: int) -> Table:
+    """Every group count: the training-time model's time and, where searched, the
+    simulated one."""
+    table = Table(title="pipeline groups (data-parallel across groups)")
+    for name in ("groups", "each group", "model ms", "simulated ms", "samples/s", "note"):
+        table.add_column(name, justify="right" if "ms" in name or name in (
+            "groups", "samples/s") else "left")
+    for c in result.choices:
+        row = c.row(batch_size)
+        done = math.isfinite(c.step_seconds)
+        table.add_row(str(c.groups), row["per_group"], f"{row['model_ms']:.2f}",
+                      f"{row['simulated_ms']:.2f}" if done else "-",
+                      f"{row['samples_per_second']:.1f}" if done else "-",
+                      "chosen" if c.groups == result.best.groups else c.note or "slower")
+    return table
+
+
+def candidates_table(result: GroupSearch, batch_size: int, limit: int = 12) -> Table:
+    """The chosen group count's candidates for one group as a rich table; the chosen one
+    first (samples/s per group: `batch_size` is the group's share)."""
+    table = Table(title=f"plans considered for one of {result.best.groups} group(s) "
+                        "(simulated; best first)")
     for name in ("candidate", "step ms", "samples/s", "peak MiB", "bubble", "partition",
                  "policy", "note"):
         table.add_column(name, justify="right" if name in ("step ms", "samples/s",
                                                            "peak MiB", "bubble") else "left")
-    for c in result.candidates[:limit]:
+    for c in result.search.candidates[:limit]:
         done = math.isfinite(c.step_seconds)
         row = c.row()
         parts = (str(row["forward_partition"]) if row["forward_partition"] ==
@@ -86,12 +120,13 @@ def candidates_table(result: PlanSearch, batch_size: int, limit: int = 12) -> Ta
     return table
 
 
-def write_timeline(result: PlanSearch, path: Path, measured: dict[str, Any] | None = None
+def write_timeline(result: GroupSearch, path: Path, measured: dict[str, Any] | None = None
                    ) -> Path:
-    """The simulated timeline of the chosen plan, beside a measured one when given."""
+    """The simulated timeline of the chosen plan (its first group), beside a measured one
+    when given."""
     from pipefb.report import plot_timelines
 
-    panels = [(f"simulated: {result.best.label}, "
+    panels = [(f"simulated: {label(result)}, "
                f"{result.best.step_seconds * 1e3:.1f} ms/step", result.simulation.timeline())]
     if measured is not None:
         panels.append((f"measured: step {measured['step']}", measured))

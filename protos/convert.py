@@ -41,7 +41,7 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         steps=spec.steps, schedule=spec.schedule, workers=spec.workers, mode=spec.mode or "sync",
         staleness=spec.staleness, policy=spec.policy, eval_every=spec.eval_every,
         plan=spec.plan, memory_cap=spec.memory_cap, device=spec.device or "cpu",
-        groups=spec.groups or 1,
+        groups=spec.groups or (0 if spec.plan == "auto" else 1),
     )
 
 

@@ -38,7 +38,8 @@ def test_groups_replicate_the_pipeline_on_consecutive_ranks() -> None:
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"groups": 0}, "groups 0 must be an integer >= 1"),
+    ({"groups": -1}, "groups -1 must be an integer >= 1"),
+    ({"groups": 0}, "groups 0 .auto: the planner picks. needs --plan auto"),
     ({"groups": 3, "workers": 4}, "groups 3 does not divide workers 4"),
     ({"groups": 2, "workers": 4, "microbatches": 3, "batch_size": 6},
      "groups 2 does not divide microbatches 3"),
