@@ -63,10 +63,12 @@ class CoordinatorMetrics:
                          self.restarts)
 
     def job_started(self, job: str) -> None:
-        """Exports the job's counters (0 so far) and its prediction before any step."""
+        """Exports the job's counters (0 so far), its prediction (none yet) and the store's
+        memory before any step."""
         self.migrations.labels(job)
         self.restarts.labels(job)
         self.predicted.labels(job).set(0.0)
+        self.read_store()
 
     def step_done(self, report: coordinator_pb2.StepReport, predicted_seconds: float) -> None:
         """Updates the job's metrics from a step report, then reads the store's memory."""
