@@ -26,7 +26,7 @@ from coordinator.service import CoordinatorServicer
 from offload_store.server import _free_port as free_port
 from pipefb.config import JobConfig
 from pipefb.memory import KINDS
-from protos import coordinator_pb2, coordinator_pb2_grpc, server
+from protos import coordinator_pb2, coordinator_pb2_grpc, server, worker_pb2
 from protos.metrics import MetricsInterceptor, port_or_none
 
 JOB = JobConfig(model="mlp", model_config={"hidden": 32, "depth": 2}, dataset="digits",
@@ -306,3 +306,22 @@ def test_metrics_flags_and_env(module: str, monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(SystemExit) as info:
         parse([*base, "--metrics-port", "http"])
     assert info.value.code == 2
+
+
+def test_weight_version_lag_and_bubble_of_a_report() -> None:
+    from coordinator.metrics import bubble_fraction, weight_version_lag
+
+    def tags(action: str, version: int) -> list[worker_pb2.VersionTag]:
+        return [worker_pb2.VersionTag(action=action, step=5, version=version)]
+
+    # async PipeFB, staleness 2, step 5: forwards use version 3; the owner makes version 6
+    report = coordinator_pb2.StepReport(workers=[
+        coordinator_pb2.WorkerStepStats(role="forward", weight_version=3, versions=tags("0F0", 3),
+                                        compute_seconds=0.3, idle_seconds=0.1),
+        coordinator_pb2.WorkerStepStats(role="backward", weight_version=6,
+                                        versions=tags("0B0", 3), compute_seconds=0.5,
+                                        idle_seconds=0.1)])
+    assert weight_version_lag(report) == 3
+    assert bubble_fraction(report) == pytest.approx(0.2 / 1.0)
+    assert weight_version_lag(coordinator_pb2.StepReport()) == 0
+    assert bubble_fraction(coordinator_pb2.StepReport()) == 0
