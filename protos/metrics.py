@@ -17,6 +17,8 @@ from typing import Any
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 
+from protos.server import wrap_handler
+
 # Seconds an RPC took: health checks and Step calls take milliseconds, the long-lived
 # tensor streams and Train follow a whole job.
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -46,19 +48,9 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             ["grpc_service", "grpc_method"], buckets=RPC_BUCKETS, registry=registry)
 
     def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None:
-            return None
         names = split_method(details.method)
-        if handler.unary_unary:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary, names))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=self._unary(handler.stream_unary, names))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=self._stream(handler.unary_stream, names))
-        if handler.stream_stream:
-            return handler._replace(stream_stream=self._stream(handler.stream_stream, names))
-        return handler
+        return wrap_handler(continuation(details), lambda fn: self._unary(fn, names),
+                            lambda fn: self._stream(fn, names))
 
     def _record(self, names: tuple[str, str], started: float, context: grpc.ServicerContext,
                 failed: bool) -> None:
