@@ -8,10 +8,11 @@ import os
 from pathlib import Path
 
 from coordinator.driver import Driver
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
 from pipefb.cluster import Cluster
-from protos import coordinator_pb2_grpc, server
+from protos import coordinator_pb2_grpc, metrics, server
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="port of the all-reduce rendezvous of multi-group jobs (0: any free)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat before a worker counts as dead")
+    metrics.add_metrics_flags(p)
     args = p.parse_args(argv)
     if not args.store:
         p.error("--store (or PIPEFB_STORE) is required")
@@ -45,14 +47,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     registry = Registry(timeout_seconds=args.heartbeat_timeout)
     cluster = Cluster.load(args.cluster) if args.cluster else None
+    interceptors, url = metrics.start_from_args(args)
+    observer = CoordinatorMetrics(registry, args.store) if url else None
     host = args.listen.rsplit(":", 1)[0]
-    driver = Driver(registry, args.store, cluster=cluster, rendezvous_host=host,
-                    rendezvous_advertise=args.advertise, rendezvous_port=args.rendezvous_port)
+    driver = Driver(registry, args.store, cluster=cluster, metrics=observer,
+                    rendezvous_host=host, rendezvous_advertise=args.advertise,
+                    rendezvous_port=args.rendezvous_port)
     servicer = CoordinatorServicer(registry, driver)
     srv, port, health = server.create_server(
-        lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen)
+        lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen,
+        interceptors=interceptors)
     server.ready(health)
     print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)
+    metrics.announce(url)
     server.serve_until_signal(srv)
 
 

@@ -21,6 +21,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.profiling import profile_workers
 from coordinator.registry import Registry, WorkerRecord
 from coordinator.rendezvous import Rendezvous
@@ -108,11 +109,13 @@ class Driver:
 
     def __init__(self, registry: Registry, store_address: str,
                  worker_wait_seconds: float = 120.0, cluster: Cluster | None = None,
+                 metrics: CoordinatorMetrics | None = None,
                  rendezvous_host: str = "127.0.0.1", rendezvous_advertise: str = "",
                  rendezvous_port: int = 0) -> None:
         self.registry, self.store_address = registry, store_address
         self.worker_wait_seconds = worker_wait_seconds
         self.cluster = cluster  # what plan "auto" assumes of links, store and caps
+        self.metrics = metrics  # sees every job's start and step reports
         # where the all-reduce rendezvous of multi-group jobs listens and how workers reach
         # it; opened by the first such job, shared by all (keys are per job and attempt)
         self.rendezvous_at = (rendezvous_host, rendezvous_advertise or rendezvous_host,
@@ -140,6 +143,8 @@ class Driver:
         stash keys deleted, so no late stash outlives the job.
         """
         ranks: Ranks | None = None
+        if self.metrics is not None:
+            self.metrics.job_started(job.job_id)
         try:
             job.workers = self._wait_for_workers(job)
             ranks = Ranks.connect(job.workers)
@@ -220,6 +225,8 @@ class Driver:
             every = job.config.eval_every
             if every and (step + 1) % every == 0 and step + 1 < job.config.steps:
                 report.eval.update(self._evaluate(job, ranks, step + 1))
+            if self.metrics is not None:
+                self.metrics.step_done(report, job.planner.get("predicted_step_seconds", 0.0))
             with job.cond:
                 job.reports.append(report)
                 job.step = step + 1

@@ -69,6 +69,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         finished = [j for j in self._jobs.values() if j.state in TERMINAL]
         for job in finished[:max(0, len(finished) - KEEP_FINISHED_JOBS)]:
             del self._jobs[job.job_id]
+            if self.driver.metrics is not None:
+                self.driver.metrics.forget(job.job_id)
 
     def Train(self, request: coordinator_pb2.TrainRequest, context: grpc.ServicerContext
               ) -> Iterator[coordinator_pb2.StepReport]:

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--threads", type=int, default=0,
                        help="torch threads per process, workers and single alike "
                             "(default: cores / workers)")
+    train.add_argument("--metrics", action="store_true",
+                       help="the coordinator and workers serve Prometheus /metrics on free "
+                            "ports; prints each URL and keeps them in OUT/logs/cluster.json")
     submit = sub.add_parser("submit", help="submit a job to a running coordinator")
     submit.add_argument("--coordinator", required=True, help="host:port")
     submit.add_argument("job_file", nargs="?", type=Path, help="JSON/YAML job (flags override)")
@@ -174,7 +177,8 @@ def cmd_local_train(args: argparse.Namespace) -> int:
     job_device(job)  # every process of a local run shares this machine's devices
     if args.threads < 0:
         raise ConfigError(f"--threads {args.threads} must be >= 0")
-    return run_local(job, args.out, progress=not args.no_progress, threads=args.threads)
+    return run_local(job, args.out, progress=not args.no_progress, threads=args.threads,
+                     metrics=args.metrics)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -1,5 +1,8 @@
 """A local cluster of real processes on 127.0.0.1: Redis, a coordinator and N workers.
 
+With `metrics`, the coordinator and the workers serve Prometheus /metrics on free ports
+(their `--metrics-port 0`); their `metrics URL` lines give the URLs.
+
 Only subprocesses: the core stays free of grpc and redis. Every process is stopped on
 exit, on Ctrl-C and on failure; children also get SIGTERM if this process dies
 (PR_SET_PDEATHSIG on Linux).
@@ -47,10 +50,12 @@ def default_threads(workers: int) -> int:
 
 
 class Process:
-    """One child process that prints `ready ADDRESS` once it serves."""
+    """One child process that prints `ready ADDRESS` once it serves (and then
+    `metrics URL` when it serves metrics)."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> None:
-        self.name = name
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str],
+                 metrics: bool = False) -> None:
+        self.name, self.metrics = name, metrics
         self.log_path = log_dir / f"{name}.log"
         with self.log_path.open("w") as log:
             self.popen = subprocess.Popen(
@@ -60,7 +65,7 @@ class Process:
         assert self.popen.stdout is not None
         threading.Thread(target=_read_ready, args=(self.popen.stdout, self._lines),
                          daemon=True).start()
-        self.address = ""
+        self.address = self.metrics_url = ""
 
     @property
     def pid(self) -> int:
@@ -68,20 +73,35 @@ class Process:
         return self.popen.pid
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> str:
-        """Waits for the `ready ADDRESS` line; raises RuntimeError with the log tail."""
+        """Waits for the `ready ADDRESS` line (and the `metrics URL` line if the process
+        serves metrics); raises RuntimeError with the log tail."""
         deadline = time.monotonic() + timeout
+        self.address = self._wait_for("ready", deadline)
+        if self.metrics:
+            self.metrics_url = self._wait_for("metrics", deadline)
+        return self.address
+
+    def _wait_for(self, word: str, deadline: float) -> str:
+        """The value of the next stdout line `WORD VALUE`."""
         while time.monotonic() < deadline:
             try:
                 line = self._lines.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if line.startswith("ready "):
-                self.address = line.split()[1]
-                return self.address
+            if line.startswith(f"{word} "):
+                return line.split()[1]
             if line == "":
                 break
         raise RuntimeError(f"{self.name} did not start (exit {self.popen.poll()}): "
                            f"{self.log_tail()}")
+
+    def manifest(self) -> dict[str, int | str]:
+        """Its entry in cluster.json: pid, address, log (and metrics, its /metrics URL)."""
+        entry: dict[str, int | str] = {"pid": self.pid, "address": self.address,
+                                       "log": str(self.log_path)}
+        if self.metrics_url:
+            entry["metrics"] = self.metrics_url
+        return entry
 
     def log_tail(self, lines: int = 5) -> str:
         """Last lines of the process's log, joined."""
@@ -102,12 +122,13 @@ class Process:
 
 
 class LocalCluster:
-    """Context manager: the offload store, a coordinator and `workers` workers, all local."""
+    """Context manager: the offload store, a coordinator and `workers` workers, all local;
+    with `metrics`, the coordinator and workers serve /metrics (Redis has no exporter)."""
 
     def __init__(self, workers: int, log_dir: Path, *, store_maxmemory: str = "2gb",
                  threads: int = 0, extra_env: dict[str, str] | None = None,
-                 cluster_file: Path | None = None) -> None:
-        self.n_workers, self.log_dir = workers, log_dir
+                 cluster_file: Path | None = None, metrics: bool = False) -> None:
+        self.n_workers, self.log_dir, self.metrics = workers, log_dir, metrics
         self.cluster_file = cluster_file  # the coordinator's --cluster (plan "auto")
         self.store_maxmemory = store_maxmemory
         threads = threads or default_threads(workers)
@@ -130,8 +151,12 @@ class LocalCluster:
                  tb: TracebackType | None) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: list[str]) -> Process:
-        proc = Process(name, args, self.log_dir, self.env)
+    def _spawn(self, name: str, args: list[str], *, service: bool = False) -> Process:
+        """Starts a process; a service (coordinator, worker) gets `--metrics-port` 0 with
+        metrics, else empty, which overrides a PIPEFB_METRICS_PORT in the environment."""
+        if service:
+            args = [*args, "--metrics-port", "0" if self.metrics else ""]
+        proc = Process(name, args, self.log_dir, self.env, metrics=service and self.metrics)
         self.processes.append(proc)
         return proc
 
@@ -141,27 +166,31 @@ class LocalCluster:
         self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0",
                                            "--maxmemory", self.store_maxmemory]).wait_ready()
         extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
-        self.coordinator = self._spawn("coordinator", ["-m", "coordinator", "--listen",
-                                                       "127.0.0.1:0", "--store", self.store,
-                                                       *extra]).wait_ready()
+        self.coordinator = self._spawn("coordinator", [
+            "-m", "coordinator", "--listen", "127.0.0.1:0", "--store", self.store, *extra],
+            service=True).wait_ready()
         workers = [self.add_worker(i) for i in range(self.n_workers)]
         for proc in workers:
             proc.wait_ready()
         self.write_manifest()
 
     def write_manifest(self) -> Path:
-        """Writes `cluster.json` (name -> pid, address, log) beside the logs."""
+        """Writes `cluster.json` (name -> pid, address, log, and the /metrics URL of each
+        process that serves one) beside the logs."""
         path = self.log_dir / "cluster.json"
-        path.write_text(json.dumps({p.name: {"pid": p.pid, "address": p.address,
-                                             "log": str(p.log_path)} for p in self.processes},
+        path.write_text(json.dumps({p.name: p.manifest() for p in self.processes},
                                    indent=2) + "\n")
         return path
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Process name -> /metrics URL of every process that serves one."""
+        return {p.name: p.metrics_url for p in self.processes if p.metrics_url}
+
     def add_worker(self, index: int) -> Process:
         """Starts one more worker registering with the coordinator (not waited for)."""
-        return self._spawn(f"worker-{index}", ["-m", "worker", "--listen", "127.0.0.1:0",
-                                               "--coordinator", self.coordinator,
-                                               "--name", f"worker-{index}"])
+        return self._spawn(f"worker-{index}", [
+            "-m", "worker", "--listen", "127.0.0.1:0", "--coordinator", self.coordinator,
+            "--name", f"worker-{index}"], service=True)
 
     def workers(self) -> list[Process]:
         """The worker processes, in start order."""

@@ -55,6 +55,8 @@ class StepResult:
     kind_peak_bytes: dict[str, int]  # each kind's own peak during the step
     activation_peak_bytes: int  # peak of activations + stashed during the step
     device_memory_bytes: dict[str, int]  # CUDA allocator statistics (DeviceMemory); {} on cpu
+    samples: int  # samples this rank's F (B on a backward rank) actions processed
+    phase_seconds: list[tuple[str, float]]  # (forward|backward|recompute, seconds) per action
     weights_digest: str = ""  # several groups: digest of the owned weights after the step
 
 
@@ -94,6 +96,9 @@ class _Iteration:
     spans: list[tuple[str, float, float]] = field(default_factory=list)
     versions: list[tuple[str, int, int]] = field(default_factory=list)
     stashed: int = 0
+    samples: int = 0
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    recompute: float = 0.0  # seconds re-running forwards inside B actions so far
 
 
 class StageRuntime:
@@ -149,6 +154,8 @@ class StageRuntime:
         self.param_bytes = tensor_bytes(params)
         self._param_storage = {p.untyped_storage().data_ptr() for p in params}
         self._grad_bytes = self._optimizer_bytes = 0  # updated where they change
+        # the action that counts a micro-batch's samples: each is counted once per rank
+        self._sample_kind = Kind.F if self.fwd_stage is not None else Kind.B
         self._handlers: dict[Kind, Callable[[Action, int, _Iteration], None]] = {
             Kind.F: self._forward, Kind.B: self._backward, Kind.OPT: self._optimizer_step,
             Kind.SEND_F: self._send_activation, Kind.RECV_F: self._recv_activation,
@@ -238,13 +245,14 @@ class StageRuntime:
         self.device_memory.reset_peak()
         todo = iteration(self.actions, step, self.job.steps)
         for index, (at, action) in enumerate(todo):
-            wall, started = time.time(), time.perf_counter()
+            wall, started, recomputed = time.time(), time.perf_counter(), it.recompute
             self._handlers[action.kind](action, at, it)
             if action.kind in COMPUTE:
                 self.device_memory.synchronize()  # time the kernels, not their launch
             if action.kind is Kind.FETCH and self.role == "combined":
                 self._prefetch_next(todo, index)
             elapsed = time.perf_counter() - started
+            self._count_phase(action.kind, elapsed, it.recompute - recomputed, it)
             label = str(Action(action.stage, action.kind, action.microbatch, at - step))
             it.spans.append((label, wall, wall + elapsed))
             it.by_kind[action.kind] = it.by_kind.get(action.kind, 0.0) + elapsed
@@ -274,8 +282,22 @@ class StageRuntime:
             kind_peak_bytes=dict(self.memory.peak_each),
             activation_peak_bytes=self.memory.peak_activation,
             device_memory_bytes=self.device_memory.snapshot(),
+            samples=it.samples,
+            phase_seconds=it.phases,
             weights_digest=self.weights_digest() if self.reducer is not None else "",
         )
+
+    def _count_phase(self, kind: Kind, elapsed: float, recompute: float, it: _Iteration
+                     ) -> None:
+        """Records an F or B action's compute phases (a B's recompute apart) and samples."""
+        if kind is self._sample_kind:
+            it.samples += self.plan.microbatch_size
+        if kind is Kind.F:
+            it.phases.append(("forward", elapsed))
+        elif kind is Kind.B:
+            it.phases.append(("backward", elapsed - recompute))
+            if recompute:
+                it.phases.append(("recompute", recompute))
 
     def _account(self) -> None:
         seen: set[int] = set()
@@ -361,7 +383,9 @@ class StageRuntime:
             assert grad is not None  # only the model's first layer (data input) gets no grad
             if self.plan.policy[i] == "recompute":
                 if i not in recomputed:
+                    started = time.perf_counter()
                     recomputed.update(self._recompute(step, m, i, version))
+                    it.recompute += time.perf_counter() - started
                 saved = recomputed.pop(i)
             else:
                 saved = self.flight.saved.pop((step, m, i))

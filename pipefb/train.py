@@ -73,18 +73,21 @@ def base_report(job: JobConfig, workers: int) -> dict[str, Any]:
     return {"schedule": job.schedule, "workers": workers, "job": job.to_dict(), "steps": []}
 
 
-def run_local(job: JobConfig, out: Path, *, progress: bool = True, threads: int = 0) -> int:
+def run_local(job: JobConfig, out: Path, *, progress: bool = True, threads: int = 0,
+              metrics: bool = False) -> int:
     """Runs the job and writes report.json, weights.safetensors and loss.png into `out`.
 
     `threads` (0: cores / workers) is every process's torch thread count, the single
     process's included, so `single` and a pipeline compute bit-identical results.
+    `metrics`: the cluster's services serve Prometheus /metrics (printed, and kept in
+    `out`/logs/cluster.json).
     """
     threads = threads or default_threads(job.workers)
     if job.schedule == "single":
         torch.set_num_threads(threads)
         report = run_single(job, progress)
     else:
-        report = run_cluster(job, out, progress, threads)
+        report = run_cluster(job, out, progress, threads, metrics)
     report["threads_per_process"] = threads
     weights = report.pop("_weights")
     report["eval"] = evaluate(job, weights)
@@ -146,34 +149,44 @@ def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
     return report
 
 
-def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0) -> dict[str, Any]:
+def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0,
+                metrics: bool = False) -> dict[str, Any]:
     """A fresh local cluster with `job.workers` workers runs the job to the end."""
     from coordinator.client import CoordinatorClient
+
+    cluster_file = local_cluster_file(job.workers, out) if job.plan == "auto" else None
+    with LocalCluster(job.workers, out / "logs", threads=threads, cluster_file=cluster_file,
+                      metrics=metrics) as cluster, \
+            CoordinatorClient(cluster.coordinator) as client:
+        for name, url in cluster.metrics_urls().items():
+            console.print(f"metrics {name} -> {url}")
+        client.wait_for_workers(job.workers)
+        return train_on(client, job, show)
+
+
+def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
+    """Submits the job through a coordinator client, follows it to the end and builds its
+    report (the weights under `_weights`, for `write_report`)."""
     from protos.convert import plan_from_proto
 
     report = base_report(job, job.workers)
-    cluster_file = local_cluster_file(job.workers, out) if job.plan == "auto" else None
-    with LocalCluster(job.workers, out / "logs", threads=threads,
-                      cluster_file=cluster_file) as cluster, \
-            CoordinatorClient(cluster.coordinator) as client:
-        client.wait_for_workers(job.workers)
-        job_id = client.submit(job).job_id
-        last = None
-        with progress(job, show) as bar:
-            for last in client.train(job_id):
-                step = step_dict(last)
-                report["steps"].append(step)
-                bar.update(step, job.steps)
-        if last is not None:
-            report["timeline"] = timeline(last)
-        report["job_id"] = job_id
-        status = client.status(job_id)
-        plan = plan_from_proto(status.plan)
-        report["plan"] = plan.to_dict()
-        report["groups"] = plan.group_ranks()  # the ranks of each pipeline group
-        if status.planner_json:
-            report["planner"] = json.loads(status.planner_json)
-        report["_weights"] = client.weights(job_id)
+    job_id = client.submit(job).job_id
+    last = None
+    with progress(job, show) as bar:
+        for last in client.train(job_id):
+            step = step_dict(last)
+            report["steps"].append(step)
+            bar.update(step, job.steps)
+    if last is not None:
+        report["timeline"] = timeline(last)
+    report["job_id"] = job_id
+    status = client.status(job_id)
+    plan = plan_from_proto(status.plan)
+    report["plan"] = plan.to_dict()
+    report["groups"] = plan.group_ranks()  # the ranks of each pipeline group
+    if status.planner_json:
+        report["planner"] = json.loads(status.planner_json)
+    report["_weights"] = client.weights(job_id)
     report["peak_memory_bytes"], report["peak_memory_by_kind"] = peaks_by_rank(report["steps"])
     report["device"] = device_summary(job, report["steps"])
     return report

@@ -87,22 +87,30 @@ def _wrap_stream(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any
     return handler
 
 
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def wrap_handler(handler: Any, unary: Wrap, stream: Wrap) -> Any:
+    """An RPC method handler whose behaviour is wrapped: by `unary` where it returns one
+    reply (unary and client-streaming RPCs), by `stream` where it yields replies."""
+    if handler is None:
+        return None
+    if handler.unary_unary:
+        return handler._replace(unary_unary=unary(handler.unary_unary))
+    if handler.stream_unary:
+        return handler._replace(stream_unary=unary(handler.stream_unary))
+    if handler.unary_stream:
+        return handler._replace(unary_stream=stream(handler.unary_stream))
+    if handler.stream_stream:
+        return handler._replace(stream_stream=stream(handler.stream_stream))
+    return handler
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Turns exceptions raised by servicer methods into status codes via `STATUS_OF`."""
 
     def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None:
-            return None
-        if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
-        if handler.stream_stream:
-            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
-        return handler
+        return wrap_handler(continuation(details), _wrap_unary, _wrap_stream)
 
 
 def create_server(

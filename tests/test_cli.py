@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,17 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300, cwd=ROOT)
 
 
+def assert_metrics_urls_shown(output: str, manifest: Path) -> None:
+    """`--metrics`: a `metrics NAME -> URL` line per service, the URLs in cluster.json."""
+    lines = [line.split() for line in output.splitlines() if line.startswith("metrics ")]
+    shown = {name: url for _, name, arrow, url in lines if arrow == "->"}
+    kept = {name: entry["metrics"] for name, entry in json.loads(manifest.read_text()).items()
+            if "metrics" in entry}
+    assert shown == kept
+    assert sorted(shown) == ["coordinator", "worker-0", "worker-1", "worker-2", "worker-3"]
+    assert all(re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url) for url in shown.values())
+
+
 GPT = ["local", "train", "--model", "gpt", "--model-config",
        '{"n_layer": 2, "n_embd": 32, "block_size": 16}', "--dataset", "text",
        "--dataset-config", '{"block_size": 16, "max_bytes": 100000}', "--loss", "cross_entropy",
@@ -83,8 +95,11 @@ def test_local_train_writes_the_report_and_matches_single(tmp_path: Path) -> Non
     runs = {}
     for schedule in ("pipefb", "single"):
         out = tmp_path / schedule
-        proc = run_cli([*GPT, "--schedule", schedule, "--out", str(out)])
+        metrics = ["--metrics"] if schedule == "pipefb" else []  # must not change results
+        proc = run_cli([*GPT, "--schedule", schedule, "--out", str(out), *metrics])
         assert proc.returncode == 0, proc.stderr[-2000:]
+        if metrics:
+            assert_metrics_urls_shown(proc.stderr, out / "logs" / "cluster.json")
         report = json.loads((out / "report.json").read_text())
         runs[schedule] = report, load_file(str(out / "weights.safetensors"))
         assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

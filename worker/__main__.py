@@ -12,7 +12,8 @@ import time
 import grpc
 import torch
 
-from protos import coordinator_pb2, coordinator_pb2_grpc, server, worker_pb2_grpc
+from protos import coordinator_pb2, coordinator_pb2_grpc, metrics, server, worker_pb2_grpc
+from worker.metrics import WorkerMetrics
 from worker.service import StageWorkerServicer
 
 log = logging.getLogger("worker")
@@ -31,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=os.environ.get("PIPEFB_NAME", f"worker-{os.getpid()}"))
     p.add_argument("--threads", type=int, default=int(os.environ.get("PIPEFB_THREADS", "0")),
                    help="torch intra-op threads (0: torch's default)")
+    metrics.add_metrics_flags(p)
     return p.parse_args(argv)
 
 
@@ -78,9 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     # gRPC's threads hand received tensors to the compute thread; with Python's default
     # 5 ms GIL switch interval each hand-off can wait that long behind Python-level work.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
-    servicer = StageWorkerServicer()
+    interceptors, url = metrics.start_from_args(args)
+    servicer = StageWorkerServicer(WorkerMetrics(args.name) if url else None)
     srv, port, health = server.create_server(
-        lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen)
+        lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen,
+        interceptors=interceptors)
     host = args.advertise or args.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
     if args.coordinator:
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("registered as worker %d", reg.worker_id)
     server.ready(health)
     print(f"ready {address}", flush=True)
+    metrics.announce(url)
     server.serve_until_signal(srv)
 
 

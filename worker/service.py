@@ -24,6 +24,7 @@ from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, job_from_proto, plan_from_proto, profile_to_proto
 from protos.server import FailedPrecondition
 from worker.inbox import Inbox
+from worker.metrics import WorkerMetrics
 from worker.transport import GrpcTransport, inbox_key, nbytes, weight_key
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,12 @@ class Assigned:
 
 
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
-    """One process, one job rank at a time."""
+    """One process, one job rank at a time; `metrics` (if any) sees every step."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: WorkerMetrics | None = None) -> None:
         self._lock = threading.Lock()
         self._assigned: Assigned | None = None
+        self.metrics = metrics
 
     def _current(self, job_id: str) -> Assigned:
         assigned = self._assigned
@@ -128,6 +130,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             self._drop("reassigned")
             self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
                                       StepGate(), reducer)
+        if self.metrics is not None:
+            self.metrics.assigned(job.job_id, runtime.role)
         log.info("assigned job %s rank %d as %s", job.job_id, request.rank, runtime.role)
         return worker_pb2.AssignReply(role=runtime.role, actions=[str(a) for a in runtime.actions],
                                       parameter_bytes=runtime.param_bytes)
@@ -137,6 +141,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         assigned = self._current(request.job_id)
         with assigned.gate.turn(request.step):
             r = assigned.runtime.run_step(request.step)
+        if self.metrics is not None:
+            store = assigned.transport.store
+            self.metrics.step(assigned.job_id, assigned.runtime.role, r,
+                              store.stats if store is not None else None)
         return worker_pb2.StepReply(
             step=r.step, losses=r.losses, compute_seconds=r.compute_seconds,
             idle_seconds=r.idle_seconds, memory_bytes=r.memory_bytes,
@@ -192,6 +200,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                                              transfer.microbatch), tensors)
             total += nbytes(tensors)
             count += len(tensors)
+            if self.metrics is not None:
+                self.metrics.received_grpc(transfer.job_id, nbytes(tensors))
         return tensor_pb2.Ack(bytes=total, tensors=count)
 
     def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
