@@ -60,6 +60,11 @@ def _message(error: BaseException) -> str:
 def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
     if context.code() is not None:
         raise error  # the handler already aborted with its own status
+    if isinstance(error, grpc.RpcError) and not context.is_active():
+        # the client went away (cancelled its long-lived stream at the job's end): reading
+        # its next message raises, and there is nobody left to tell
+        log.debug("client of %s left: %r", type(error).__name__, error)
+        raise error
     code = status_of(error)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("unexpected error in handler", exc_info=error)

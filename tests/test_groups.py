@@ -3,6 +3,7 @@ by a real gloo all-reduce between worker processes before each optimizer step.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from coordinator.client import CoordinatorClient
+from pipefb.cli import main
 from pipefb.config import JobConfig
 from pipefb.errors import ConfigError
 from pipefb.local import LocalCluster
@@ -133,3 +135,36 @@ def test_killing_a_group_mid_run_leaves_no_hung_process(tmp_path: Path) -> None:
             time.sleep(0.2)
         reports, _ = run_on_cluster(client, replace(job, steps=3))
         assert [r.step for r in reports] == [0, 1, 2]
+
+
+def test_plan_cli_shows_every_group_count_and_can_fix_one(tmp_path: Path, capsys: Any) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("workers: {count: 4, memory: 8GiB}\nnetwork: {bandwidth: 1GB/s, "
+                       "latency: 50us}\nstore: {bandwidth: 2GB/s, latency: 100us}\n")
+    argv = ["plan", "--model", "mlp", "--dataset", "digits", "--batch-size", "16",
+            "--cluster", str(cluster), "--profile", "analytic", "--json",
+            "--out", str(tmp_path / "plan")]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [row["groups"] for row in out["group_candidates"]] == [1, 2, 4]
+    chosen = next(r for r in out["group_candidates"] if r["groups"] == out["groups"])
+    assert chosen["simulated_ms"] == pytest.approx(out["predicted_step_seconds"] * 1e3)
+    assert out["plan"]["groups"] == out["groups"]
+    assert main([*argv, "--groups", "2"]) == 0
+    fixed = json.loads(capsys.readouterr().out)
+    assert fixed["groups"] == 2 and len(fixed["plan"]["assignment"]) == 4
+    assert [row["groups"] for row in fixed["group_candidates"]] == [2]
+    assert main([*argv, "--groups", "3"]) == 2
+    assert "groups 3 does not divide workers" in capsys.readouterr().err
+
+
+def test_plan_auto_picks_the_groups_and_the_report_names_them(client: Any) -> None:
+    """Through the coordinator: plan auto with groups auto profiles, searches every group
+    count on the registered workers, and trains the chosen plan."""
+    job = make_job("mlp", "auto", 4, "adamw", plan="auto", groups=0, steps=2)
+    reports, _ = run_on_cluster(client, job)
+    status = client.status(reports[0].job_id)
+    planner = json.loads(status.planner_json)
+    assert [row["groups"] for row in planner["group_candidates"]] == [1, 2, 4]
+    assert status.plan.groups == planner["groups"] >= 1
+    assert sorted({w.group for w in reports[0].workers}) == list(range(status.plan.groups))
