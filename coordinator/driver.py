@@ -255,7 +255,8 @@ class Driver:
         would take cores from the workers and disturb the steps it explains."""
         assert job.costs is not None and job.plan is not None
         reports = job.reports[IN_SITU_STEPS.start:IN_SITU_STEPS.stop] or job.reports
-        measured = median_action_seconds([[w.action_seconds for w in r.workers]
+        # the simulation runs the first group (every group runs the same program)
+        measured = median_action_seconds([[w.action_seconds for w in r.workers if w.group == 0]
                                           for r in reports])
         try:
             refined = fit(job.plan, *job.costs, measured)
