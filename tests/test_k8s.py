@@ -273,3 +273,16 @@ def test_submit_job_sends_the_mounted_job_to_the_coordinator(
         replicas = find(docs, "StatefulSet", "pipefb-worker")["spec"]["replicas"]
         assert config.workers == replicas
         assert pod_spec(job)["restartPolicy"] == "Never"
+
+
+def test_monitoring_values_pick_up_the_dashboard_and_the_podmonitor(
+        built: dict[str, list[Doc]]) -> None:
+    """k8s/monitoring-values.yaml (kube-prometheus-stack) matches what the manifests label."""
+    values = yaml.safe_load((ROOT / "k8s" / "monitoring-values.yaml").read_text())
+    sidecar = values["grafana"]["sidecar"]["dashboards"]
+    dashboard = find(built["cpu"], "ConfigMap", "pipefb-dashboard")
+    assert dashboard["metadata"]["labels"][sidecar["label"]] == sidecar["labelValue"] == "1"
+    assert sidecar["enabled"] is True and sidecar["searchNamespaces"] == "ALL"
+    prometheus = values["prometheus"]["prometheusSpec"]
+    assert prometheus["podMonitorSelectorNilUsesHelmValues"] is False
+    assert prometheus["podMonitorNamespaceSelector"] == prometheus["podMonitorSelector"] == {}
