@@ -188,15 +188,13 @@ class LineProcess:
                                f"(exit {self.popen.poll()}):\n{tail}")
         return line
 
-    def stop(self) -> None:
-        """SIGTERM, SIGKILL after a grace period; always reaps."""
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+    def reap(self, deadline: float) -> None:
+        """Waits for the process until `deadline` (time.monotonic), then SIGKILLs it."""
+        try:
+            self.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
 
 
 class LocalDeployment:
@@ -244,12 +242,14 @@ class LocalDeployment:
             proc.ready(SERVICE_READY)
 
     def stop(self) -> None:
-        """Signals every process, then waits for each (they exit in parallel)."""
+        """SIGTERM to every process at once; SIGKILL to those still running after one
+        shared grace period; reaps all."""
+        deadline = time.monotonic() + STOP_GRACE_S
         for proc in self.processes.values():
             if proc.popen.poll() is None:
                 proc.popen.terminate()
-        for proc in reversed(list(self.processes.values())):
-            proc.stop()
+        for proc in self.processes.values():
+            proc.reap(deadline)
         self.processes.clear()
 
     def metrics_urls(self, wait_s: float = 5.0) -> dict[str, str]:

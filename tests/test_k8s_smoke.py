@@ -26,7 +26,7 @@ from deploy import dashboard
 from deploy.localrun import LocalDeployment
 from deploy.manifests import build, find
 from offload_store import connect
-from tests.test_dashboard import _NAME, contract_metric, labels_used, queries
+from tests.metric_contract import METRIC_NAME, contract_metric, labels_used, queries
 
 STEPS = 3
 SECRET = ("pipefb-redis", "password")
@@ -122,7 +122,7 @@ def test_dashboard_queries_name_metrics_the_services_export(
             exported.setdefault(name, set()).update(labels)
     board = json.loads(dashboard.dashboard_json())
     for expr in queries(board):
-        names = _NAME.findall(expr)
+        names = METRIC_NAME.findall(expr)
         assert [n for n in names if n not in exported] == [], expr
         live = set().union(*(exported[n] for n in names))
         if live:  # labels are known once a series has samples
