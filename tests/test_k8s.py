@@ -204,7 +204,11 @@ def test_redis_runs_with_password_memory_limit_noeviction_no_persistence(
 
 
 def test_workers_have_stable_names_and_dns(built: dict[str, list[Doc]]) -> None:
-    docs = built["cpu"]
+    for docs in built.values():
+        _check_worker_identity(docs)
+
+
+def _check_worker_identity(docs: list[Doc]) -> None:
     workers = find(docs, "StatefulSet", "pipefb-worker")
     service = find(docs, "Service", workers["spec"]["serviceName"])
     assert service["spec"]["clusterIP"] == "None"
