@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
 MAX_DELAY_S = 1.0  # backoff doubles up to this
 SCAN_COUNT = 1000  # keys per SCAN round trip
 UNLINK_BATCH = 512  # keys per UNLINK command in clear_job
+PASSWORD_ENV = "PIPEFB_STORE_PASSWORD"  # the store's AUTH password (Redis requirepass); unset: none
 
 # Client defaults of `connect`; a stash value can be hundreds of MB, hence the long read timeout.
 CLIENT_DEFAULTS: dict[str, Any] = {
@@ -87,7 +89,9 @@ def parse_address(address: str) -> tuple[str, int]:
 def connect(address: str, **kw: Any) -> redis.Redis:
     """Opens a pooled client to the store at ``host:port``.
 
-    hiredis parses replies when it is installed (redis-py picks it by itself).
+    hiredis parses replies when it is installed (redis-py picks it by itself). The AUTH
+    password comes from ``$PIPEFB_STORE_PASSWORD`` (unset or empty: no AUTH) unless
+    ``password`` is passed.
 
     Args:
         address: ``host:port`` of the Redis server.
@@ -97,7 +101,7 @@ def connect(address: str, **kw: Any) -> redis.Redis:
         ValueError: a bad address, or ``decode_responses=True`` (values are raw bytes).
     """
     host, port = parse_address(address)
-    options = {**CLIENT_DEFAULTS, **kw}
+    options = {**CLIENT_DEFAULTS, "password": os.environ.get(PASSWORD_ENV) or None, **kw}
     if options.get("decode_responses"):
         raise ValueError("decode_responses=True would decode tensor bytes as text")
     client = redis.Redis(host=host, port=port, **options)

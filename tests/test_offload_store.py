@@ -14,6 +14,8 @@ import pytest
 import redis
 import torch
 from redis._parsers.hiredis import _HiredisParser
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from offload_store import (
     OffloadStore,
@@ -26,6 +28,7 @@ from offload_store import (
     stash_key,
 )
 from offload_store.frames import Frame
+from offload_store.store import PASSWORD_ENV
 from pipefb.codec import pack
 from pipefb.errors import CodecError, StoreFullError
 
@@ -154,6 +157,29 @@ def test_parse_address() -> None:
 def test_decoding_client_refused(server: RedisServer) -> None:
     with pytest.raises(ValueError, match="decode"):
         connect(server.address, decode_responses=True)
+
+
+def test_connect_authenticates_with_the_env_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$PIPEFB_STORE_PASSWORD is the AUTH password (Kubernetes passes the Redis Secret so).
+
+    (No retries: redis-py retries a refused AUTH with backoff for ~45 s.)
+    """
+    once = Retry(NoBackoff(), 0)
+    with RedisServer(maxmemory="8mb") as srv:
+        admin = connect(srv.address)
+        admin.config_set("requirepass", "s3cret-pw")
+        admin.close()
+        for value in (None, ""):  # unset and empty both mean: no AUTH
+            if value is None:
+                monkeypatch.delenv(PASSWORD_ENV, raising=False)
+            else:
+                monkeypatch.setenv(PASSWORD_ENV, value)
+            with pytest.raises(redis.AuthenticationError):
+                connect(srv.address, retry=once).ping()
+        monkeypatch.setenv(PASSWORD_ENV, "s3cret-pw")
+        assert connect(srv.address).ping()
+        with pytest.raises(redis.AuthenticationError):
+            connect(srv.address, password="wrong", retry=once).ping()
 
 
 # --- put / take ---------------------------------------------------------------------------
