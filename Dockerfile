@@ -47,6 +47,6 @@ COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 WORKDIR /tmp
 USER 10001:10001
-# gRPC (coordinator and workers) and Prometheus metrics
-EXPOSE 50051 9090
+# gRPC (coordinator and workers), Prometheus metrics, the all-reduce rendezvous (coordinator)
+EXPOSE 50051 9090 29500
 CMD ["python", "-m", "coordinator"]

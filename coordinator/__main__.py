@@ -11,6 +11,7 @@ from coordinator.driver import Driver
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
+from pipefb.checkpoint import add_root_flag
 from pipefb.cluster import Cluster
 from protos import coordinator_pb2_grpc, metrics, server
 
@@ -31,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rendezvous-port", type=int,
                    default=int(os.environ.get("PIPEFB_RENDEZVOUS_PORT", "0")),
                    help="port of the all-reduce rendezvous of multi-group jobs (0: any free)")
+    add_root_flag(p)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat before a worker counts as dead")
     metrics.add_metrics_flags(p)
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     observer = CoordinatorMetrics(registry, args.store) if url else None
     host = args.listen.rsplit(":", 1)[0]
     driver = Driver(registry, args.store, cluster=cluster, metrics=observer,
+                    checkpoint_root=args.checkpoint_root,
                     rendezvous_host=host, rendezvous_advertise=args.advertise,
                     rendezvous_port=args.rendezvous_port)
     servicer = CoordinatorServicer(registry, driver)

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +28,7 @@ from coordinator.registry import Registry, WorkerRecord
 from coordinator.rendezvous import Rendezvous
 from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
+from pipefb.checkpoint import due, latest, resolve_under, write_state
 from pipefb.cluster import Cluster
 from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.costs import Profile
@@ -41,6 +43,8 @@ from protos.convert import job_to_proto, plan_to_proto
 log = logging.getLogger(__name__)
 
 TERMINAL = ("DONE", "FAILED", "STOPPED")
+# job fields a resumed job may set otherwise than the checkpointed one
+RESUME_MAY_CHANGE = frozenset({"steps", "resume", "job_id", "checkpoint_every", "eval_every"})
 IN_SITU_STEPS = range(1, 4)  # plan "auto": the steps whose action times the fit uses
 DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
 
@@ -65,6 +69,8 @@ class Job:
     reports: list[coordinator_pb2.StepReport] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     stop_requested: bool = False
+    start_step: int = 0  # > 0 when resumed from the checkpoint of that step
+    checkpoints: Path | None = None  # the job's checkpoint directory, when it uses one
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -109,13 +115,14 @@ class Driver:
 
     def __init__(self, registry: Registry, store_address: str,
                  worker_wait_seconds: float = 120.0, cluster: Cluster | None = None,
-                 metrics: CoordinatorMetrics | None = None,
+                 metrics: CoordinatorMetrics | None = None, checkpoint_root: str = "",
                  rendezvous_host: str = "127.0.0.1", rendezvous_advertise: str = "",
                  rendezvous_port: int = 0) -> None:
         self.registry, self.store_address = registry, store_address
         self.worker_wait_seconds = worker_wait_seconds
         self.cluster = cluster  # what plan "auto" assumes of links, store and caps
         self.metrics = metrics  # sees every job's start and step reports
+        self.checkpoint_root = checkpoint_root  # jobs' checkpoint directories lie inside
         # where the all-reduce rendezvous of multi-group jobs listens and how workers reach
         # it; opened by the first such job, shared by all (keys are per job and attempt)
         self.rendezvous_at = (rendezvous_host, rendezvous_advertise or rendezvous_host,
@@ -186,7 +193,11 @@ class Driver:
     def _plan_and_assign(self, job: Job, ranks: Ranks) -> None:
         job.set_state("PLANNING")
         cfg = job.config
-        if cfg.plan == AUTO:
+        if cfg.checkpoint_every or cfg.resume:
+            job.checkpoints = resolve_under(self.checkpoint_root, cfg.checkpoint_dir)
+        if cfg.resume:
+            plan = self._resume_point(job)
+        elif cfg.plan == AUTO:
             plan = self._auto_plan(job, ranks)
         else:
             plan = balanced_plan(cfg.schedule, cfg.workers, job.layer_costs, cfg.batch_size,
@@ -199,9 +210,34 @@ class Driver:
         rendezvous = self.rendezvous() if plan.groups > 1 else ""
         calls = [stub.Assign.future(worker_pb2.AssignRequest(
             job=spec, plan=plan_msg, rank=r, peers=peers, store_address=self.store_address,
-            rendezvous=rendezvous), timeout=300) for r, stub in enumerate(ranks.stubs)]
+            rendezvous=rendezvous, resume_step=job.start_step), timeout=300)
+            for r, stub in enumerate(ranks.stubs)]
         _wait_all(calls, ranks)
         job.set_state("RUNNING")
+
+    def _resume_point(self, job: Job) -> Plan:
+        """The newest checkpoint's plan; sets the job's start step to its step.
+
+        Raises:
+            ConfigError: no checkpoint, one of another job (naming the first field that
+                differs), another worker count, or one at or past the job's last step.
+        """
+        assert job.checkpoints is not None
+        found = latest(job.checkpoints)
+        if found is None:
+            raise ConfigError(f"no checkpoint to resume from in {job.config.checkpoint_dir!r}")
+        step, state = found
+        saved, mine = state.get("job", {}), job.config.to_dict()
+        for key in sorted(set(saved) | set(mine)):
+            if key not in RESUME_MAY_CHANGE and saved.get(key) != mine.get(key):
+                raise ConfigError(f"checkpoint of step {step} is of another job: {key} "
+                                  f"{saved.get(key)!r} there, {mine.get(key)!r} here")
+        plan = Plan.from_dict(state["plan"])
+        if step >= job.config.steps:
+            raise ConfigError(f"the checkpoint is at step {step}; the job has "
+                              f"{job.config.steps} steps")
+        job.start_step = job.step = step
+        return plan
 
     def _auto_plan(self, job: Job, ranks: Ranks) -> Plan:
         """Profiles the layers on the job's workers (one after another), then searches
@@ -225,6 +261,11 @@ class Driver:
             every = job.config.eval_every
             if every and (step + 1) % every == 0 and step + 1 < job.config.steps:
                 report.eval.update(self._evaluate(job, ranks, step + 1))
+            if job.checkpoints is not None and due(step, job.config.checkpoint_every,
+                                                   job.config.steps):
+                assert job.plan is not None
+                write_state(job.checkpoints, step + 1, {"job": job.config.to_dict(),
+                                                        "plan": job.plan.to_dict()})
             if self.metrics is not None:
                 self.metrics.step_done(report, job.planner.get("predicted_step_seconds", 0.0))
             with job.cond:
@@ -235,7 +276,8 @@ class Driver:
         assert job.plan is not None
         # async forward ranks may run `staleness` steps ahead of the backward ranks
         pump = StepPump(job.job_id, ranks.stubs, job.config.steps, on_step,
-                        in_flight=IN_FLIGHT + job.plan.staleness)
+                        in_flight=IN_FLIGHT + job.plan.staleness, start=job.start_step,
+                        checkpoint_every=job.config.checkpoint_every)
 
         def poll() -> None:
             if job.stop_requested:

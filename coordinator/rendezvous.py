@@ -20,7 +20,8 @@ class Rendezvous:
         self._socket = socket.create_server((host, port), backlog=256)
         self.port = self._socket.getsockname()[1]
         self.address = f"{advertise}:{self.port}"
+        own = "127.0.0.1" if host in ("", "0.0.0.0") else host  # the server's own client
         self._store = dist.TCPStore(
-            advertise, self.port, is_master=True, wait_for_workers=False,
+            own, self.port, is_master=True, wait_for_workers=False,
             master_listen_fd=self._socket.fileno(),
             timeout=datetime.timedelta(seconds=TIMEOUT_SECONDS))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pipefb.checkpoint import due
 from protos import worker_pb2
 
 IN_FLIGHT = 2  # Step calls pending per rank: the next one waits on the worker, no round trip
@@ -50,9 +51,11 @@ class StepPump:
     """Runs steps `0 .. steps-1` on every rank, reporting each step once all ranks did it."""
 
     def __init__(self, job_id: str, stubs: list, steps: int, on_step: OnStep,
-                 in_flight: int = IN_FLIGHT) -> None:
+                 in_flight: int = IN_FLIGHT, start: int = 0, checkpoint_every: int = 0
+                 ) -> None:
         self.job_id, self.stubs, self.on_step = job_id, stubs, on_step
-        self.in_flight = in_flight
+        self.in_flight, self.start, self.steps = in_flight, start, steps
+        self.checkpoint_every = checkpoint_every  # owners save after these steps (`due`)
         self.progress = _Progress(stop_at=steps, issued=[-1] * len(stubs))
 
     def _issue(self, rank: int, step: int, inflight: deque[tuple[int, grpc.Future]]) -> int:
@@ -61,13 +64,15 @@ class StepPump:
         with p.cond:
             while len(inflight) < self.in_flight and step < p.stop_at and not p.errors:
                 p.issued[rank] = step
-                request = worker_pb2.StepRequest(job_id=self.job_id, step=step)
+                request = worker_pb2.StepRequest(
+                    job_id=self.job_id, step=step,
+                    checkpoint=due(step, self.checkpoint_every, self.steps))
                 inflight.append((step, self.stubs[rank].Step.future(request)))
                 step += 1
         return step
 
     def _rank_loop(self, rank: int) -> None:
-        p, step = self.progress, 0
+        p, step = self.progress, self.start
         inflight: deque[tuple[int, grpc.Future]] = deque()
         while True:
             step = self._issue(rank, step, inflight)
@@ -105,7 +110,7 @@ class StepPump:
                                     name=f"{self.job_id}-rank{r}") for r in range(len(self.stubs))]
         for t in threads:
             t.start()
-        reported, last = 0, time.perf_counter()
+        reported, last = self.start, time.perf_counter()
         while True:
             outcome = self._wait(reported)
             if outcome.finished:

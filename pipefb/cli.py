@@ -66,6 +66,14 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, choices=DEVICES,
                    help="where workers compute: cpu, or cuda (each worker's current CUDA "
                         "device; several workers may share one GPU)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="checkpoint every K steps and after the last (0: never)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="checkpoint directory inside the services' checkpoint root (local "
+                        "train: the --out directory); default: checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the newest checkpoint in the checkpoint directory "
+                        "(a sync job with the same settings; --steps may grow)")
     p.add_argument("--groups", type=_groups, default=None,
                    help="pipeline groups, data-parallel across groups: each runs the same "
                         "stages on workers/G workers and microbatches/G micro-batches, and "
@@ -134,8 +142,12 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     values = dict(base or {})
     for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
-                 "policy", "eval_every", "plan", "job_id", "device"):
+                 "policy", "eval_every", "plan", "job_id", "device", "checkpoint_every",
+                 "resume"):
         values.setdefault(name, getattr(args, name))
+    if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
+        wanted = values.get("checkpoint_every") or values.get("resume")
+        values["checkpoint_dir"] = args.checkpoint_dir or ("checkpoints" if wanted else "")
     if args.groups is not None or "groups" not in values:  # default: auto with --plan auto
         values["groups"] = (args.groups if args.groups is not None
                             else 0 if values.get("plan") == "auto" else 1)

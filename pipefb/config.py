@@ -67,6 +67,9 @@ class JobConfig:
     memory_cap: int = 0  # plan auto: bytes each worker may hold; 0: the cluster's caps
     device: str = "cpu"  # where workers hold layers, activations and optimizer state
     groups: int = 1  # pipeline groups, data-parallel across groups; 0 with plan auto: it picks
+    checkpoint_every: int = 0  # checkpoint after every K steps and the last; 0: never
+    checkpoint_dir: str = ""  # where (inside the services' checkpoint root)
+    resume: bool = False  # start from the newest checkpoint in checkpoint_dir
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -95,6 +98,7 @@ class JobConfig:
         if self.device not in DEVICES:
             raise ConfigError(f"unknown device {self.device!r}; choose one of {DEVICES}")
         self._check_groups()
+        self._check_checkpoints()
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"microbatches {self.microbatches} does not divide batch size {self.batch_size}"
@@ -119,6 +123,18 @@ class JobConfig:
             raise ConfigError(f"memory_cap {self.memory_cap!r} must be a byte count >= 0")
         if self.memory_cap and self.plan != AUTO:
             raise ConfigError("--memory-cap is honoured by --plan auto only")
+
+    def _check_checkpoints(self) -> None:
+        every = self.checkpoint_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"checkpoint_every {every!r} must be an integer >= 0")
+        if (every or self.resume) and self.schedule == "single":
+            raise ConfigError("schedule 'single' runs in this process: it takes no checkpoints")
+        if (every or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("checkpoints need a checkpoint directory (--checkpoint-dir)")
+        if self.resume and self.mode != "sync":
+            raise ConfigError(f"resume runs sync jobs only; this one is {self.mode!r} (async "
+                              "schedules keep old weight versions a checkpoint does not hold)")
 
     def _check_groups(self) -> None:
         """Each of `groups` pipelines takes an equal share of the workers and micro-batches."""

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 
 import torch
 
 from pipefb.allreduce import Reducer
+from pipefb.checkpoint import load_optimizer, load_rank, save_rank
 from pipefb.codec import raw_view
 from pipefb.config import JobConfig, build_layers, job_device
 from pipefb.data import build_dataset
@@ -548,6 +550,42 @@ class StageRuntime:
         """The weights this rank owns (its backward layers), named `layers.{i}.{param}`."""
         return {f"layers.{i}.{name}": p.detach()
                 for i in self.bwd_layers for name, p in self.layers[i].named_parameters()}
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Writes the owned weights and optimizer state (`pipefb.checkpoint.save_rank`)."""
+        names = [f"{i}.{n}" for i in self.bwd_layers for n, _ in self.layers[i].named_parameters()]
+        save_rank(path, self.owned_weights(), self.optimizer, names)
+
+    def restore(self, files: Mapping[int, Path], step: int) -> None:
+        """Resumes at `step` from a checkpoint's rank files (rank -> file): the weights
+        of every layer held here, whoever owned them, and this rank's optimizer state.
+
+        Raises:
+            ConfigError: a held weight is missing or has another shape or dtype.
+        """
+        weights: dict[str, torch.Tensor] = {}
+        own: tuple[dict[str, torch.Tensor], dict[str, str]] = ({}, {})
+        for rank, path in files.items():
+            got, optim, meta = load_rank(path)
+            weights.update(got)
+            if rank == self.rank:
+                own = (optim, meta)
+        with torch.no_grad():
+            for i, layer in self.layers.items():
+                for name, p in layer.named_parameters():
+                    saved = weights.get(f"layers.{i}.{name}")
+                    if saved is None or saved.shape != p.shape or saved.dtype != p.dtype:
+                        raise ConfigError(f"checkpoint of step {step} has no weight "
+                                          f"layers.{i}.{name} {list(p.shape)} {p.dtype}")
+                    p.copy_(saved)
+                self.execs[i].weights_changed()
+        if self.optimizer is not None:
+            names = [f"{i}.{n}" for i in self.bwd_layers
+                     for n, _ in self.layers[i].named_parameters()]
+            load_optimizer(self.optimizer, names, *own)
+            self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
+        self.version = step
+        self._account()
 
     def weights_digest(self) -> str:
         """BLAKE2b of the owned weights' bytes in name order: equal across groups exactly

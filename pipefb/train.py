@@ -155,7 +155,9 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0,
     from coordinator.client import CoordinatorClient
 
     cluster_file = local_cluster_file(job.workers, out) if job.plan == "auto" else None
-    with LocalCluster(job.workers, out / "logs", threads=threads, cluster_file=cluster_file,
+    with LocalCluster(job.workers, out / "logs", threads=threads,
+                      extra_env={"PIPEFB_CHECKPOINT_ROOT": str(out.resolve())},
+                      cluster_file=cluster_file,
                       metrics=metrics) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         for name, url in cluster.metrics_urls().items():

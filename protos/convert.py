@@ -25,6 +25,8 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         schedule=job.schedule, workers=job.workers, mode=job.mode,
         staleness=job.staleness, policy=job.policy, eval_every=job.eval_every,
         plan=job.plan, memory_cap=job.memory_cap, device=job.device, groups=job.groups,
+        checkpoint_every=job.checkpoint_every, checkpoint_dir=job.checkpoint_dir,
+        resume=job.resume,
     )
 
 
@@ -42,6 +44,8 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         staleness=spec.staleness, policy=spec.policy, eval_every=spec.eval_every,
         plan=spec.plan, memory_cap=spec.memory_cap, device=spec.device or "cpu",
         groups=spec.groups or (0 if spec.plan == "auto" else 1),
+        checkpoint_every=spec.checkpoint_every, checkpoint_dir=spec.checkpoint_dir,
+        resume=spec.resume,
     )
 
 

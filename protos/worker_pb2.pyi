@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("job", "plan", "rank", "peers", "store_address", "attempt", "rendezvous")
+    __slots__ = ("job", "plan", "rank", "peers", "store_address", "attempt", "rendezvous", "resume_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class AssignRequest(_message.Message):
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     job: _job_pb2.JobSpec
     plan: _job_pb2.Plan
     rank: int
@@ -24,7 +25,8 @@ class AssignRequest(_message.Message):
     store_address: str
     attempt: int
     rendezvous: str
-    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., attempt: _Optional[int] = ..., rendezvous: _Optional[str] = ...) -> None: ...
+    resume_step: int
+    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., attempt: _Optional[int] = ..., rendezvous: _Optional[str] = ..., resume_step: _Optional[int] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("role", "actions", "parameter_bytes")
@@ -37,12 +39,14 @@ class AssignReply(_message.Message):
     def __init__(self, role: _Optional[str] = ..., actions: _Optional[_Iterable[str]] = ..., parameter_bytes: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("job_id", "step")
+    __slots__ = ("job_id", "step", "checkpoint")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    checkpoint: bool
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("step", "losses", "compute_seconds", "idle_seconds", "memory_bytes", "peak_memory_bytes", "bytes_sent", "bytes_stashed", "weight_version", "action_seconds", "spans", "versions", "kept_versions", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "weights_digest")

@@ -12,6 +12,7 @@ import time
 import grpc
 import torch
 
+from pipefb.checkpoint import add_root_flag
 from protos import coordinator_pb2, coordinator_pb2_grpc, metrics, server, worker_pb2_grpc
 from worker.metrics import WorkerMetrics
 from worker.service import StageWorkerServicer
@@ -33,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=int(os.environ.get("PIPEFB_THREADS", "0")),
                    help="torch intra-op threads (0: torch's default)")
     metrics.add_metrics_flags(p)
+    add_root_flag(p)
     return p.parse_args(argv)
 
 
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     # 5 ms GIL switch interval each hand-off can wait that long behind Python-level work.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     interceptors, url = metrics.start_from_args(args)
-    servicer = StageWorkerServicer(WorkerMetrics(args.name) if url else None)
+    servicer = StageWorkerServicer(WorkerMetrics(args.name) if url else None,
+                                   checkpoint_root=args.checkpoint_root)
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen,
         interceptors=interceptors)

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -14,6 +15,7 @@ import torch
 from offload_store import OffloadStore, connect
 from pipefb import codec
 from pipefb.allreduce import GroupAllReduce, rendezvous_key
+from pipefb.checkpoint import rank_file, resolve_under
 from pipefb.config import job_device
 from pipefb.errors import Aborted, CodecError, ConfigError
 from pipefb.plan import Plan
@@ -41,9 +43,9 @@ class StepGate:
     so step v+1 may arrive while step v runs; it waits here for its turn.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
         self._cond = threading.Condition()
-        self._next = 0
+        self._next = start  # the first step this rank runs (a resumed job's checkpoint)
         self._running = -1  # the step running now, -1 between steps
         self._aborted: str | None = None
 
@@ -97,14 +99,16 @@ class Assigned:
     inbox: Inbox
     gate: StepGate
     reducer: GroupAllReduce | None = None  # with several groups, on ranks that own weights
+    checkpoints: Path | None = None  # the job's checkpoint directory, when it takes any
 
 
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     """One process, one job rank at a time; `metrics` (if any) sees every step."""
 
-    def __init__(self, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, metrics: WorkerMetrics | None = None, checkpoint_root: str = "") -> None:
         self._lock = threading.Lock()
         self._assigned: Assigned | None = None
+        self.checkpoint_root = checkpoint_root  # checkpoints are written and read only here
         self.metrics = metrics
 
     def _current(self, job_id: str) -> Assigned:
@@ -126,10 +130,17 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         transport = GrpcTransport(job.job_id, request.peers, store, inbox)
         reducer = _join_group(request, plan, job_device(job))
         runtime = StageRuntime(job, plan, request.rank, transport, reducer)
+        checkpoints = (resolve_under(self.checkpoint_root, job.checkpoint_dir)
+                       if job.checkpoint_every or request.resume_step else None)
+        if request.resume_step:
+            assert checkpoints is not None
+            owners = {a.rank for a in plan.assignment if a.role != "forward"}
+            runtime.restore({r: rank_file(checkpoints, request.resume_step, r) for r in owners},
+                            request.resume_step)
         with self._lock:
             self._drop("reassigned")
             self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
-                                      StepGate(), reducer)
+                                      StepGate(request.resume_step), reducer, checkpoints)
         if self.metrics is not None:
             self.metrics.assigned(job.job_id, runtime.role)
         log.info("assigned job %s rank %d as %s", job.job_id, request.rank, runtime.role)
@@ -141,6 +152,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         assigned = self._current(request.job_id)
         with assigned.gate.turn(request.step):
             r = assigned.runtime.run_step(request.step)
+            if request.checkpoint and assigned.runtime.role != "forward":
+                if assigned.checkpoints is None:
+                    raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
+                assigned.runtime.save_checkpoint(
+                    rank_file(assigned.checkpoints, request.step + 1, assigned.rank))
         if self.metrics is not None:
             store = assigned.transport.store
             self.metrics.step(assigned.job_id, assigned.runtime.role, r,

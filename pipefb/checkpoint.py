@@ -1,0 +1,207 @@
+"""Checkpoints: what a job needs to go on from a step, written so that a crash leaves either
+the old checkpoint or the new one, and read without unpickling anything.
+
+Layout of a checkpoint directory (one per job)::
+
+    step-000006/rank-1.safetensors   # an owner rank's weights and optimizer state
+    step-000006/state.json           # written last: the checkpoint of step 6 is complete
+
+A rank file holds `layers.{i}.{param}` (the weights of the layers the rank owns) and
+`optimizer.{layer}.{param}.{key}` (each parameter's optimizer state tensors); its metadata
+holds the optimizer's param groups as JSON, with parameters named instead of numbered.
+`state.json` holds the job, the plan, the step to resume at (every step before it is in
+the weights) and the rank files. Every file is written to a temporary name in the same
+directory, fsynced, renamed over the final name, and the directory fsynced.
+
+Data and random ops are pure functions of (seed, step, micro-batch, layer) (see
+`pipefb.seeding`), so the step is the whole data position and RNG state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pipefb.errors import ConfigError
+
+STATE = "state.json"
+_STEP_DIR = re.compile(r"step-(\d{6,})")
+_OPTIMIZER = "optimizer."
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The directory of the checkpoint taken after `step` steps."""
+    return root / f"step-{step:06d}"
+
+
+def rank_file(root: Path, step: int, rank: int) -> Path:
+    """One owner rank's file in the checkpoint of `step`."""
+    return step_dir(root, step) / f"rank-{rank}.safetensors"
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Calls `write(tmp)` on a temporary file beside `path`, fsyncs it, renames it over
+    `path` and fsyncs the directory: a crash leaves the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The optimizer's state as named tensors and its param groups as metadata.
+
+    Args:
+        optimizer: a torch optimizer over the parameters named by `names`, in order.
+        names: `{layer}.{param}` of each parameter, in the optimizer's order.
+    """
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            tensors[f"{_OPTIMIZER}{names[index]}.{key}"] = tensor.detach().cpu().contiguous()
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    return tensors, {"param_groups": json.dumps(groups)}
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
+                   tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Restores `optimizer_tensors` output into an optimizer over the same parameters.
+
+    Raises:
+        ConfigError: the groups name other parameters, or a state tensor belongs to none.
+    """
+    index = {name: i for i, name in enumerate(names)}
+    try:
+        groups = json.loads(metadata["param_groups"])
+        for g in groups:
+            g["params"] = [index[name] for name in g["params"]]
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(f"checkpoint optimizer groups do not match this rank's "
+                          f"parameters: {error}") from None
+    for group, current in zip(groups, optimizer.param_groups, strict=False):
+        for key, value in group.items():  # JSON made tuples (AdamW's betas) lists
+            if isinstance(current.get(key), tuple) and isinstance(value, list):
+                group[key] = tuple(value)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name, _, field = key[len(_OPTIMIZER):].rpartition(".")
+        if name not in index:
+            raise ConfigError(f"checkpoint optimizer state {key!r} names no parameter here")
+        state.setdefault(index[name], {})[field] = tensor
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def save_rank(path: Path, weights: Mapping[str, torch.Tensor],
+              optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
+    """Writes one owner rank's weights and optimizer state atomically."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    metadata: dict[str, str] = {}
+    if optimizer is not None:
+        extra, metadata = optimizer_tensors(optimizer, names)
+        tensors.update(extra)
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def load_rank(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                   dict[str, str]]:
+    """Reads a rank file: (weights, optimizer tensors, metadata). safetensors checks the
+    header's offsets and sizes before it allocates; nothing is unpickled.
+
+    Raises:
+        ConfigError: the file is missing or not a valid safetensors file.
+    """
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = dict(handle.metadata() or {})
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+        raise ConfigError(f"cannot read checkpoint file {str(path)!r}: {error}") from None
+    weights = {k: v for k, v in tensors.items() if not k.startswith(_OPTIMIZER)}
+    optim = {k: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)}
+    return weights, optim, metadata
+
+
+def write_state(root: Path, step: int, state: dict[str, Any]) -> Path:
+    """Commits the checkpoint of `step`: its state.json, written after every rank file."""
+    path = step_dir(root, step) / STATE
+    text = json.dumps({**state, "step": step}, indent=2) + "\n"
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    write_atomic(path, write)
+    return path
+
+
+def latest(root: Path) -> tuple[int, dict[str, Any]] | None:
+    """The newest committed checkpoint under `root`: (step, its state), or None.
+
+    Raises:
+        ConfigError: a state.json that is not a JSON object with its step.
+    """
+    steps = sorted((int(m.group(1)) for p in root.glob("step-*")
+                    if (m := _STEP_DIR.fullmatch(p.name)) and (p / STATE).is_file()),
+                   reverse=True)
+    if not steps:
+        return None
+    path = step_dir(root, steps[0]) / STATE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read {str(path)!r}: {error}") from None
+    if not isinstance(state, dict) or state.get("step") != steps[0]:
+        raise ConfigError(f"{str(path)!r} is not the state of step {steps[0]}")
+    return steps[0], state
+
+
+def resolve_under(root: str | Path | None, requested: str) -> Path:
+    """`requested` as a path inside the process's checkpoint root: a service writes and
+    reads checkpoints only where its operator allowed it, whatever a request names.
+
+    Raises:
+        PermissionError: no root is configured, or the path leaves it.
+    """
+    if not root:
+        raise PermissionError("this process has no checkpoint root (--checkpoint-root or "
+                              "PIPEFB_CHECKPOINT_ROOT); it writes and reads no checkpoints")
+    base = Path(root).resolve()
+    path = (base / requested).resolve()
+    if path != base and base not in path.parents:
+        raise PermissionError(f"checkpoint directory {requested!r} is outside the "
+                              f"checkpoint root {str(base)!r}")
+    return path
+
+
+def add_root_flag(parser: argparse.ArgumentParser) -> None:
+    """`--checkpoint-root` (env PIPEFB_CHECKPOINT_ROOT) of the services."""
+    parser.add_argument("--checkpoint-root", default=os.environ.get("PIPEFB_CHECKPOINT_ROOT", ""),
+                        help="directory under which jobs may write and read checkpoints "
+                             "(default: none, no checkpoints)")
+
+
+def due(step: int, every: int, steps: int) -> bool:
+    """Whether the checkpoint cadence `every` takes one after step `step` (0-based): after
+    every `every` steps and after the last."""
+    return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)

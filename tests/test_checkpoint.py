@@ -1,0 +1,148 @@
+"""Checkpoints: atomic safetensors + JSON files that never unpickle, and a job resumed from
+one trains exactly what the uninterrupted job trains."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipefb.checkpoint import (
+    due,
+    latest,
+    load_optimizer,
+    load_rank,
+    rank_file,
+    resolve_under,
+    save_rank,
+    write_state,
+)
+from pipefb.config import JobConfig
+from pipefb.errors import ConfigError
+from tests.test_transparency import make_job, run_on_cluster
+
+
+def _trained_adamw() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, weight_decay=0.01)
+    for _ in range(2):
+        layer(torch.randn(4, 3)).pow(2).sum().backward()
+        opt.step()
+    return layer, opt
+
+
+def test_rank_file_round_trips_weights_and_optimizer_state(tmp_path: Path) -> None:
+    layer, opt = _trained_adamw()
+    names = ["0.weight", "0.bias"]
+    path = rank_file(tmp_path, 2, 1)
+    save_rank(path, {"layers.0.weight": layer.weight, "layers.0.bias": layer.bias}, opt, names)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["rank-1.safetensors"]  # no tmp
+    weights, optim, meta = load_rank(path)
+    torch.testing.assert_close(weights["layers.0.weight"], layer.weight.detach(), rtol=0, atol=0)
+    assert sorted(optim) == sorted(f"optimizer.{n}.{k}" for n in names
+                                   for k in ("step", "exp_avg", "exp_avg_sq"))
+    fresh = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=1.0)
+    load_optimizer(fresh, names, optim, meta)
+    want, got = opt.state_dict(), fresh.state_dict()
+    assert got["param_groups"] == want["param_groups"]  # lr 0.1 and weight decay came back
+    for i in (0, 1):
+        for key, value in want["state"][i].items():
+            torch.testing.assert_close(got["state"][i][key], value, rtol=0, atol=0)
+
+
+def test_optimizer_state_naming_another_parameter_is_refused(tmp_path: Path) -> None:
+    _, opt = _trained_adamw()
+    path = tmp_path / "r.safetensors"
+    save_rank(path, {}, opt, ["0.weight", "0.bias"])
+    _, optim, meta = load_rank(path)
+    with pytest.raises(ConfigError, match="do not match this rank's parameters"):
+        load_optimizer(opt, ["1.weight", "1.bias"], optim, meta)
+
+
+def test_a_truncated_or_foreign_file_is_refused_without_unpickling(tmp_path: Path) -> None:
+    path = tmp_path / "rank-0.safetensors"
+    save_file({"layers.0.weight": torch.ones(4, 4)}, str(path))
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(ConfigError, match="cannot read checkpoint file"):
+        load_rank(path)
+    pickled = tmp_path / "rank-1.safetensors"
+    torch.save({"w": torch.ones(2)}, pickled)  # a pickle under the expected name
+    with pytest.raises(ConfigError, match="cannot read checkpoint file"):
+        load_rank(pickled)
+
+
+def test_only_committed_checkpoints_count_and_the_newest_wins(tmp_path: Path) -> None:
+    assert latest(tmp_path) is None
+    write_state(tmp_path, 3, {"job": {}, "plan": {}})
+    rank_file(tmp_path, 6, 0).parent.mkdir(parents=True)  # step 6: rank files, no state.json
+    write_state(tmp_path, 12, {"job": {"a": 1}, "plan": {}})
+    assert latest(tmp_path) == (12, {"job": {"a": 1}, "plan": {}, "step": 12})
+    (tmp_path / "step-000012" / "state.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not the state of step 12"):
+        latest(tmp_path)
+
+
+def test_checkpoint_paths_stay_inside_the_root(tmp_path: Path) -> None:
+    assert resolve_under(tmp_path, "ckpt/a") == tmp_path.resolve() / "ckpt" / "a"
+    for bad in ("../elsewhere", "/etc", "ckpt/../../x"):
+        with pytest.raises(PermissionError, match="outside the checkpoint root"):
+            resolve_under(tmp_path, bad)
+    with pytest.raises(PermissionError, match="no checkpoint root"):
+        resolve_under("", "ckpt")
+
+
+def test_cadence_and_job_validation() -> None:
+    assert [s for s in range(8) if due(s, 3, 8)] == [2, 5, 7]
+    assert not any(due(s, 0, 8) for s in range(8))
+    with pytest.raises(ConfigError, match="need a checkpoint directory"):
+        JobConfig(schedule="1f1b", checkpoint_every=2)
+    with pytest.raises(ConfigError, match="resume runs sync jobs only"):
+        JobConfig(schedule="pipedream", resume=True, checkpoint_dir="c")
+
+
+# (schedule, workers, groups): combined ranks, and split ranks whose forward workers load
+# their layers from the backward workers' files, in two groups.
+RESUMES = [("1f1b", 4, 1), ("pipefb", 4, 2)]
+
+
+@pytest.mark.parametrize(("schedule", "workers", "groups"), RESUMES)
+def test_resumed_job_trains_exactly_what_the_uninterrupted_one_trains(
+        client: Any, cluster: Any, schedule: str, workers: int, groups: int) -> None:
+    job = make_job("mlp", schedule, workers, "adamw", groups=groups, steps=6,
+                   checkpoint_every=3, checkpoint_dir=f"whole-{schedule}")
+    whole, want = run_on_cluster(client, job)
+    first = replace(job, steps=3, checkpoint_dir=f"parts-{schedule}")
+    run_on_cluster(client, first)
+    root = cluster.checkpoint_root / first.checkpoint_dir
+    step, state = latest(root) or (0, {})
+    assert step == 3 and state["plan"]["groups"] == groups
+    owners = sorted(a["rank"] for a in state["plan"]["assignment"] if a["role"] != "forward")
+    assert sorted(p.name for p in (root / "step-000003").iterdir()) == sorted(
+        [f"rank-{r}.safetensors" for r in owners] + ["state.json"])
+    assert all(not n.startswith(".") for n in load_file(str(rank_file(root, 3, owners[0]))))
+    rest, got = run_on_cluster(client, replace(first, steps=6, resume=True))
+    assert [r.step for r in rest] == [3, 4, 5]
+    assert [r.loss for r in rest] == [r.loss for r in whole[3:]]  # bit for bit
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    assert latest(root)[0] == 6  # type: ignore[index]
+
+
+def test_resume_of_another_job_fails_naming_the_field(client: Any) -> None:
+    job = make_job("mlp", "1f1b", 2, "sgd", steps=2, checkpoint_every=2,
+                   checkpoint_dir="other-job")
+    run_on_cluster(client, job)
+    with pytest.raises(grpc.RpcError) as failed:
+        run_on_cluster(client, replace(job, steps=4, resume=True, lr=0.5))
+    assert "checkpoint of step 2 is of another job: lr 0.05 there, 0.5 here" in (
+        failed.value.details())
+    with pytest.raises(grpc.RpcError) as escaped:
+        run_on_cluster(client, replace(job, checkpoint_dir="../../outside"))
+    assert "outside the checkpoint root" in escaped.value.details()
