@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,3 +19,17 @@ def write_results(out: Path | None, results: dict[str, Any],
     (out / "results.json").write_text(json.dumps(results, indent=1))
     if chart is not None:
         chart(results, out / png)
+
+
+def add_run_flags(p: argparse.ArgumentParser, *, repeats: int) -> None:
+    """The flags of a measured bench that runs jobs on a local cluster: where results go,
+    the job's batch and micro-batches, timed and warm-up steps, repeats and threads."""
+    p.add_argument("--out", type=Path, default=None, help="write results.json and a PNG here")
+    p.add_argument("--batch", type=int, default=32, help="measured: samples per step")
+    p.add_argument("--microbatches", type=int, default=4,
+                   help="measured: micro-batches per step (plan auto may pick others)")
+    p.add_argument("--steps", type=int, default=10, help="measured: timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="measured: untimed steps first")
+    p.add_argument("--repeats", type=int, default=repeats,
+                   help="measured: runs of every system")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")

@@ -32,7 +32,7 @@ import torch
 
 from bench import machine
 from bench.cluster import local_client, run_interleaved
-from bench.output import write_results
+from bench.output import add_run_flags, write_results
 from bench.stats import fmt, summary
 from pipefb.config import JobConfig
 
@@ -193,15 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="small simulated model; tiny gpt, 2 workers, 2 timed steps, 1 repeat")
     p.add_argument("--part", choices=("all", "simulated", "measured"), default="all")
-    p.add_argument("--out", type=Path, default=None, help="write results.json and a PNG here")
     p.add_argument("--workers", default="2,4", help="measured: comma-separated worker counts")
-    p.add_argument("--batch", type=int, default=32, help="measured: samples per step")
-    p.add_argument("--microbatches", type=int, default=4,
-                   help="measured: micro-batches per step of the even splits")
-    p.add_argument("--steps", type=int, default=10, help="measured: timed steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="measured: untimed steps first")
-    p.add_argument("--repeats", type=int, default=2, help="measured: runs of every system")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    add_run_flags(p, repeats=2)
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats, args.batch, args.workers = 2, 1, 1, 8, "2"

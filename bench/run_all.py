@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import planner_doc, sim_accuracy
+from bench import groups_doc, planner_doc, sim_accuracy
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 
@@ -35,6 +35,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
                                      "--steps", "6"]),
     "planner": ("planner", []),
     "sim_accuracy": ("sim_accuracy", []),
+    "groups": ("groups", []),
 }
 
 
@@ -250,6 +251,9 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
         out / "planner" / "planner.png", doc.parent))
     lines += sim_accuracy.doc_section(*results["sim_accuracy"], os.path.relpath(
         out / "sim_accuracy" / "sim_accuracy.png", doc.parent))
+    if "groups" in results:
+        lines += groups_doc.doc_section(*results["groups"], os.path.relpath(
+            out / "groups" / "groups.png", doc.parent))
     lines += READING
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))

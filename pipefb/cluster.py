@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -299,10 +300,27 @@ def _workers(data: Any, what: str) -> tuple[WorkerSpec, ...]:
 
 def group_view(cluster: Cluster, groups: int) -> Cluster:
     """What one of `groups` equal pipeline groups runs on: the first size/groups workers,
-    each host's cores split evenly among the groups (every group holds the same share of a
-    host's workers, so a simulation of one group sees its share of the cores)."""
+    the links between them, and of each host's cores the share its workers in this group
+    hold (one host of 8 GPUs split between 2 groups gives each 4; a group owning whole
+    hosts keeps all their cores)."""
     if groups == 1:
         return cluster
     width = cluster.size // groups
-    cores = {host: max(1, n // groups) for host, n in cluster.host_cores.items()}
-    return replace(cluster, workers=cluster.workers[:width], host_cores=cores)
+    mine = cluster.workers[:width]
+    names = {w.name for w in mine}
+    on_host = Counter(w.host for w in cluster.workers)
+    cores = {host: max(1, n * sum(w.host == host for w in mine) // on_host[host])
+             for host, n in cluster.host_cores.items() if any(w.host == host for w in mine)}
+    links = {pair: x for pair, x in cluster.links.items() if pair <= names}
+    return replace(cluster, workers=mine, host_cores=cores, links=links,
+                   loopback_hosts=cluster.loopback_hosts & set(cores))
+
+
+def ring_link(cluster: Cluster, rank: int, groups: int) -> Link:
+    """The slowest hop of the all-reduce ring through `rank` and the same stage's rank in
+    every other group (ranks rank, rank + width, ...): a ring moves at its slowest hop's
+    pace, so a ring that leaves a host pays the network even if some hops stay inside."""
+    width = cluster.size // groups
+    ring = [rank % width + g * width for g in range(groups)]
+    hops = [cluster.link(a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)]
+    return Link(min(x.bandwidth for x in hops), max(x.latency for x in hops))

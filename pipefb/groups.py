@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipefb.cluster import Cluster, group_view
+from pipefb.cluster import Cluster, group_view, ring_link
 from pipefb.costs import Profile, ring_allreduce_seconds
 from pipefb.errors import ConfigError, ScheduleError
 from pipefb.plan import Plan, replicate
@@ -97,10 +97,9 @@ def allreduce_seconds(plan: Plan, profile: Profile, cluster: Cluster) -> float:
     """The slowest stage's ring all-reduce of its gradients over the plan's groups."""
     if plan.groups == 1:
         return 0.0
-    width = len(plan.assignment) // plan.groups
     topology = plan.topology(0)
     return max(ring_allreduce_seconds(profile.param_bytes(topology.layers_of_backward(s)),
-                                      plan.groups, cluster.link(rank, rank + width))
+                                      plan.groups, ring_link(cluster, rank, plan.groups))
                for s, rank in enumerate(topology.backward_workers))
 
 

@@ -17,8 +17,10 @@ batch size), and for PipeFB every split of the workers into forward and backward
    frees more bytes per second of extra time, the partition is re-balanced, and the plan
    simulated again;
 3. an analytic estimate ranks the candidates; the best ones are simulated (as many as an
-   event budget allows, at least one), and the winner's stage boundaries are moved one
-   layer at a time while the simulated step time improves.
+   event budget allows, and at least the best of each schedule kind: the estimate ignores
+   the caps, so a kind's best estimate may lose most to fitting its memory), and the
+   winner's stage boundaries are moved one layer at a time while the simulated step time
+   improves.
 A candidate whose simulation deadlocks, or which cannot fit a cap, is refused with the
 reason.
 
@@ -469,12 +471,15 @@ def search(profile: Profile, cluster: Cluster, batch_size: int, *,
     plans = planner.candidates(_kinds(schedules, mode), counts)
     ranked = sorted(plans, key=planner.estimate)
     results: list[Candidate] = []
-    for i, plan in enumerate(ranked):
+    kinds_simulated: set[tuple[str, str]] = set()
+    for plan in ranked:
         estimate = planner.estimate(plan)
-        if i > 0 and planner.events > EVENT_BUDGET:
+        kind = (plan.schedule, plan.mode)
+        if kind in kinds_simulated and planner.events > EVENT_BUDGET:
             results.append(Candidate(plan, math.inf, estimate,
                                      note="not simulated: its estimate ranked it out"))
             continue
+        kinds_simulated.add(kind)
         fitted, sim, note = planner.fit(plan)
         if sim is None or note:
             results.append(Candidate(fitted, math.inf, planner.estimate(fitted), note=note))

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from pipefb.cluster import Cluster, Link, group_view
+from pipefb.cluster import Cluster, Link, group_view, ring_link
 from pipefb.costs import Profile, kept_bytes, ring_allreduce_seconds
 from pipefb.errors import ScheduleError
 from pipefb.memory import KINDS
@@ -173,11 +173,10 @@ class _Costs:
         return self._compute[key]
 
     def allreduce_seconds(self, rank: int, stage: int) -> float:
-        """The ring all-reduce of backward stage `stage`'s gradients over the groups, on
-        the link from `rank` to the same stage's rank in the next group."""
+        """The ring all-reduce of backward stage `stage`'s gradients over the groups, at
+        the pace of the ring's slowest hop (`cluster.ring_link`)."""
         owned = self.profile.param_bytes(self.topology.layers_of_backward(stage))
-        width = len(self.plan.assignment) // self.plan.groups
-        link = self.links.link(rank, rank + width)
+        link = ring_link(self.links, rank, self.plan.groups)
         return ring_allreduce_seconds(owned, self.plan.groups, link)
 
     def _compute_seconds(self, rank: int, a: Action) -> float:

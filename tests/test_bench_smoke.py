@@ -131,3 +131,33 @@ def test_sim_accuracy_quick(tmp_path: Path) -> None:
         assert all(f > 0 for f in r["in_situ"]["factors"].values())
     assert res["in_situ_abs_error"]["n"] == len(SCHEDULES)
     assert len(doc_section("cmd", res, "x.png")) > len(SCHEDULES) + 4
+
+
+@pytest.mark.timeout(300)
+def test_groups_quick(tmp_path: Path) -> None:
+    from bench.groups import RATIOS, SYSTEMS
+    from bench.groups_doc import doc_section
+
+    res = run_quick("groups", tmp_path, timeout=280)
+    assert (tmp_path / "groups.png").stat().st_size > 0
+    models = res["measured"]["models"]
+    assert set(models) == {"mlp", "gpt"}
+    for r in models.values():
+        assert set(r["samples_per_second"]) == set(SYSTEMS)
+        for s in SYSTEMS:
+            assert_summary(r["samples_per_second"][s])
+            assert_summary(r["predicted_samples_per_second"][s])
+        assert r["groups"]["1x2"] == 1 and r["groups"]["2x1"] == 2
+        assert r["groups"]["auto"] in (1, 2)
+        assert set(r["ratios"]) == set(RATIOS) and all(
+            v > 0 for v in r["predicted_ratios"].values())
+        for fixed in ("1x2", "2x1"):  # the same plan trains the same: auto's loss is its pick's
+            if r["plans"]["auto"] == r["plans"][fixed]:
+                assert r["final_loss"]["auto"] == r["final_loss"][fixed]
+    sizes = res["simulated"]["sizes"]
+    assert set(sizes) == {"8", "16"}
+    for n, r in sizes.items():
+        assert set(r["rows"]) >= {"1", n}  # the single pipeline and pure DP were searched
+        assert r["ghp_over_exhaustive"] >= 0.95
+        assert r["rows"][str(r["ghp_groups"])]["samples_per_second"] > 0
+    assert len(doc_section("cmd", res, "x.png")) > 10

@@ -4,6 +4,7 @@ exhaustive search, on described clusters of 4 to 64 workers (nothing runs here).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -81,3 +82,41 @@ def test_simulated_optimizer_steps_add_exactly_the_ring_allreduce() -> None:
 def test_group_counts_that_do_not_divide_are_refused() -> None:
     with pytest.raises(ConfigError, match="groups 3 must divide the workers"):
         search_groups(_profile(0, 8), Cluster.uniform(4), 12, groups=[3])
+
+
+def _two_hosts(n: int) -> Cluster:
+    """n workers, half on each of two hosts of n/2 cores; fast links inside a host."""
+    from pipefb.cluster import WorkerSpec
+
+    workers = tuple(WorkerSpec(f"g{i}", host=f"h{i * 2 // n}") for i in range(n))
+    inside = Link(20e9, 1e-5)
+    links = {frozenset((a.name, b.name)): inside
+             for i, a in enumerate(workers) for b in workers[i + 1:] if a.host == b.host}
+    return Cluster(workers, network=Link(1e9, 1e-4), links=links,
+                   host_cores={"h0": n // 2, "h1": n // 2})
+
+
+def test_group_view_keeps_its_links_and_its_share_of_each_host() -> None:
+    from pipefb.cluster import group_view
+
+    cluster = _two_hosts(8)
+    two = group_view(cluster, 2)  # group 0 owns host h0 whole
+    assert [w.name for w in two.workers] == ["g0", "g1", "g2", "g3"]
+    assert two.host_cores == {"h0": 4}
+    assert two.link(0, 1).bandwidth == 20e9 and len(two.links) == 6
+    four = group_view(cluster, 4)  # group 0 holds 2 of h0's 4 workers
+    assert four.host_cores == {"h0": 2} and len(four.links) == 1
+
+
+def test_ring_moves_at_its_slowest_hop() -> None:
+    from pipefb.cluster import ring_link
+
+    cluster = _two_hosts(8)
+    # 4 groups of 2: stage 0's ring is g0, g2 (h0), g4, g6 (h1): two hops cross hosts
+    assert ring_link(cluster, 0, 4) == Link(1e9, 1e-4)
+    # 2 groups of 4 on 8 workers of one host: every hop stays inside
+    one_host = replace(cluster, host_cores={"h0": 8},
+                       workers=tuple(replace(w, host="h0") for w in cluster.workers))
+    assert ring_link(replace(one_host, links={
+        frozenset((a.name, b.name)): Link(20e9, 1e-5) for i, a in enumerate(one_host.workers)
+        for b in one_host.workers[i + 1:]}), 1, 2) == Link(20e9, 1e-5)
