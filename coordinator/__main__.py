@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     server.ready(health)
     print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)
     metrics.announce(url)
-    server.serve_until_signal(srv)
+    server.serve_until_signal(srv, health)
 
 
 if __name__ == "__main__":
-    main()
+    server.run_service(main, "python -m coordinator")

@@ -313,7 +313,8 @@ class LocalDeployment:
 
     def _volumes(self, workload: Doc, pod: str, job_changes: Mapping[str, object]
                  ) -> dict[str, Path]:
-        """mountPath -> a local directory: emptyDirs fresh, ConfigMaps written out."""
+        """mountPath -> a local directory: emptyDirs fresh, ConfigMaps and Secrets written
+        out."""
         spec, mounts = pod_spec(workload), {}
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for mount in main_container(workload).get("volumeMounts", []):
@@ -322,8 +323,26 @@ class LocalDeployment:
             source = volumes[mount["name"]]
             if "configMap" in source:
                 self._write_configmap(source["configMap"]["name"], local, job_changes)
+            elif "secret" in source:
+                self._write_secret(source["secret"]["secretName"], local)
             mounts[mount["mountPath"]] = local
         return mounts
+
+    def _write_secret(self, name: str, folder: Path) -> None:
+        keys = {key: value for (secret, key), value in self.secrets.items() if secret == name}
+        if not keys:
+            raise KeyError(f"no values for the Secret {name!r}")
+        for key, value in keys.items():
+            (folder / key).write_text(value)
+            (folder / key).chmod(0o400)
+
+    def client_env(self) -> dict[str, str]:
+        """The environment a client on this machine needs to reach the deployment's gRPC
+        services: the submit Job's TLS and token settings, its Secrets written out here."""
+        job = find(self.docs, "Job", "pipefb-submit")
+        _, env = self._container(job, "client", {})
+        return {k: v for k, v in env.items() if k.startswith(("PIPEFB_TLS", "PIPEFB_MTLS",
+                                                              "PIPEFB_TOKEN"))}
 
     def _write_configmap(self, name: str, folder: Path, changes: Mapping[str, object]) -> None:
         data = find(self.docs, "ConfigMap", name)["data"]
@@ -333,6 +352,17 @@ class LocalDeployment:
             (folder / key).write_text(text)
 
 
+def local_secrets(folder: Path) -> dict[tuple[str, str], str]:
+    """Fresh values of the Secrets the manifests name: the Redis password, the token and
+    a test CA's certificate (`deploy.pki`), what an operator creates in a cluster."""
+    from deploy.pki import tls_secret
+
+    values = {("pipefb-redis", "password"): secrets.token_hex(16),
+              ("pipefb-auth", "token"): secrets.token_urlsafe(32)}
+    values.update({("pipefb-tls", key): v for key, v in tls_secret(folder).items()})
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     """Starts an overlay locally, submits its job with --steps, prints the Job's output."""
     p = argparse.ArgumentParser(prog="python -m deploy.localrun", description=__doc__)
@@ -340,11 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps of the submitted job")
     p.add_argument("--threads", default="1", help="PIPEFB_THREADS of each worker here")
     args = p.parse_args(argv)
-    password = secrets.token_hex(16)  # stands in for the pipefb-redis Secret
     with tempfile.TemporaryDirectory(prefix="pipefb-localrun-") as tmp, \
             contextlib.ExitStack() as stack:
         run = stack.enter_context(LocalDeployment(
-            build(args.overlay), Path(tmp), {("pipefb-redis", "password"): password},
+            build(args.overlay), Path(tmp), local_secrets(Path(tmp) / "pki"),
             {"PIPEFB_THREADS": args.threads}))
         done = run.submit({"steps": args.steps})
         print(done.stdout, end="")

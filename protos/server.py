@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -20,6 +21,7 @@ from pipefb.errors import (
     StoreFullError,
     WorkerFailed,
 )
+from protos import security
 
 log = logging.getLogger(__name__)
 
@@ -125,24 +127,34 @@ def create_server(
     max_workers: int = 32,
     interceptors: tuple[grpc.ServerInterceptor, ...] = (),
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Creates and starts a server with the health service (NOT_SERVING until `ready`).
+    """Creates and starts a server with the health service (NOT_SERVING until `ready`),
+    over TLS and behind the token check when the environment configures them
+    ([Note: transport security] in `protos.security`).
 
     Returns:
         The server, the port it bound (useful with port 0) and its health servicer.
+
+    Raises:
+        ConfigError: a listen host beyond loopback without TLS and a token.
     """
+    settings = security.from_env()
+    security.check_listen(address.rsplit(":", 1)[0], settings)
+    guard = (security.TokenInterceptor(settings.token),) if settings.token else ()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=(*interceptors, ErrorInterceptor()),
+        interceptors=(*guard, *interceptors, ErrorInterceptor()),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
+        maximum_concurrent_rpcs=max_workers * 4,
     )
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, settings.server_credentials()) if settings.tls
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"cannot bind {address}")
     server.start()
@@ -154,21 +166,34 @@ def ready(health_servicer: health.HealthServicer) -> None:
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
 
 
-def serve_until_signal(server: grpc.Server, grace_seconds: float = 5.0) -> None:
-    """Blocks until SIGTERM or SIGINT, then stops the server gracefully."""
+def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServicer,
+                       grace_seconds: float = 5.0) -> None:
+    """Blocks until SIGTERM or SIGINT, then stops gracefully: health turns NOT_SERVING (so
+    load balancers and probes stop sending work), new RPCs are refused and those in
+    flight get `grace_seconds` to finish."""
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    log.info("stopping: health NOT_SERVING, %.0f s for RPCs in flight", grace_seconds)
+    health_servicer.enter_graceful_shutdown()
     server.stop(grace_seconds).wait()
 
 
 def channel(address: str) -> grpc.Channel:
-    """An insecure channel to `address` with pipefb's message size limits."""
-    return grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
-    )
+    """A channel to `address` with pipefb's message size limits, over TLS and with the
+    token when the environment configures them ([Note: transport security])."""
+    return security.secure_channel(address, [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ], security.from_env())
+
+
+def run_service(main: Callable[[], None], name: str) -> None:
+    """Runs a service's `main`; a ConfigError (a bad flag, file or security setting) ends
+    the process with one line naming it and status 2, not a traceback."""
+    try:
+        main()
+    except ConfigError as error:
+        print(f"{name}: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -107,14 +107,16 @@ def test_probe_ports_are_container_ports(built: dict[str, list[Doc]]) -> None:
     assert probes == 2 * (3 + 3 + 2)
 
 
-def test_grpc_services_are_probed_with_grpc_on_their_grpc_port(
+def test_grpc_services_are_probed_over_mtls_on_their_grpc_port(
         built: dict[str, list[Doc]]) -> None:
     for name in PIPEFB_CONTAINERS:
         workload = next(w for w in workloads(built["cpu"]) if w["metadata"]["name"] == name)
         container = main_container(workload)
         grpc_port = _port_numbers(container)["grpc"]
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[kind]["grpc"]["port"] == grpc_port
+            assert container[kind]["exec"]["command"] == [
+                "python", "-m", "protos.probe", f"127.0.0.1:{grpc_port}"]
+            assert container[kind]["timeoutSeconds"] >= 3  # a Python start, then one call
         listen = {e["name"]: e.get("value") for e in container["env"]}["PIPEFB_LISTEN"]
         assert listen == f"0.0.0.0:{grpc_port}"
 
@@ -290,3 +292,28 @@ def test_monitoring_values_pick_up_the_dashboard_and_the_podmonitor(
     prometheus = values["prometheus"]["prometheusSpec"]
     assert prometheus["podMonitorSelectorNilUsesHelmValues"] is False
     assert prometheus["podMonitorNamespaceSelector"] == prometheus["podMonitorSelector"] == {}
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_every_grpc_process_gets_mtls_and_the_token_from_secrets(
+        built: dict[str, list[Doc]], overlay: str) -> None:
+    """Coordinator, workers and the submit Job: certificate, key, CA and token files from
+    the Secrets pipefb-tls and pipefb-auth, mounted read-only, named by the env."""
+    want = {"PIPEFB_TLS_CERT": "/etc/pipefb-tls/tls.crt", "PIPEFB_TLS_KEY":
+            "/etc/pipefb-tls/tls.key", "PIPEFB_TLS_CA": "/etc/pipefb-tls/ca.crt",
+            "PIPEFB_MTLS": "1", "PIPEFB_TLS_SERVER_NAME": "pipefb",
+            "PIPEFB_TOKEN_FILE": "/etc/pipefb-auth/token"}
+    seen = []
+    for workload, container in containers(built[overlay]):
+        if container["name"] not in ("coordinator", "worker", "submit"):
+            continue
+        seen.append(container["name"])
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {k: env.get(k) for k in want} == want, container["name"]
+        volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        for path, secret in (("/etc/pipefb-tls", "pipefb-tls"), ("/etc/pipefb-auth",
+                                                                 "pipefb-auth")):
+            assert mounts[path]["readOnly"] is True
+            assert volumes[mounts[path]["name"]]["secret"]["secretName"] == secret
+    assert sorted(seen) == ["coordinator", "submit", "worker"]

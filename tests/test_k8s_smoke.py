@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import secrets
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from deploy import dashboard
-from deploy.localrun import LocalDeployment
+from deploy.localrun import LocalDeployment, local_secrets
 from deploy.manifests import build, find
 from offload_store import connect
 from tests.metric_contract import METRIC_NAME, contract_metric, labels_used, queries
@@ -43,10 +42,13 @@ def deployment(docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFact
                ) -> Iterator[tuple[LocalDeployment, str]]:
     """Redis, the coordinator and every worker replica of the overlay; one torch thread per
     worker (this machine has fewer cores than the manifests' CPU limits add up to)."""
-    password = secrets.token_hex(16)  # stands in for the pipefb-redis Secret
-    with LocalDeployment(docs, tmp_path_factory.mktemp("k8s"), {SECRET: password},
-                         {"PIPEFB_THREADS": "1"}) as run:
-        yield run, password
+    folder = tmp_path_factory.mktemp("k8s")
+    values = local_secrets(folder / "pki")  # stand in for the Secrets an operator creates
+    with LocalDeployment(docs, folder, values, {"PIPEFB_THREADS": "1"}) as run, \
+            pytest.MonkeyPatch.context() as env:
+        for name, value in run.client_env().items():  # this process dials them too
+            env.setenv(name, value)
+        yield run, values[SECRET]
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +141,23 @@ def test_local_paths_and_addresses_replace_cluster_ones(deployment: tuple[LocalD
     env = local.env({"A": "0.0.0.0:9", "PIPEFB_METRICS_PORT": "9090", "HOME": "/tmp"},
                     {"/tmp": tmp_path})
     assert env == {"A": "127.0.0.1:0", "PIPEFB_METRICS_PORT": "0", "HOME": str(tmp_path)}
+
+
+def test_the_manifests_probe_passes_over_mtls_and_plaintext_is_refused(
+        deployment: tuple[LocalDeployment, str], docs: list[dict[str, Any]]) -> None:
+    """The readiness probe's own command, aimed at the local coordinator, with the pod's
+    TLS settings: SERVING. Without them the handshake fails and the probe says so."""
+    import os
+    import sys
+
+    from deploy.manifests import main_container
+
+    probe = main_container(find(docs, "Deployment", "pipefb-coordinator"))["readinessProbe"]
+    argv = [sys.executable, *probe["exec"]["command"][1:-1],
+            deployment[0].local.address("pipefb-coordinator:50051")]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    ok = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    plain = {k: v for k, v in env.items() if not k.startswith(("PIPEFB_TLS", "PIPEFB_MTLS"))}
+    refused = subprocess.run(argv, env=plain, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr

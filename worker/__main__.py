@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     server.ready(health)
     print(f"ready {address}", flush=True)
     metrics.announce(url)
-    server.serve_until_signal(srv)
+    server.serve_until_signal(srv, health)
 
 
 if __name__ == "__main__":
-    main()
+    server.run_service(main, "python -m worker")
