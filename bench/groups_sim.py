@@ -8,7 +8,7 @@
 - Model: a GPT of 64 blocks at GPT-2-medium width (1024, 16 heads, 1024 tokens, vocab
   50257), about 0.87 B parameters, 67 layers with the embedding, head and loss: deep
   enough that one pipeline can give every one of 64 GPUs a stage, and heavy enough
-  (3.5 GB of fp32 gradients) that summing gradients across groups costs real time.
+  (3.6 GB of fp32 gradients) that summing gradients across groups costs real time.
   Profiled analytically as in bench/planner_sim.py ([Note: planner bench scenario]).
 - Batch: 512 sequences per step, the same for every system; each of G groups takes 512/G.
 - Systems, each the planner's full search (schedule, micro-batch count, partition, policy
