@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -45,12 +46,10 @@ def _env(pki: dict[str, Path], mtls: bool) -> dict[str, str]:
             "PIPEFB_TOKEN_FILE": str(pki["token"])}
 
 
-@pytest.fixture(scope="module")
-def coordinator(pki: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[str]:
-    """A real coordinator process serving over mTLS with the token; its address."""
-    env = {**os.environ, **_env(pki, mtls=True), "PYTHONPATH": str(ROOT)}
-    log = tmp_path_factory.mktemp("coord") / "log"
+@contextmanager
+def _coordinator(env: dict[str, str], log: Path) -> Iterator[str]:
+    """A real coordinator process with `env`; its address. SIGTERM at the end: exit 0."""
+    env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--listen",
                                  "127.0.0.1:0", "--store", "127.0.0.1:1"], cwd=ROOT, env=env,
@@ -63,6 +62,24 @@ def coordinator(pki: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0  # SIGTERM: a graceful stop
+
+
+@pytest.fixture(scope="module")
+def coordinator(pki: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[str]:
+    """A coordinator serving over mTLS with the token."""
+    with _coordinator(_env(pki, mtls=True), tmp_path_factory.mktemp("coord") / "log") as a:
+        yield a
+
+
+def test_on_loopback_the_token_works_without_tls(pki: dict[str, Path], tmp_path: Path) -> None:
+    """Plaintext on 127.0.0.1 with a token: the token rides in the metadata (gRPC allows no
+    call credentials there), and a call without it is refused."""
+    with _coordinator({"PIPEFB_TOKEN_FILE": str(pki["token"])}, tmp_path / "log") as address:
+        assert list(_call(address, security.Security(token=TOKEN)).workers) == []
+        with pytest.raises(grpc.RpcError) as error:
+            _call(address, security.Security())
+    assert error.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
 def _call(address: str, sec: security.Security) -> coordinator_pb2.ListWorkersReply:
