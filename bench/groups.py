@@ -29,9 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench import machine
 from bench.cluster import local_client, run_interleaved
-from bench.output import add_run_flags, write_results
+from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.pipeline_throughput import MODELS, QUICK_MODELS
 from bench.stats import fmt, summary
 from pipefb.config import JobConfig
@@ -41,6 +40,8 @@ WORKERS = 2
 SYSTEMS = {"1x2": 1, "2x1": 2, "auto": 0}
 #: ratio name -> (system, baseline)
 RATIOS = {"2x1/1x2": ("2x1", "1x2"), "auto/1x2": ("auto", "1x2")}
+
+
 def make_job(args: argparse.Namespace, model: str, system: str) -> JobConfig:
     """The job of one measured system: plan auto, sync, its group count fixed."""
     spec = (QUICK_MODELS if args.quick else MODELS)[model]
@@ -190,9 +191,7 @@ def print_results(results: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's flags; `--quick` picks tiny sizes for CI."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true",
-                   help="tiny models, 2 timed steps, 1 repeat; small simulated clusters")
-    p.add_argument("--part", choices=("all", "simulated", "measured"), default="all")
+    add_part_flags(p, "tiny models, 2 timed steps, 1 repeat; small simulated clusters")
     p.add_argument("--models", default="mlp,gpt", help="measured: comma-separated models")
     add_run_flags(p, repeats=3)
     args = p.parse_args(argv)
@@ -207,18 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    results: dict[str, Any] = {
-        "bench": "groups", "machine": machine.describe(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    if args.part in ("all", "measured"):
-        results["measured"] = run_measured(args)
-    if args.part in ("all", "simulated"):
-        results["simulated"] = run_simulated(args.quick)
-    results["wall_seconds"] = time.perf_counter() - started
-    print_results(results)
-    write_results(args.out, results, chart, "groups.png")
-    return results
+    parts = {"measured": lambda: run_measured(args),
+             "simulated": lambda: run_simulated(args.quick)}
+    return run_parts("groups", args, parts, print_results, chart, "groups.png")
 
 
 if __name__ == "__main__":

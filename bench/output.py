@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,3 +34,33 @@ def add_run_flags(p: argparse.ArgumentParser, *, repeats: int) -> None:
     p.add_argument("--repeats", type=int, default=repeats,
                    help="measured: runs of every system")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+
+
+def args_json(args: argparse.Namespace) -> dict[str, Any]:
+    """A bench's flags as JSON-able values (paths as strings), for its results."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def add_part_flags(p: argparse.ArgumentParser, quick_help: str) -> None:
+    """`--quick` and `--part` of a bench with a simulated and a measured part."""
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--part", choices=("all", "simulated", "measured"), default="all")
+
+
+def run_parts(bench: str, args: argparse.Namespace, parts: dict[str, Callable[[], Any]],
+              show: Callable[[dict[str, Any]], None],
+              chart: Callable[[dict[str, Any], Path], None], png: str) -> dict[str, Any]:
+    """Runs the parts `args.part` selects, in order, into one results dict with the machine
+    and flags; prints it with `show` and writes it (and its chart) to `args.out`."""
+    from bench import machine
+
+    started = time.perf_counter()
+    results: dict[str, Any] = {"bench": bench, "machine": machine.describe(),
+                               "args": args_json(args)}
+    for name, part in parts.items():
+        if args.part in ("all", name):
+            results[name] = part()
+    results["wall_seconds"] = time.perf_counter() - started
+    show(results)
+    write_results(args.out, results, chart, png)
+    return results

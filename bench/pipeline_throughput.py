@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench import machine, torch_pipelining
-from bench.output import write_results
+from bench.output import args_json, write_results
 from bench.stats import fmt, ratio, summary
 from pipefb.config import JobConfig, build_layers
 from pipefb.plan import balanced_plan, layer_costs
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "layers": len(build_layers(jobs[m])),
                   **summarise(jobs[m], repeats[m], args.warmup)} for m in names}
     return {"bench": "pipeline_throughput", "machine": machine.describe(),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": args_json(args),
             "command": " ".join(["python", "bench/pipeline_throughput.py", *sys.argv[1:]]),
             "single_threads": torch.get_num_threads(), "targets": TARGETS,
             "wall_seconds": time.perf_counter() - started, "models": models}

@@ -30,9 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench import machine
 from bench.cluster import local_client, run_interleaved
-from bench.output import add_run_flags, write_results
+from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.stats import fmt, summary
 from pipefb.config import JobConfig
 
@@ -190,9 +189,7 @@ def print_results(results: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's flags; `--quick` picks tiny sizes for CI."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true",
-                   help="small simulated model; tiny gpt, 2 workers, 2 timed steps, 1 repeat")
-    p.add_argument("--part", choices=("all", "simulated", "measured"), default="all")
+    add_part_flags(p, "small simulated model; tiny gpt, 2 workers, 2 timed steps, 1 repeat")
     p.add_argument("--workers", default="2,4", help="measured: comma-separated worker counts")
     add_run_flags(p, repeats=2)
     args = p.parse_args(argv)
@@ -207,18 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    results: dict[str, Any] = {
-        "bench": "planner", "machine": machine.describe(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    if args.part in ("all", "simulated"):
-        results["simulated"] = run_simulated(args.quick)
-    if args.part in ("all", "measured"):
-        results["measured"] = run_measured(args)
-    results["wall_seconds"] = time.perf_counter() - started
-    print_results(results)
-    write_results(args.out, results, chart, "planner.png")
-    return results
+    parts = {"simulated": lambda: run_simulated(args.quick),
+             "measured": lambda: run_measured(args)}
+    return run_parts("planner", args, parts, print_results, chart, "planner.png")
 
 
 if __name__ == "__main__":

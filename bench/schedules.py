@@ -24,7 +24,7 @@ import torch
 
 from bench import machine
 from bench.cluster import local_client, run_interleaved
-from bench.output import write_results
+from bench.output import args_json, write_results
 from bench.stats import fmt, summary
 from pipefb.config import JobConfig
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             client, make_job(args, name, n), args.warmup))
     job = make_job(args, "pipefb-sync", max(counts))
     return {"bench": "schedules", "machine": machine.describe(),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": args_json(args),
             "job": {k: v for k, v in job.to_dict().items()
                     if k not in ("schedule", "mode", "policy", "workers")},
             "published": PUBLISHED, "baseline": BASELINE,

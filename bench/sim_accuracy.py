@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import machine
 from bench.cluster import local_client
-from bench.output import write_results
+from bench.output import args_json, write_results
 from bench.pipeline_throughput import MODELS
 from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
 from bench.stats import summary
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"[{time.perf_counter() - started:.0f} s]",
                   flush=True)
     return {"bench": "sim_accuracy", "machine": machine.describe(),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": args_json(args),
             "target": TARGET, "runs": results,
             "abs_error": _errors(results, "error"),
             "in_situ_abs_error": _errors(results, "in_situ_error"),

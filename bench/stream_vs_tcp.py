@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from bench import machine
-from bench.output import write_results
+from bench.output import args_json, write_results
 from bench.stats import fmt, ratio, summary
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
 from worker.transport import PeerStream
@@ -198,8 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mbps = {k: [t.nbytes / 1e6 / s for s in v] for k, v in times.items()}
     per_repeat = [g / c for g, c in zip(mbps["grpc"], mbps["tcp"], strict=True)]
     per_call = [g / c for g, c in zip(mbps["grpc_call_per_transfer"], mbps["tcp"], strict=True)]
-    return {"bench": "stream_vs_tcp", "machine": machine.describe(), "args": {
-                k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    return {"bench": "stream_vs_tcp", "machine": machine.describe(), "args": args_json(args),
             "command": " ".join(["python", "bench/stream_vs_tcp.py", *sys.argv[1:]]),
             "tensor_bytes": t.nbytes, "target": TARGET,
             "mb_per_second": {k: summary(v) for k, v in mbps.items()},
