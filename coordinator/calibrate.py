@@ -230,8 +230,9 @@ def _store_seconds(store: OffloadStore, size: int, repeats: int, warmup: int,
 
 def _store(address: str, settings: Settings) -> Link:
     """The offload-store link, from puts and takes on the Redis at `address`."""
-    # the probe's own Redis has no password, whatever $PIPEFB_STORE_PASSWORD says
-    store = OffloadStore(connect(address, password=None), JOB, max_wait_seconds=PROBE_TIMEOUT_S)
+    # the probe's own Redis has no users, whatever $PIPEFB_STORE_USER and _PASSWORD say
+    store = OffloadStore(connect(address, username=None, password=None), JOB,
+                         max_wait_seconds=PROBE_TIMEOUT_S)
     try:
         small = _store_seconds(store, settings.small_bytes, settings.small_repeats,
                                settings.warmup, 0)

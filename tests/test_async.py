@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from offload_store import connect, job_pattern
+from offload_store import job_pattern
 from pipefb.config import JobConfig, build_layers
 from pipefb.data import build_dataset
 from pipefb.evaluate import evaluate
@@ -26,7 +26,7 @@ from pipefb.runtime import _needs_grad
 from pipefb.schedule import Action
 from pipefb.shapes import infer_input_specs, spec_of
 from protos.convert import plan_from_proto
-from tests.conftest import worker_threads
+from tests.conftest import store_client, worker_threads
 from tests.test_transparency import make_job, run_on_cluster
 
 Tags = dict[tuple[int, int], list[tuple[str, int, int]]]  # (step, mb) -> (kind, stage, version)
@@ -45,7 +45,7 @@ def version_tags(reports: list[Any]) -> Tags:
 
 
 def assert_store_and_versions_empty(cluster: Any, reports: list[Any]) -> None:
-    store = connect(cluster.store)
+    store = store_client(cluster)
     assert list(store.scan_iter(match=job_pattern(reports[0].job_id))) == []
     assert [list(w.kept_versions) for w in reports[-1].workers] == [[]] * len(reports[-1].workers)
 

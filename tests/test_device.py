@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from offload_store import connect, job_pattern
+from offload_store import job_pattern
 from pipefb.cli import main
 from pipefb.config import JobConfig
 from pipefb.errors import ConfigError
 from pipefb.memory import DEVICE_STATS
 from pipefb.reference import SingleProcess
 from protos.convert import job_from_proto, job_to_proto
+from tests.conftest import store_client
 from tests.test_transparency import make_job, run_on_cluster
 
 CUDA = torch.cuda.is_available()
@@ -97,7 +98,7 @@ def test_cuda_pipeline_equals_cuda_single_process(
     assert sorted(weights) == sorted(want_weights)
     for name, want in want_weights.items():
         torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-6, msg=name)
-    assert list(connect(cluster.store).scan_iter(match=job_pattern(reports[0].job_id))) == []
+    assert list(store_client(cluster).scan_iter(match=job_pattern(reports[0].job_id))) == []
     for report in reports:
         for w in report.workers:
             assert_device_stats(dict(w.device_memory_bytes), w.peak_memory_bytes)

@@ -23,6 +23,7 @@ from deploy.manifests import (
     pod_spec,
     workloads,
 )
+from offload_store.acl import server_args
 from pipefb.config import JobConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,10 +198,12 @@ def test_redis_runs_with_password_memory_limit_noeviction_no_persistence(
         built: dict[str, list[Doc]]) -> None:
     container = main_container(find(built["cpu"], "Deployment", "pipefb-redis"))
     args = container["args"]
-    flags = dict(zip(args[::2], args[1::2], strict=True))
-    assert flags == {"--requirepass": "$(REDIS_PASSWORD)", "--maxmemory": "1gb",
-                     "--maxmemory-policy": "noeviction", "--save": "", "--appendonly": "no",
-                     "--dir": "/data"}
+    users = server_args("$(REDIS_PASSWORD)")  # the service user only ([Note: store ACL])
+    assert args[:len(users)] == users
+    rest = args[len(users):]
+    flags = dict(zip(rest[::2], rest[1::2], strict=True))
+    assert flags == {"--maxmemory": "1gb", "--maxmemory-policy": "noeviction", "--save": "",
+                     "--appendonly": "no", "--dir": "/data"}
     assert container["command"] == ["redis-server"]
     assert container["env"][0]["name"] == "REDIS_PASSWORD"  # defined before args use it
 

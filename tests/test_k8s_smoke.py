@@ -25,6 +25,7 @@ from deploy import dashboard
 from deploy.localrun import LocalDeployment, local_secrets
 from deploy.manifests import build, find
 from offload_store import connect
+from offload_store.acl import SERVICE_USER
 from tests.metric_contract import METRIC_NAME, contract_metric, labels_used, queries
 
 STEPS = 3
@@ -62,12 +63,14 @@ def test_redis_runs_with_the_manifest_settings(deployment: tuple[LocalDeployment
     run, password = deployment
     address = run.local.address("pipefb-redis:6379")
     assert address.startswith("127.0.0.1:")
-    client = connect(address, password=password)
-    config = client.config_get("*")
-    assert (config["maxmemory"], config["maxmemory-policy"]) == (str(1 << 30), "noeviction")
-    assert (config["save"], config["appendonly"]) == ("", "no")
-    with pytest.raises(redis.AuthenticationError):
-        connect(address, password=None, retry=Retry(NoBackoff(), 0)).ping()
+    client = connect(address, username=SERVICE_USER, password=password)
+    memory, persistence = client.info("memory"), client.info("persistence")
+    assert (memory["maxmemory"], memory["maxmemory_policy"]) == (1 << 30, "noeviction")
+    assert persistence["aof_enabled"] == 0
+    with pytest.raises(redis.exceptions.NoPermissionError):  # the service user's limits
+        client.config_get("save")
+    with pytest.raises(redis.AuthenticationError):  # the default user is off
+        connect(address, username=None, password=None, retry=Retry(NoBackoff(), 0)).ping()
 
 
 def test_the_submit_job_trains_to_the_end(deployment: tuple[LocalDeployment, str],

@@ -21,13 +21,16 @@ from offload_store import (
     OffloadStore,
     RedisServer,
     StoreStats,
+    acl,
     connect,
     find_redis_server,
     job_pattern,
     parse_address,
     stash_key,
 )
+from offload_store.acl import SERVICE_USER, USER_ENV
 from offload_store.frames import Frame
+from offload_store.keys import PREFIX
 from offload_store.store import PASSWORD_ENV
 from pipefb.codec import pack
 from pipefb.errors import CodecError, StoreFullError
@@ -180,6 +183,36 @@ def test_connect_authenticates_with_the_env_password(monkeypatch: pytest.MonkeyP
         assert connect(srv.address).ping()
         with pytest.raises(redis.AuthenticationError):
             connect(srv.address, password="wrong", retry=once).ping()
+
+
+def test_the_service_user_may_only_stash_under_its_prefix(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """[Note: store ACL]: the store works as the service user (found through
+    $PIPEFB_STORE_USER and _PASSWORD), which gets NOPERM on FLUSHALL, CONFIG, EVAL, other
+    commands and keys outside the prefix; the default user cannot even PING."""
+    once = Retry(NoBackoff(), 0)
+    with RedisServer(maxmemory="8mb", password="acl-pw-1") as srv:
+        monkeypatch.setenv(USER_ENV, SERVICE_USER)
+        monkeypatch.setenv(PASSWORD_ENV, "acl-pw-1")
+        client = connect(srv.address, retry=once)
+        store = OffloadStore(client, "acl", attempt=1)
+        store.put(0, 0, 0, {3: {"x": torch.arange(4.0)}})
+        assert torch.equal(store.take(0, 0, 0, {3: ["x"]})[3]["x"], torch.arange(4.0))
+        store.put(1, 0, 0, {3: {"x": torch.ones(2)}})
+        assert store.clear_job() == 1 and client.info("memory")["used_memory"] > 0
+        refused = [client.flushall, lambda: client.config_get("*"),
+                   lambda: client.eval("return 1", 0),
+                   lambda: client.set("other:key", b"1"),  # outside the prefix
+                   lambda: client.get(f"{PREFIX}:acl:x"), lambda: client.keys("*"),
+                   lambda: client.publish("channel", 1)]
+        for call in refused:
+            with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
+                call()
+        for user, password in ((None, None), (SERVICE_USER, "wrong")):
+            with pytest.raises(redis.AuthenticationError):
+                connect(srv.address, username=user, password=password, retry=once).ping()
+    with pytest.raises(ValueError, match="without whitespace"):
+        acl.service_rule("two words")
 
 
 # --- put / take ---------------------------------------------------------------------------

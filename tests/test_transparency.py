@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from offload_store import connect, job_pattern
+from offload_store import job_pattern
 from pipefb.config import JobConfig
 from pipefb.reference import SingleProcess
-from tests.conftest import worker_threads
+from tests.conftest import store_client, worker_threads
 
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"model": "mlp", "dataset": "digits", "loss": "cross_entropy",
@@ -74,7 +74,7 @@ def test_pipeline_equals_single_process(client: Any, cluster: Any, model: str, s
     reports, weights = run_on_cluster(client, job)
     assert [r.step for r in reports] == list(range(STEPS))
     assert_same_training(job, reports, weights)
-    store = connect(cluster.store)
+    store = store_client(cluster)
     assert list(store.scan_iter(match=job_pattern(reports[0].job_id))) == []
     stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
     if schedule == "pipefb":
@@ -145,6 +145,6 @@ def test_every_policy_equals_single_process(client: Any, cluster: Any, model: st
     assert len(plan.policy) == len(policy.split(",")) or set(plan.policy) == {policy}
     stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
     assert (stashed > 0) == (schedule == "pipefb" or "offload" in policy)
-    store = connect(cluster.store)
+    store = store_client(cluster)
     assert list(store.scan_iter(match=job_pattern(reports[0].job_id))) == []
     assert all(not w.kept_versions for w in reports[-1].workers)
