@@ -8,12 +8,15 @@ import os
 from pathlib import Path
 
 from coordinator.driver import Driver
+from coordinator.journal import Journal
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
 from pipefb.checkpoint import add_root_flag
 from pipefb.cluster import Cluster
 from protos import coordinator_pb2_grpc, metrics, server
+
+DRAIN_SECONDS = 20.0  # on SIGTERM: for running steps to end and a checkpoint to be written
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,6 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=int(os.environ.get("PIPEFB_RENDEZVOUS_PORT", "0")),
                    help="port of the all-reduce rendezvous of multi-group jobs (0: any free)")
     add_root_flag(p)
+    p.add_argument("--journal", type=Path,
+                   default=Path(os.environ["PIPEFB_JOURNAL"]) if os.environ.get(
+                       "PIPEFB_JOURNAL") else None,
+                   help="folder where unfinished jobs are journaled; a coordinator started "
+                        "on it resumes them (default: none, jobs die with the coordinator)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat before a worker counts as dead")
     metrics.add_metrics_flags(p)
@@ -52,18 +60,20 @@ def main(argv: list[str] | None = None) -> None:
     interceptors, url = metrics.start_from_args(args)
     observer = CoordinatorMetrics(registry, args.store) if url else None
     host = args.listen.rsplit(":", 1)[0]
+    journal = Journal(args.journal)
     driver = Driver(registry, args.store, cluster=cluster, metrics=observer,
                     checkpoint_root=args.checkpoint_root,
                     rendezvous_host=host, rendezvous_advertise=args.advertise,
-                    rendezvous_port=args.rendezvous_port)
+                    rendezvous_port=args.rendezvous_port, journal=journal)
     servicer = CoordinatorServicer(registry, driver)
     srv, port, health = server.create_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen,
         interceptors=interceptors)
+    servicer.resume(journal.pending())
     server.ready(health)
     print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)
     metrics.announce(url)
-    server.serve_until_signal(srv, health)
+    server.serve_until_signal(srv, health, on_stop=lambda: driver.drain_all(DRAIN_SECONDS))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,42 @@ class CoordinatorClient:
         """Follows a job's step reports until it ends (ABORTED error if it fails)."""
         yield from self.stub.Train(coordinator_pb2.TrainRequest(job_id=job_id))
 
+    def follow(self, job_id: str, reconnect_seconds: float = 0.0
+               ) -> Iterator[coordinator_pb2.StepReport]:
+        """Like `train`, but when the coordinator goes away (UNAVAILABLE) it waits up to
+        `reconnect_seconds` for it to come back (a relaunched one resumes its journaled
+        jobs) and follows on; each step is yielded once, in order.
+
+        Raises:
+            grpc.RpcError: the job failed (ABORTED), or the coordinator stayed away.
+        """
+        seen = -1
+        while True:
+            try:
+                for report in self.train(job_id):
+                    if report.step > seen:
+                        seen = report.step
+                        yield report
+                return
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or reconnect_seconds <= 0:
+                    raise
+                self._wait_for_job(job_id, reconnect_seconds, error)
+
+    def _wait_for_job(self, job_id: str, timeout: float, error: grpc.RpcError) -> None:
+        """Waits until the coordinator answers for the job again; re-raises `error` if it
+        does not within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                self.status(job_id)
+                return
+            except grpc.RpcError as again:
+                if again.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+        raise error
+
     def status(self, job_id: str) -> coordinator_pb2.JobStatus:
         """The job's current status."""
         return self.stub.GetJob(coordinator_pb2.GetJobRequest(job_id=job_id), timeout=10)

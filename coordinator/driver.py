@@ -4,6 +4,16 @@
 block on it; the driver keeps the first failure, probes which workers are still alive to
 name a dead one, drains the rest (which aborts their waits), clears the job's stash keys
 and fails the job with that message.
+
+[Note: restarts] With `max_restarts` > 0 a failed attempt is replayed instead: every rank
+that answers is drained, the job's stash keys (all attempts) are deleted, each dead rank
+is replaced by a worker registered under the same name (a relaunched process or pod) or
+else by any idle one, and every rank is assigned again with attempt + 1 from the newest
+checkpoint at or before the last reported step (step 0 without one), whose weights and
+optimizer state every owner restores. Steps already reported are run again but not
+reported twice. Workers refuse the calls and transfers of older attempts ([Note: attempt
+fencing] in worker/service.py). A lost offload store (its Redis run id changes, or it stops
+answering) fails the attempt the same way: what it held is gone, so the steps are replayed.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ from typing import Any
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
 
+from coordinator.journal import Entry, Journal
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.profiling import profile_workers
 from coordinator.registry import Registry, WorkerRecord
@@ -43,14 +55,21 @@ from protos.convert import job_to_proto, plan_to_proto
 log = logging.getLogger(__name__)
 
 TERMINAL = ("DONE", "FAILED", "STOPPED")
+RECOVERABLE = (WorkerFailed, grpc.RpcError)  # an attempt that failed so may be replayed
 # job fields a resumed job may set otherwise than the checkpointed one
-RESUME_MAY_CHANGE = frozenset({"steps", "resume", "job_id", "checkpoint_every", "eval_every"})
+RESUME_MAY_CHANGE = frozenset({"steps", "resume", "job_id", "checkpoint_every", "eval_every",
+                               "max_restarts"})
 IN_SITU_STEPS = range(1, 4)  # plan "auto": the steps whose action times the fit uses
 DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
+STORE_TIMEOUT_SECONDS = 2.0  # the store's INFO during a run (the liveness check)
 
 
 class StoppedWhilePending(RuntimeError):
     """StopJob arrived before the job had its workers."""
+
+
+class Drained(RuntimeError):
+    """The coordinator is stopping: the job paused at a step boundary, journaled."""
 
 
 @dataclass
@@ -69,7 +88,11 @@ class Job:
     reports: list[coordinator_pb2.StepReport] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     stop_requested: bool = False
-    start_step: int = 0  # > 0 when resumed from the checkpoint of that step
+    start_step: int = 0  # > 0 when the attempt starts from the checkpoint of that step
+    first_step: int = 0  # the step the first attempt started from (reports[0] is its)
+    attempt: int = 0  # restarts so far ([Note: restarts])
+    checkpointed: int = 0  # the newest step this job checkpointed (0: none)
+    restarts: list[str] = field(default_factory=list)  # why each earlier attempt failed
     checkpoints: Path | None = None  # the job's checkpoint directory, when it uses one
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -117,8 +140,9 @@ class Driver:
                  worker_wait_seconds: float = 120.0, cluster: Cluster | None = None,
                  metrics: CoordinatorMetrics | None = None, checkpoint_root: str = "",
                  rendezvous_host: str = "127.0.0.1", rendezvous_advertise: str = "",
-                 rendezvous_port: int = 0) -> None:
+                 rendezvous_port: int = 0, journal: Journal | None = None) -> None:
         self.registry, self.store_address = registry, store_address
+        self.journal = journal or Journal(None)  # unfinished jobs, for a restarted coordinator
         self.worker_wait_seconds = worker_wait_seconds
         self.cluster = cluster  # what plan "auto" assumes of links, store and caps
         self.metrics = metrics  # sees every job's start and step reports
@@ -129,6 +153,8 @@ class Driver:
                               rendezvous_port)
         self._rendezvous: Rendezvous | None = None
         self._rendezvous_lock = threading.Lock()
+        self.draining = threading.Event()  # SIGTERM: jobs pause, checkpoint and stay journaled
+        self._threads: list[threading.Thread] = []
 
     def rendezvous(self) -> str:
         """host:port of the all-reduce rendezvous, opened on first use."""
@@ -138,9 +164,24 @@ class Driver:
             return self._rendezvous.address
 
     def start(self, job: Job) -> None:
-        """Starts the job's thread."""
-        threading.Thread(target=self.run, args=(job,), name=f"job-{job.job_id}",
-                         daemon=True).start()
+        """Journals the job and starts its thread."""
+        self._record(job)
+        thread = threading.Thread(target=self.run, args=(job,), name=f"job-{job.job_id}",
+                                  daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def drain_all(self, timeout: float) -> None:
+        """Pauses every running job at its next step boundary (the coordinator is stopping):
+        each one's issued steps end, a job that takes checkpoints writes one at that step,
+        and it stays in the journal for the next coordinator. Waits up to `timeout` s."""
+        self.draining.set()
+        deadline = time.monotonic() + timeout
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        still = [t.name for t in self._threads if t.is_alive()]
+        if still:
+            log.warning("stopping with jobs still running: %s", ", ".join(still))
 
     def run(self, job: Job) -> None:
         """The job's whole life; never raises (failures land in the job's state).
@@ -154,19 +195,36 @@ class Driver:
             self.metrics.job_started(job.job_id)
         try:
             job.workers = self._wait_for_workers(job)
-            ranks = Ranks.connect(job.workers)
-            self._plan_and_assign(job, ranks)
-            self._run_steps(job, ranks)
+            while True:
+                ranks = Ranks.connect(job.workers)
+                try:
+                    self._plan_and_assign(job, ranks)
+                    self._run_steps(job, ranks)
+                    break
+                except RECOVERABLE as error:
+                    if job.attempt >= job.config.max_restarts or job.stop_requested:
+                        raise
+                    self._restart(job, ranks, error)
+                    ranks = None
             if job.costs is not None and job.reports:
                 self._fit_in_situ(job)
             if job.state == "RUNNING":
                 job.weights = self._collect_weights(job, ranks)
                 self._check_store_empty(job)
+                if job.attempt:  # late stashes of a worker stopped in an earlier attempt
+                    self._clear_store(job)
                 job.set_state("DONE")
         except StoppedWhilePending:
             job.set_state("STOPPED", "stopped before it started")
+        except Drained as paused:
+            log.info("job %s paused: %s", job.job_id, paused)
+            job.set_state("PENDING", str(paused))
         except Exception as error:
-            message = self._diagnose(error, ranks)
+            dead = self._dead_ranks(ranks) if ranks is not None else []
+            message = self._diagnose(error, ranks, dead)
+            self._forget(ranks, dead)
+            if job.attempt:
+                message = f"{message} (gave up after {job.attempt} restarts)"
             log.error("job %s failed: %s", job.job_id, message)
             job.set_state("FAILED", message)
         finally:
@@ -175,11 +233,20 @@ class Driver:
                 ranks.close()
             if job.state in ("FAILED", "STOPPED"):
                 self._clear_store(job)
+            if job.state in TERMINAL:
+                self.journal.finish(job.job_id)
             self.registry.release(job.job_id)
+
+    def _record(self, job: Job) -> None:
+        """Journals what a restarted coordinator needs to resume the job."""
+        self.journal.record(Entry(job.config, job.plan, job.attempt, job.checkpointed,
+                                  list(job.restarts)))
 
     def _wait_for_workers(self, job: Job) -> list[WorkerRecord]:
         deadline = time.monotonic() + self.worker_wait_seconds
         while not job.stop_requested:
+            if self.draining.is_set():
+                raise Drained("the coordinator stopped before the job had its workers")
             got = self.registry.acquire(job.config.workers, job.job_id)
             if got is not None:
                 return got
@@ -195,8 +262,12 @@ class Driver:
         cfg = job.config
         if cfg.checkpoint_every or cfg.resume:
             job.checkpoints = resolve_under(self.checkpoint_root, cfg.checkpoint_dir)
-        if cfg.resume:
+        if job.attempt and job.plan is not None:
+            plan = job.plan  # a replay runs the same plan from its checkpoint
+            job.start_step = self._replay_point(job)
+        elif cfg.resume:
             plan = self._resume_point(job)
+            job.first_step = job.start_step
         elif cfg.plan == AUTO:
             plan = self._auto_plan(job, ranks)
         else:
@@ -205,12 +276,14 @@ class Driver:
                                  cfg.mode, cfg.staleness, cfg.groups)
         schedule_for(plan)  # refuses a plan whose schedule fails validation or deadlocks
         job.plan = plan
+        self._record(job)
         spec, plan_msg = job_to_proto(job.config), plan_to_proto(plan)
         peers = [w.address for w in ranks.workers]
         rendezvous = self.rendezvous() if plan.groups > 1 else ""
         calls = [stub.Assign.future(worker_pb2.AssignRequest(
             job=spec, plan=plan_msg, rank=r, peers=peers, store_address=self.store_address,
-            rendezvous=rendezvous, resume_step=job.start_step), timeout=300)
+            rendezvous=rendezvous, resume_step=job.start_step, attempt=job.attempt),
+            timeout=300)
             for r, stub in enumerate(ranks.stubs)]
         _wait_all(calls, ranks)
         job.set_state("RUNNING")
@@ -239,6 +312,105 @@ class Driver:
         job.start_step = job.step = step
         return plan
 
+    def _replay_point(self, job: Job) -> int:
+        """The step a replay starts from: the newest checkpoint of this job at or before
+        its last reported step (a sync job's), else step 0."""
+        if job.checkpoints is None or job.config.mode != "sync":
+            return 0
+        found = latest(job.checkpoints, at_most=job.step)
+        if found is None:
+            return 0
+        step, state = found
+        saved, mine = state.get("job", {}), job.config.to_dict()
+        if any(saved.get(k) != mine.get(k) for k in set(saved) | set(mine)
+               if k not in RESUME_MAY_CHANGE):
+            log.warning("job %s: the checkpoint of step %d is of another job; replaying "
+                        "from step 0", job.job_id, step)
+            return 0
+        return step
+
+    def _restart(self, job: Job, ranks: Ranks, error: Exception) -> None:
+        """Ends a failed attempt and readies the next ([Note: restarts]): drains the ranks
+        that answer, clears the stash, waits for the store and for replacements of the
+        dead ranks, and counts the restart."""
+        dead = self._dead_ranks(ranks)
+        message = self._diagnose(error, ranks, dead)
+        log.warning("job %s: attempt %d failed: %s; restarting (%d of %d)", job.job_id,
+                    job.attempt, message, job.attempt + 1, job.config.max_restarts)
+        with job.cond:
+            job.restarts.append(message)
+        job.set_state("RECOVERING")
+        self._drain(job, ranks, skip=dead)
+        ranks.close()
+        if self.metrics is not None:
+            self.metrics.restarted(job.job_id)
+        self._wait_for_store(job)
+        self._clear_store(job)
+        job.workers = self._replace(job, ranks, dead)
+        job.attempt += 1
+        self._record(job)
+
+    def _replace(self, job: Job, ranks: Ranks, dead: list[int]) -> list[WorkerRecord]:
+        """The job's workers with each dead rank's replaced: by a worker of the same name
+        if one registers, else by any idle one; waits up to `worker_wait_seconds`.
+
+        Raises:
+            WorkerFailed: a dead rank found no replacement in time (names them).
+            StoppedWhilePending: StopJob arrived while waiting.
+        """
+        workers = list(job.workers)
+        self._forget(ranks, dead)
+        missing = set(dead)
+        deadline = time.monotonic() + self.worker_wait_seconds
+        while missing:
+            for r in sorted(missing):
+                found = self.registry.acquire_replacement(workers[r].name, job.job_id)
+                if found is not None:
+                    log.info("job %s: rank %d now runs on worker %d (%s, %s)", job.job_id, r,
+                             found.worker_id, found.name, found.address)
+                    workers[r] = found
+                    missing.discard(r)
+            if not missing:
+                break
+            if job.stop_requested:
+                raise StoppedWhilePending(job.job_id)
+            if self.draining.is_set():
+                raise Drained("the coordinator stopped while the job waited for workers")
+            if time.monotonic() > deadline:
+                names = ", ".join(ranks.describe(r) for r in sorted(missing))
+                raise WorkerFailed(f"no worker replaced {names} within "
+                                   f"{self.worker_wait_seconds:.0f} s")
+            time.sleep(0.1)
+        return workers
+
+    def _forget(self, ranks: Ranks | None, dead: list[int]) -> None:
+        """Drops dead ranks' workers from the registry: no later job may take them before
+        their heartbeats time out (a relaunched process registers anew)."""
+        for r in dead:
+            assert ranks is not None
+            self.registry.forget(ranks.workers[r].worker_id)
+
+    def _wait_for_store(self, job: Job) -> None:
+        """Waits until the offload store answers (a restarted one comes back empty).
+
+        Raises:
+            WorkerFailed: it did not answer within `worker_wait_seconds`.
+        """
+        deadline = time.monotonic() + self.worker_wait_seconds
+        client = connect(self.store_address, socket_timeout=STORE_TIMEOUT_SECONDS)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except RedisError as error:
+                    if time.monotonic() > deadline:
+                        raise WorkerFailed(f"the offload store at {self.store_address} did "
+                                           f"not come back: {error}") from None
+                    time.sleep(0.2)
+        finally:
+            client.close()
+
     def _auto_plan(self, job: Job, ranks: Ranks) -> Plan:
         """Profiles the layers on the job's workers (one after another), then searches
         and simulates (pipefb.planning); the search's summary goes into the job status."""
@@ -258,6 +430,9 @@ class Driver:
         def on_step(step: int, replies: list[worker_pb2.StepReply], seconds: float) -> None:
             report = _report(job, step, seconds, replies, ranks)
             _check_groups_agree(report)
+            if step < job.step:  # a replay ([Note: restarts]): reported before
+                _compare_replay(job, report)
+                return
             every = job.config.eval_every
             if every and (step + 1) % every == 0 and step + 1 < job.config.steps:
                 report.eval.update(self._evaluate(job, ranks, step + 1))
@@ -266,6 +441,8 @@ class Driver:
                 assert job.plan is not None
                 write_state(job.checkpoints, step + 1, {"job": job.config.to_dict(),
                                                         "plan": job.plan.to_dict()})
+                job.checkpointed = step + 1
+                self._record(job)
             if self.metrics is not None:
                 self.metrics.step_done(report, job.planner.get("predicted_step_seconds", 0.0))
             with job.cond:
@@ -277,18 +454,45 @@ class Driver:
         # async forward ranks may run `staleness` steps ahead of the backward ranks
         pump = StepPump(job.job_id, ranks.stubs, job.config.steps, on_step,
                         in_flight=IN_FLIGHT + job.plan.staleness, start=job.start_step,
-                        checkpoint_every=job.config.checkpoint_every)
+                        checkpoint_every=job.config.checkpoint_every, attempt=job.attempt)
+
+        store = StoreWatch(self.store_address)
 
         def poll() -> None:
-            if job.stop_requested:
+            if job.stop_requested or self.draining.is_set():
                 pump.stop()
             _check_heartbeats(self.registry, ranks, range(len(ranks.workers)))
+            store.check()
 
-        failures = pump.run(poll)
+        try:
+            failures = pump.run(poll)
+            if failures:
+                store.check()  # a lost store is the root cause of the ranks' failures
+        finally:
+            store.close()
         if failures:
             raise _first_failure(failures, ranks)
+        if job.step < job.config.steps and self.draining.is_set():
+            self._checkpoint_now(job, ranks)
+            raise Drained(f"the coordinator stopped after step {job.step}; a coordinator "
+                          f"on the same journal resumes from step {job.checkpointed}")
         if job.step < job.config.steps:
             job.set_state("STOPPED", "stopped by request")
+
+    def _checkpoint_now(self, job: Job, ranks: Ranks) -> None:
+        """Between steps: every owner saves its rank file of `job.step` (the Checkpoint
+        RPC), then the job's state commits it; nothing when the job takes no checkpoints
+        or has one of this step."""
+        if job.checkpoints is None or job.checkpointed == job.step or job.plan is None:
+            return
+        calls = [stub.Checkpoint.future(worker_pb2.CheckpointRequest(
+            job_id=job.job_id, attempt=job.attempt, step=job.step), timeout=60)
+            for stub in ranks.stubs]
+        _wait_all(calls, ranks)
+        write_state(job.checkpoints, job.step, {"job": job.config.to_dict(),
+                                                "plan": job.plan.to_dict()})
+        job.checkpointed = job.step
+        self._record(job)
 
     def _fit_in_situ(self, job: Job) -> None:
         """Fits the plan's costs to the action times of steps 1-3 (pipefb.insitu; fewer
@@ -350,22 +554,68 @@ class Driver:
     def _store(self, job: Job) -> OffloadStore:
         return OffloadStore(connect(self.store_address), job.job_id)
 
-    def _drain(self, job: Job, ranks: Ranks) -> None:
-        """Drains every rank at once; a dead worker has nothing to drain."""
-        calls = [stub.Drain.future(worker_pb2.DrainRequest(job_id=job.job_id, reason=job.state),
-                                   timeout=DRAIN_TIMEOUT_SECONDS) for stub in ranks.stubs]
+    def _drain(self, job: Job, ranks: Ranks, skip: Iterable[int] = ()) -> None:
+        """Drains every rank at once but those in `skip` (dead: nothing to drain)."""
+        request = worker_pb2.DrainRequest(job_id=job.job_id, reason=job.state,
+                                          attempt=job.attempt)
+        calls = [stub.Drain.future(request, timeout=DRAIN_TIMEOUT_SECONDS)
+                 for r, stub in enumerate(ranks.stubs) if r not in set(skip)]
         for call in calls:
             with contextlib.suppress(grpc.RpcError):
                 call.result()
 
-    def _diagnose(self, error: Exception, ranks: Ranks | None) -> str:
+    def _dead_ranks(self, ranks: Ranks) -> list[int]:
+        """The ranks whose worker does not answer a health check within a second."""
+        return [r for r in range(len(ranks.workers)) if not _answers(ranks.workers[r].address)]
+
+    def _diagnose(self, error: Exception, ranks: Ranks | None,
+                  dead: list[int] | None = None) -> str:
         if ranks is None:
             return str(error)
-        dead = [ranks.describe(r) for r in range(len(ranks.workers))
-                if not _answers(ranks.workers[r].address)]
+        dead = self._dead_ranks(ranks) if dead is None else dead
         if dead:
-            return f"{', '.join(dead)} died: {error}"
+            return f"{', '.join(ranks.describe(r) for r in dead)} died: {error}"
         return str(error)
+
+
+class StoreWatch:
+    """Notices a lost offload store during a run: its Redis run id changes when it restarts
+    (empty), and INFO fails while it is down."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._client = connect(address, socket_timeout=STORE_TIMEOUT_SECONDS)
+        self._run_id = self._read()
+
+    def _read(self) -> str:
+        try:
+            return str(self._client.info("server")["run_id"])
+        except (RedisError, KeyError) as error:
+            raise WorkerFailed(f"the offload store at {self.address} does not answer: "
+                               f"{error}") from None
+
+    def check(self) -> None:
+        """Raises WorkerFailed if the store restarted or does not answer."""
+        now = self._read()
+        if now != self._run_id:
+            raise WorkerFailed(f"the offload store at {self.address} restarted (run id "
+                               f"{self._run_id[:8]} -> {now[:8]}): the stash of steps in "
+                               "flight is lost")
+
+    def close(self) -> None:
+        """Closes the client."""
+        self._client.close()
+
+
+def _compare_replay(job: Job, report: coordinator_pb2.StepReport) -> None:
+    """A replayed step's loss against the one reported before: equal in sync mode."""
+    index = report.step - job.first_step
+    if not 0 <= index < len(job.reports):  # reported by an earlier coordinator
+        return
+    before = job.reports[index].loss
+    if job.config.mode == "sync" and before != report.loss and before == before:
+        log.warning("job %s: replayed step %d has loss %r, reported before %r", job.job_id,
+                    report.step, report.loss, before)
 
 
 def _answers(address: str) -> bool:
@@ -431,7 +681,8 @@ def _report(job: Job, step: int, seconds: float, replies: list[worker_pb2.StepRe
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
     return coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),
-        seconds=seconds, samples_per_second=job.config.batch_size / seconds, workers=stats)
+        seconds=seconds, samples_per_second=job.config.batch_size / seconds, workers=stats,
+        attempt=job.attempt)
 
 
 def _check_groups_agree(report: coordinator_pb2.StepReport) -> None:

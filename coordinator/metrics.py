@@ -70,6 +70,10 @@ class CoordinatorMetrics:
         self.predicted.labels(job).set(0.0)
         self.read_store()
 
+    def restarted(self, job: str) -> None:
+        """Counts one restart of the job (a failed attempt replayed)."""
+        self.restarts.labels(job).inc()
+
     def step_done(self, report: coordinator_pb2.StepReport, predicted_seconds: float) -> None:
         """Updates the job's metrics from a step report, then reads the store's memory."""
         job = report.job_id

@@ -67,6 +67,17 @@ class Registry:
                 rec.job_id = job_id
             return [WorkerRecord(**vars(r)) for r in idle[:count]]
 
+    def acquire_replacement(self, name: str, job_id: str) -> WorkerRecord | None:
+        """Reserves an idle, alive worker for a job's dead rank: one registered under
+        `name` (the relaunched process or restarted pod), else the lowest id; or None."""
+        with self._lock:
+            idle = [r for _, r in sorted(self._workers.items()) if not r.job_id and self.alive(r)]
+            chosen = next((r for r in idle if r.name == name), idle[0] if idle else None)
+            if chosen is None:
+                return None
+            chosen.job_id = job_id
+            return WorkerRecord(**vars(chosen))
+
     def release(self, job_id: str) -> None:
         """Marks every worker of the job idle again."""
         with self._lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -12,12 +13,14 @@ from dataclasses import replace
 import grpc
 
 from coordinator.driver import TERMINAL, Driver, Job
+from coordinator.journal import Entry
 from coordinator.registry import Registry
 from pipefb.config import check_job
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, tensor_pb2, wire
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
 from protos.server import FailedPrecondition
 
+log = logging.getLogger(__name__)
 KEEP_FINISHED_JOBS = 32  # finished jobs whose status, reports and weights stay queryable
 
 
@@ -55,7 +58,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
         costs = check_job(config)
         with self._lock:
-            job_id = config.job_id or f"job-{next(self._ids)}"
+            job_id = config.job_id or self._fresh_id()
             if job_id in self._jobs:
                 raise FailedPrecondition(f"job id {job_id!r} is already in use")
             job = Job(replace(config, job_id=job_id), layer_costs=costs)
@@ -63,6 +66,27 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._jobs[job_id] = job
         self.driver.start(job)
         return _status(job)
+
+    def _fresh_id(self) -> str:
+        """job-N for the lowest N not in use (resumed jobs keep theirs)."""
+        while (job_id := f"job-{next(self._ids)}") in self._jobs:
+            pass
+        return job_id
+
+    def resume(self, entries: list[Entry]) -> None:
+        """Starts the journaled jobs of an earlier coordinator ([Note: restarts] in
+        driver.py): each with attempt + 1, its plan, from its newest checkpoint."""
+        for entry in entries:
+            step = entry.step if entry.config.mode == "sync" else 0  # async: from step 0
+            job = Job(entry.config, layer_costs=check_job(entry.config), plan=entry.plan,
+                      attempt=entry.attempt + 1, step=step, start_step=step,
+                      first_step=step, checkpointed=step,
+                      restarts=[*entry.restarts, "the coordinator restarted"])
+            with self._lock:
+                self._jobs[job.job_id] = job
+            log.info("resuming job %s from step %d (attempt %d)", job.job_id, step,
+                     job.attempt)
+            self.driver.start(job)
 
     def _forget_old_jobs(self) -> None:
         """Keeps the newest KEEP_FINISHED_JOBS finished jobs (their weights and reports)."""
@@ -126,7 +150,8 @@ def _status(job: Job) -> coordinator_pb2.JobStatus:
     status = coordinator_pb2.JobStatus(
         job_id=job.job_id, state=coordinator_pb2.JobState.Value(job.state), step=job.step,
         spec=job_to_proto(job.config), error=job.error,
-        worker_ids=[w.worker_id for w in job.workers])
+        worker_ids=[w.worker_id for w in job.workers], attempt=job.attempt,
+        restarts=job.restarts)
     if job.plan is not None:
         status.plan.CopyFrom(plan_to_proto(job.plan))
     if job.planner:

@@ -51,9 +51,10 @@ class StepPump:
     """Runs steps `0 .. steps-1` on every rank, reporting each step once all ranks did it."""
 
     def __init__(self, job_id: str, stubs: list, steps: int, on_step: OnStep,
-                 in_flight: int = IN_FLIGHT, start: int = 0, checkpoint_every: int = 0
-                 ) -> None:
+                 in_flight: int = IN_FLIGHT, start: int = 0, checkpoint_every: int = 0,
+                 attempt: int = 0) -> None:
         self.job_id, self.stubs, self.on_step = job_id, stubs, on_step
+        self.attempt = attempt  # stamped on every Step call (fencing)
         self.in_flight, self.start, self.steps = in_flight, start, steps
         self.checkpoint_every = checkpoint_every  # owners save after these steps (`due`)
         self.progress = _Progress(stop_at=steps, issued=[-1] * len(stubs))
@@ -65,7 +66,7 @@ class StepPump:
             while len(inflight) < self.in_flight and step < p.stop_at and not p.errors:
                 p.issued[rank] = step
                 request = worker_pb2.StepRequest(
-                    job_id=self.job_id, step=step,
+                    job_id=self.job_id, step=step, attempt=self.attempt,
                     checkpoint=due(step, self.checkpoint_every, self.steps))
                 inflight.append((step, self.stubs[rank].Step.future(request)))
                 step += 1
@@ -115,11 +116,21 @@ class StepPump:
             outcome = self._wait(reported)
             if outcome.finished:
                 return outcome.failures
-            if outcome.replies:
-                now = time.perf_counter()
-                self.on_step(reported, outcome.replies, now - last)
-                reported, last = reported + 1, now
-            poll()
+            try:
+                if outcome.replies:
+                    now = time.perf_counter()
+                    self.on_step(reported, outcome.replies, now - last)
+                    reported, last = reported + 1, now
+                poll()
+            except BaseException:
+                self.abandon()
+                raise
+
+    def abandon(self) -> None:
+        """Issues no more steps (the run was given up; the driver drains the ranks)."""
+        with self.progress.cond:
+            self.progress.stop_at = -1
+            self.progress.cond.notify_all()
 
     def _wait(self, step: int) -> _Outcome:
         """Waits up to half a second for `step` to complete on every rank."""

@@ -17,6 +17,7 @@ from types import TracebackType
 import redis
 
 from offload_store import acl
+from pipefb.local import die_with_parent
 
 STARTUP_TIMEOUT_S = 10.0  # how long start() waits for the first PING
 STOP_GRACE_S = 5.0  # how long stop() waits after SIGTERM before SIGKILL
@@ -196,6 +197,7 @@ class RedisServer:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,  # a killed `python -m offload_store` takes it along
             )
         except BaseException:
             workdir.cleanup()

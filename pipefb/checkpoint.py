@@ -155,14 +155,16 @@ def write_state(root: Path, step: int, state: dict[str, Any]) -> Path:
     return path
 
 
-def latest(root: Path) -> tuple[int, dict[str, Any]] | None:
-    """The newest committed checkpoint under `root`: (step, its state), or None.
+def latest(root: Path, at_most: int | None = None) -> tuple[int, dict[str, Any]] | None:
+    """The newest committed checkpoint under `root` (of a step <= `at_most`, when given):
+    (step, its state), or None.
 
     Raises:
         ConfigError: a state.json that is not a JSON object with its step.
     """
     steps = sorted((int(m.group(1)) for p in root.glob("step-*")
-                    if (m := _STEP_DIR.fullmatch(p.name)) and (p / STATE).is_file()),
+                    if (m := _STEP_DIR.fullmatch(p.name)) and (p / STATE).is_file()
+                    and (at_most is None or int(m.group(1)) <= at_most)),
                    reverse=True)
     if not steps:
         return None

@@ -74,6 +74,10 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="start from the newest checkpoint in the checkpoint directory "
                         "(a sync job with the same settings; --steps may grow)")
+    p.add_argument("--max-restarts", type=int, default=d.max_restarts,
+                   help="replay a failed attempt this many times, from the newest "
+                        "checkpoint (or step 0), on relaunched or spare workers; local "
+                        "train relaunches dead processes (0: a failure ends the job)")
     p.add_argument("--groups", type=_groups, default=None,
                    help="pipeline groups, data-parallel across groups: each runs the same "
                         "stages on workers/G workers and microbatches/G micro-batches, and "
@@ -143,7 +147,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
                  "policy", "eval_every", "plan", "job_id", "device", "checkpoint_every",
-                 "resume"):
+                 "resume", "max_restarts"):
         values.setdefault(name, getattr(args, name))
     if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
         wanted = values.get("checkpoint_every") or values.get("resume")

@@ -22,6 +22,7 @@ PLANS = ("", "even", "auto")  # "" and even: stages balanced by parameter count
 AUTO = "auto"  # schedule and plan value: the planner picks
 DEVICES = ("cpu", "cuda")  # cuda: each worker's current CUDA device (CUDA_VISIBLE_DEVICES)
 MAX_STALENESS = 8  # bounds the weight versions and stashed steps a job may hold
+MAX_RESTARTS = 100  # a crash loop ends long before; bounds what a spec may ask
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -70,6 +71,7 @@ class JobConfig:
     checkpoint_every: int = 0  # checkpoint after every K steps and the last; 0: never
     checkpoint_dir: str = ""  # where (inside the services' checkpoint root)
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir
+    max_restarts: int = 0  # failed attempts replayed (newest checkpoint, or step 0); 0: none
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -128,6 +130,14 @@ class JobConfig:
         every = self.checkpoint_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ConfigError(f"checkpoint_every {every!r} must be an integer >= 0")
+        restarts = self.max_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or not (
+                0 <= restarts <= MAX_RESTARTS):
+            raise ConfigError(f"max_restarts {restarts!r} must be an integer in "
+                              f"0..{MAX_RESTARTS}")
+        if restarts and self.schedule == "single":
+            raise ConfigError("schedule 'single' runs in this process: it has no workers "
+                              "to restart")
         if (every or self.resume) and self.schedule == "single":
             raise ConfigError("schedule 'single' runs in this process: it takes no checkpoints")
         if (every or self.resume) and not self.checkpoint_dir:
@@ -216,11 +226,19 @@ def job_device(config: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
+# What a job may ask for: an allocation, thread or process count a request can set is
+# bounded before anything is built from it.
+MAXIMA = {"workers": 4096, "batch_size": 1 << 16, "microbatches": 4096, "steps": 1 << 40}
+
+
 def _check_positive(config: JobConfig, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if value > MAXIMA[name]:
+            raise ConfigError(f"{name} {value} is more than the {MAXIMA[name]} a job may ask "
+                              "for")
 
 
 def build_layers(config: JobConfig) -> list[torch.nn.Module]:
@@ -240,13 +258,22 @@ def check_job(config: JobConfig) -> list[float]:
         not be built again to plan.
 
     Raises:
-        ConfigError: naming the bad value (unknown name, bad option, too many stages).
+        ConfigError: naming the bad value (unknown name, bad option, too many stages), or
+            the model's layers do not take the dataset's micro-batches, or the loss gives
+            no scalar (shapes propagated with fake tensors: nothing is computed).
     """
     from pipefb.data import build_dataset
     from pipefb.optim import build_optimizer
+    from pipefb.shapes import SpecError, infer_input_specs, spec_of
 
     layers = build_layers(config)
-    build_dataset(config.dataset, config.dataset_config, config.seed)
+    dataset = build_dataset(config.dataset, config.dataset_config, config.seed)
+    x, y = dataset.microbatch(0, 0, config.microbatch_size)
+    try:  # the model, data and loss fit together
+        infer_input_specs(layers, spec_of(x), spec_of(y))
+    except SpecError as error:
+        raise ConfigError(f"model {config.model!r}, dataset {config.dataset!r} and loss "
+                          f"{config.loss!r} do not fit: {error}") from None
     build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)], config.lr,
                     config.optimizer_config)
     from pipefb.plan import layer_costs, stage_counts

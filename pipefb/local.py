@@ -3,6 +3,10 @@
 With `metrics`, the coordinator and the workers serve Prometheus /metrics on free ports
 (their `--metrics-port 0`); their `metrics URL` lines give the URLs.
 
+With `restart`, a process that dies is relaunched, as Kubernetes restarts a pod: Redis
+and the coordinator on the address they had (Redis comes back empty), a worker under
+its name on a new port (it registers again). Jobs with `max_restarts` then replay.
+
 Only subprocesses: the core stays free of grpc and redis. Every process is stopped on
 exit, on Ctrl-C and on failure; children also get SIGTERM if this process dies
 (PR_SET_PDEATHSIG on Linux).
@@ -26,13 +30,33 @@ from types import TracebackType
 from typing import IO
 
 READY_TIMEOUT_SECONDS = 120.0  # start-up of one process, torch import included
+SUPERVISE_SECONDS = 0.2  # with restart: how often dead processes are looked for
 STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no redis code)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """Asks for SIGTERM when this process's parent dies (PR_SET_PDEATHSIG, Linux;
+    elsewhere a no-op): called first thing in a child, or as its `preexec_fn` where the
+    parent holds no gRPC state (the offload store's redis-server)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# Runs a `python -m MODULE ARGS` child after asking for SIGTERM on the parent's death,
+# in the child itself: a preexec_fn would make Python fork (not vfork), and a parent that
+# holds gRPC channels (the CLI, a supervisor relaunching) can then abort in the child.
+_BOOT = ("import sys; from pipefb.local import die_with_parent; die_with_parent(); "
+         "import runpy; module = sys.argv[1]; sys.argv = [module, *sys.argv[2:]]; "
+         "runpy.run_module(module, run_name='__main__', alter_sys=True)")
+
+
+def python_argv(args: list[str]) -> list[str]:
+    """The command line of a `python -m MODULE ARGS` child that dies with this process
+    (other arguments run as they are, without that guard)."""
+    if len(args) >= 2 and args[0] == "-m":
+        return [sys.executable, "-c", _BOOT, *args[1:]]
+    return [sys.executable, *args]
 
 
 def _read_ready(stream: IO[str], lines: queue.Queue[str]) -> None:
@@ -57,12 +81,12 @@ class Process:
 
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str],
                  metrics: bool = False) -> None:
-        self.name, self.metrics = name, metrics
+        self.name, self.metrics, self.args, self.env = name, metrics, args, env
         self.log_path = log_dir / f"{name}.log"
-        with self.log_path.open("w") as log:
+        with self.log_path.open("a") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, *args], stdout=subprocess.PIPE, stderr=log, text=True,
-                env=env, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+                python_argv(args), stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                stdin=subprocess.DEVNULL)
         self._lines: queue.Queue[str] = queue.Queue()
         assert self.popen.stdout is not None
         threading.Thread(target=_read_ready, args=(self.popen.stdout, self._lines),
@@ -112,6 +136,10 @@ class Process:
         except OSError:
             return ""
 
+    def relaunched(self, args: list[str]) -> Process:
+        """The same process started again with `args` (its log continues)."""
+        return Process(self.name, args, self.log_path.parent, self.env, self.metrics)
+
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds; always reaps."""
         if self.popen.poll() is None:
@@ -129,8 +157,13 @@ class LocalCluster:
 
     def __init__(self, workers: int, log_dir: Path, *, store_maxmemory: str = "2gb",
                  threads: int = 0, extra_env: dict[str, str] | None = None,
-                 cluster_file: Path | None = None, metrics: bool = False) -> None:
+                 cluster_file: Path | None = None, metrics: bool = False,
+                 restart: bool = False) -> None:
         self.n_workers, self.log_dir, self.metrics = workers, log_dir, metrics
+        self.restart = restart  # relaunch processes that die (see the module docstring)
+        self.relaunches: dict[str, int] = {}  # process name -> times relaunched
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # guards `processes` against the supervisor
         self.cluster_file = cluster_file  # the coordinator's --cluster (plan "auto")
         self.store_maxmemory = store_maxmemory
         threads = threads or default_threads(workers)
@@ -164,7 +197,8 @@ class LocalCluster:
         if service:
             args = [*args, "--metrics-port", "0" if self.metrics else ""]
         proc = Process(name, args, self.log_dir, self.env, metrics=service and self.metrics)
-        self.processes.append(proc)
+        with self._lock:
+            self.processes.append(proc)
         return proc
 
     def start(self) -> None:
@@ -174,19 +208,62 @@ class LocalCluster:
                                            "--maxmemory", self.store_maxmemory]).wait_ready()
         extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
         self.coordinator = self._spawn("coordinator", [
-            "-m", "coordinator", "--listen", "127.0.0.1:0", "--store", self.store, *extra],
+            "-m", "coordinator", "--listen", "127.0.0.1:0", "--store", self.store,
+            "--journal", str(self.log_dir / "journal"), *extra],
             service=True).wait_ready()
         workers = [self.add_worker(i) for i in range(self.n_workers)]
         for proc in workers:
             proc.wait_ready()
         self.write_manifest()
+        if self.restart:
+            threading.Thread(target=self._supervise, name="local-supervisor",
+                             daemon=True).start()
+
+    def _supervise(self) -> None:
+        """Relaunches every process that exits, until `stop`."""
+        while not self._stopping.wait(SUPERVISE_SECONDS):
+            with self._lock:
+                dead = [p for p in self.processes if p.popen.poll() is not None]
+            for proc in dead:
+                if self._stopping.is_set():
+                    return
+                self._relaunch(proc)
+
+    def _relaunch(self, proc: Process) -> None:
+        """Starts `proc` again in its place: Redis and the coordinator on their address."""
+        args = list(proc.args)
+        if proc.name in ("redis", "coordinator"):
+            flag = "--port" if proc.name == "redis" else "--listen"
+            value = proc.address.rsplit(":", 1)[1] if proc.name == "redis" else proc.address
+            args[args.index(flag) + 1] = value
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            new = proc.relaunched(args)
+            self.processes[self.processes.index(proc)] = new
+            self.relaunches[proc.name] = self.relaunches.get(proc.name, 0) + 1
+        try:
+            new.wait_ready()
+        except RuntimeError as error:  # it died starting: the next round relaunches it
+            if not self._stopping.is_set():
+                print(f"pipefb: {error}", file=sys.stderr)
+            return
+        self.write_manifest()
+
+    def process(self, name: str) -> Process:
+        """The current process named `name` (relaunches replace it)."""
+        with self._lock:
+            return next(p for p in self.processes if p.name == name)
 
     def write_manifest(self) -> Path:
         """Writes `cluster.json` (name -> pid, address, log, and the /metrics URL of each
         process that serves one) beside the logs."""
         path = self.log_dir / "cluster.json"
-        path.write_text(json.dumps({p.name: p.manifest() for p in self.processes},
-                                   indent=2) + "\n")
+        with self._lock:
+            text = json.dumps({p.name: p.manifest() for p in self.processes}, indent=2)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
         return path
 
     def metrics_urls(self) -> dict[str, str]:
@@ -204,7 +281,9 @@ class LocalCluster:
         return [p for p in self.processes if p.name.startswith("worker-")]
 
     def stop(self) -> None:
-        """Stops workers, then the coordinator, then Redis."""
-        for proc in reversed(self.processes):
+        """Stops workers, then the coordinator, then Redis (no more relaunches)."""
+        self._stopping.set()
+        with self._lock:
+            procs, self.processes = list(self.processes), []
+        for proc in reversed(procs):
             proc.stop()
-        self.processes.clear()

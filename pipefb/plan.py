@@ -4,15 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from typing import Any
 
 import torch
 
-from pipefb.config import POLICIES
+from pipefb.config import MAX_STALENESS, MAXIMA, MODES, POLICIES, SCHEDULES
 from pipefb.errors import ConfigError
 from pipefb.schedule import Schedule, Topology, generate, lower, validate
 
 ROLES = ("forward", "backward", "combined")
+
+
+def _check_partition(name: str, bounds: Sequence[int]) -> None:
+    """Stage boundaries: 0 first, then strictly increasing.
+
+    Raises:
+        ConfigError: naming the partition.
+    """
+    if len(bounds) < 2 or bounds[0] != 0 or any(
+            not isinstance(b, int) or isinstance(b, bool) for b in bounds) or any(
+            b <= a for a, b in pairwise(bounds)):
+        raise ConfigError(f"{name} {list(bounds)} must start at 0 and increase strictly")
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,18 @@ class Plan:
     predicted_peak_memory_bytes: tuple[int, ...] = ()  # simulator's peak per rank; () if none
 
     def __post_init__(self) -> None:
+        """Checks the plan's structure (a plan may come off the wire): what every worker
+        derives its actions from must be consistent before anything is built from it.
+
+        Raises:
+            ConfigError: naming the first inconsistency.
+        """
+        self._check_scalars()
+        for name in ("forward_partition", "backward_partition"):
+            _check_partition(name, getattr(self, name))
+        if self.forward_partition[-1] != self.backward_partition[-1]:
+            raise ConfigError(f"the forward partition covers {self.forward_partition[-1]} "
+                              f"layers, the backward {self.backward_partition[-1]}")
         if any(p not in POLICIES for p in self.policy):
             raise ConfigError(f"policy {self.policy} has a value outside {POLICIES}")
         if len(self.policy) != self.forward_partition[-1]:
@@ -53,6 +78,39 @@ class Plan:
         if self.groups < 1 or {a.group for a in self.assignment} != set(range(self.groups)):
             raise ConfigError(f"groups {self.groups}: every group 0..{self.groups - 1} needs "
                               f"ranks, got groups {sorted({a.group for a in self.assignment})}")
+
+        self._check_assignment()
+
+    def _check_scalars(self) -> None:
+        if self.schedule not in SCHEDULES[1:]:
+            raise ConfigError(f"plan schedule {self.schedule!r} is not one of {SCHEDULES[1:]}")
+        if self.mode not in MODES:
+            raise ConfigError(f"plan mode {self.mode!r} is not one of {MODES}")
+        for name, low, high in (("microbatches", 1, MAXIMA["microbatches"]),
+                                ("microbatch_size", 1, MAXIMA["batch_size"]),
+                                ("groups", 1, MAXIMA["workers"]),
+                                ("staleness", 0, MAX_STALENESS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not (
+                    low <= value <= high):
+                raise ConfigError(f"plan {name} {value!r} is not in {low}..{high}")
+
+    def _check_assignment(self) -> None:
+        """One assignment per rank 0..n-1, in order, each with a known role, a stage of
+        its role's partition and a group in 0..groups-1."""
+        if [a.rank for a in self.assignment] != list(range(len(self.assignment))):
+            raise ConfigError(f"plan ranks {[a.rank for a in self.assignment]} are not "
+                              f"0..{len(self.assignment) - 1} in order")
+        for a in self.assignment:
+            bounds = self.backward_partition if a.role == "backward" else self.forward_partition
+            if a.role not in ROLES:
+                raise ConfigError(f"rank {a.rank} has role {a.role!r}, not one of {ROLES}")
+            if not 0 <= a.stage < len(bounds) - 1:
+                raise ConfigError(f"rank {a.rank} has {a.role} stage {a.stage}; the plan has "
+                                  f"{len(bounds) - 1}")
+            if not 0 <= a.group < self.groups:
+                raise ConfigError(f"rank {a.rank} is in group {a.group}; the plan has "
+                                  f"{self.groups}")
 
     def offloaded_stages(self) -> frozenset[int]:
         """Stages of a combined plan holding an `offload` layer (they STASH and FETCH)."""

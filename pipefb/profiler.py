@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipefb.config import JobConfig, build_layers, job_device
+from pipefb.config import MAXIMA, JobConfig, build_layers, job_device
 from pipefb.costs import LayerProfile, Profile
 from pipefb.data import Dataset, build_dataset
 from pipefb.errors import ConfigError
@@ -49,6 +49,7 @@ from pipefb.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
 
 WARMUP = 2  # default untimed runs before the timed ones
 REPEATS = 5  # default timed runs per time (their median)
+MAX_RUNS = 100  # warm-up or timed runs a request may ask for (bounds a Profile call)
 FIXED_SIZE = 1  # samples of the micro-batch whose times are the fixed (per-call) part
 DATA_STEP = 0  # the profiler runs the data of training step 0, micro-batch 0
 _EXAMPLE_SEED = 0  # seeds the example inputs of the analytic stash (never the global RNG)
@@ -122,9 +123,9 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
     Raises:
         ConfigError: a bad argument or job value, naming it.
     """
-    _check_int("micro-batch size", microbatch_size, 1)
-    _check_int("warmup", warmup, 0)
-    _check_int("repeats", repeats, 1)
+    _check_int("micro-batch size", microbatch_size, 1, MAXIMA["batch_size"])
+    _check_int("warmup", warmup, 0, MAX_RUNS)
+    _check_int("repeats", repeats, 1, MAX_RUNS)
     device = job_device(job)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
@@ -290,7 +291,7 @@ def analytic_profile(job: JobConfig, microbatch_size: int, flops_per_second: flo
     Raises:
         ConfigError: a bad argument or job value, naming it.
     """
-    _check_int("micro-batch size", microbatch_size, 1)
+    _check_int("micro-batch size", microbatch_size, 1, MAXIMA["batch_size"])
     _check_rate("flops_per_second", flops_per_second, positive=True)
     _check_rate("bytes_per_second", bytes_per_second, positive=False)
     _check_rate("launch_seconds", launch_seconds, positive=False)
@@ -430,9 +431,9 @@ def relative_speeds(profiles: Sequence[Profile]) -> list[float]:
     return [middle / t for t in totals]
 
 
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} {value!r} must be an integer >= {low}")
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name} {value!r} must be an integer in {low}..{high}")
 
 
 def _check_rate(name: str, value: object, positive: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -158,6 +159,8 @@ def infer_input_specs(
 
     Raises:
         ValueError: `layers` is empty.
+        SpecError: a layer does not take what the one before it makes (or the micro-batch),
+            or the loss layer does not make a scalar; names the layer and the shapes.
     """
     if not layers:
         raise ValueError("infer_input_specs needs at least one layer, got an empty sequence")
@@ -167,9 +170,25 @@ def infer_input_specs(
         is_loss = target_spec is not None and i == len(layers) - 1
         layer_specs = [current, target_spec] if is_loss and target_spec else [current]
         specs.append(layer_specs)
-        if i < len(layers) - 1:
-            current = output_spec(layer, layer_specs)
+        if i < len(layers) - 1 or is_loss:
+            current = _checked_output(i, layer, layer_specs)
+    if target_spec is not None and current.shape != ():
+        raise SpecError(f"the loss layer {type(layers[-1]).__name__} makes shape "
+                        f"{list(current.shape)}, not a scalar")
     return specs
+
+
+def _checked_output(i: int, layer: nn.Module, specs: Sequence[TensorSpec]) -> TensorSpec:
+    """`output_spec`, with a shape error of the layer's own code as a SpecError."""
+    try:
+        with warnings.catch_warnings():  # torch warns before it fails (e.g. broadcasting)
+            warnings.simplefilter("ignore")
+            return output_spec(layer, specs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        shapes = ", ".join(f"{list(s.shape)} {s.dtype}" for s in specs)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SpecError(f"layer {i} ({type(layer).__name__}) does not take {shapes}: "
+                        f"{reason}") from None
 
 
 def _state(layer: nn.Module) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from pipefb.reference import SingleProcess
 from pipefb.report import write_report
 
 console = Console(stderr=True)
+RECONNECT_SECONDS = 120.0  # with --max-restarts: how long to wait for a relaunched coordinator
 
 
 class StepProgress:
@@ -157,8 +158,8 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0,
     cluster_file = local_cluster_file(job.workers, out) if job.plan == "auto" else None
     with LocalCluster(job.workers, out / "logs", threads=threads,
                       extra_env={"PIPEFB_CHECKPOINT_ROOT": str(out.resolve())},
-                      cluster_file=cluster_file,
-                      metrics=metrics) as cluster, \
+                      cluster_file=cluster_file, metrics=metrics,
+                      restart=job.max_restarts > 0) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         for name, url in cluster.metrics_urls().items():
             console.print(f"metrics {name} -> {url}")
@@ -175,7 +176,7 @@ def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
     job_id = client.submit(job).job_id
     last = None
     with progress(job, show) as bar:
-        for last in client.train(job_id):
+        for last in client.follow(job_id, RECONNECT_SECONDS if job.max_restarts else 0):
             step = step_dict(last)
             report["steps"].append(step)
             bar.update(step, job.steps)
@@ -183,6 +184,7 @@ def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
         report["timeline"] = timeline(last)
     report["job_id"] = job_id
     status = client.status(job_id)
+    report["restarts"] = list(status.restarts)  # why each replayed attempt failed
     plan = plan_from_proto(status.plan)
     report["plan"] = plan.to_dict()
     report["groups"] = plan.group_ranks()  # the ranks of each pipeline group

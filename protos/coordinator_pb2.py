@@ -27,7 +27,7 @@ from protos import tensor_pb2 as protos_dot_tensor__pb2
 from protos import worker_pb2 as protos_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/coordinator.proto\x12\tpipefb.v1\x1a\x10protos/job.proto\x1a\x13protos/tensor.proto\x1a\x13protos/worker.proto\"6\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"C\n\x13RegisterWorkerReply\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x1e\n\x0cTrainRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xee\x01\n\nStepReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x05 \x01(\x01\x12+\n\x07workers\x18\x06 \x03(\x0b\x32\x1a.pipefb.v1.WorkerStepStats\x12-\n\x04\x65val\x18\x07 \x03(\x0b\x32\x1f.pipefb.v1.StepReport.EvalEntry\x1a+\n\tEvalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x84\x07\n\x0fWorkerStepStats\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\x05\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x06 \x01(\x01\x12\x19\n\x11peak_memory_bytes\x18\x07 \x01(\x03\x12\x41\n\x0cmemory_bytes\x18\x08 \x03(\x0b\x32+.pipefb.v1.WorkerStepStats.MemoryBytesEntry\x12\x12\n\nbytes_sent\x18\t \x01(\x03\x12\x15\n\rbytes_stashed\x18\n \x01(\x03\x12\x45\n\x0e\x61\x63tion_seconds\x18\x0b \x03(\x0b\x32-.pipefb.v1.WorkerStepStats.ActionSecondsEntry\x12$\n\x05spans\x18\x0c \x03(\x0b\x32\x15.pipefb.v1.ActionSpan\x12\'\n\x08versions\x18\r \x03(\x0b\x32\x15.pipefb.v1.VersionTag\x12\x15\n\rkept_versions\x18\x0e \x03(\x03\x12\x16\n\x0eweight_version\x18\x0f \x01(\x03\x12\x46\n\x0fkind_peak_bytes\x18\x10 \x03(\x0b\x32-.pipefb.v1.WorkerStepStats.KindPeakBytesEntry\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x11 \x01(\x03\x12N\n\x13\x64\x65vice_memory_bytes\x18\x12 \x03(\x0b\x32\x31.pipefb.v1.WorkerStepStats.DeviceMemoryBytesEntry\x12\r\n\x05group\x18\x13 \x01(\x05\x12\x16\n\x0eweights_digest\x18\x14 \x01(\t\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12\x41\x63tionSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12KindPeakBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16\x44\x65viceMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xc7\x01\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.pipefb.v1.JobState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12 \n\x04spec\x18\x04 \x01(\x0b\x32\x12.pipefb.v1.JobSpec\x12\x1d\n\x04plan\x18\x05 \x01(\x0b\x32\x0f.pipefb.v1.Plan\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nworker_ids\x18\x07 \x03(\x05\x12\x14\n\x0cplanner_json\x18\x08 \x01(\t\"\x14\n\x12ListWorkersRequest\"\x81\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\"\n\x1alast_heartbeat_age_seconds\x18\x06 \x01(\x01\":\n\x10ListWorkersReply\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.pipefb.v1.WorkerInfo*\xa2\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0c\n\x08PLANNING\x10\x02\x12\x0b\n\x07RUNNING\x10\x03\x12\r\n\tMIGRATING\x10\x04\x12\x11\n\rCHECKPOINTING\x10\x05\x12\x0e\n\nRECOVERING\x10\x06\x12\x08\n\x04\x44ONE\x10\x07\x12\n\n\x06\x46\x41ILED\x10\x08\x12\x0b\n\x07STOPPED\x10\t2\xa5\x04\n\x0b\x43oordinator\x12R\n\x0eRegisterWorker\x12 .pipefb.v1.RegisterWorkerRequest\x1a\x1e.pipefb.v1.RegisterWorkerReply\x12\x43\n\tHeartbeat\x12\x1b.pipefb.v1.HeartbeatRequest\x1a\x19.pipefb.v1.HeartbeatReply\x12\x35\n\tSubmitJob\x12\x12.pipefb.v1.JobSpec\x1a\x14.pipefb.v1.JobStatus\x12\x39\n\x05Train\x12\x17.pipefb.v1.TrainRequest\x1a\x15.pipefb.v1.StepReport0\x01\x12\x38\n\x06GetJob\x12\x18.pipefb.v1.GetJobRequest\x1a\x14.pipefb.v1.JobStatus\x12I\n\x0bListWorkers\x12\x1d.pipefb.v1.ListWorkersRequest\x1a\x1b.pipefb.v1.ListWorkersReply\x12:\n\x07StopJob\x12\x19.pipefb.v1.StopJobRequest\x1a\x14.pipefb.v1.JobStatus\x12J\n\rExportWeights\x12\x1f.pipefb.v1.ExportWeightsRequest\x1a\x16.pipefb.v1.TensorChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/coordinator.proto\x12\tpipefb.v1\x1a\x10protos/job.proto\x1a\x13protos/tensor.proto\x1a\x13protos/worker.proto\"6\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"C\n\x13RegisterWorkerReply\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x1e\n\x0cTrainRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xff\x01\n\nStepReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x05 \x01(\x01\x12+\n\x07workers\x18\x06 \x03(\x0b\x32\x1a.pipefb.v1.WorkerStepStats\x12-\n\x04\x65val\x18\x07 \x03(\x0b\x32\x1f.pipefb.v1.StepReport.EvalEntry\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\x05\x1a+\n\tEvalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x84\x07\n\x0fWorkerStepStats\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\x05\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x06 \x01(\x01\x12\x19\n\x11peak_memory_bytes\x18\x07 \x01(\x03\x12\x41\n\x0cmemory_bytes\x18\x08 \x03(\x0b\x32+.pipefb.v1.WorkerStepStats.MemoryBytesEntry\x12\x12\n\nbytes_sent\x18\t \x01(\x03\x12\x15\n\rbytes_stashed\x18\n \x01(\x03\x12\x45\n\x0e\x61\x63tion_seconds\x18\x0b \x03(\x0b\x32-.pipefb.v1.WorkerStepStats.ActionSecondsEntry\x12$\n\x05spans\x18\x0c \x03(\x0b\x32\x15.pipefb.v1.ActionSpan\x12\'\n\x08versions\x18\r \x03(\x0b\x32\x15.pipefb.v1.VersionTag\x12\x15\n\rkept_versions\x18\x0e \x03(\x03\x12\x16\n\x0eweight_version\x18\x0f \x01(\x03\x12\x46\n\x0fkind_peak_bytes\x18\x10 \x03(\x0b\x32-.pipefb.v1.WorkerStepStats.KindPeakBytesEntry\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x11 \x01(\x03\x12N\n\x13\x64\x65vice_memory_bytes\x18\x12 \x03(\x0b\x32\x31.pipefb.v1.WorkerStepStats.DeviceMemoryBytesEntry\x12\r\n\x05group\x18\x13 \x01(\x05\x12\x16\n\x0eweights_digest\x18\x14 \x01(\t\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12\x41\x63tionSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12KindPeakBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16\x44\x65viceMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xea\x01\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.pipefb.v1.JobState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12 \n\x04spec\x18\x04 \x01(\x0b\x32\x12.pipefb.v1.JobSpec\x12\x1d\n\x04plan\x18\x05 \x01(\x0b\x32\x0f.pipefb.v1.Plan\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nworker_ids\x18\x07 \x03(\x05\x12\x14\n\x0cplanner_json\x18\x08 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\x05\x12\x10\n\x08restarts\x18\n \x03(\t\"\x14\n\x12ListWorkersRequest\"\x81\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\"\n\x1alast_heartbeat_age_seconds\x18\x06 \x01(\x01\":\n\x10ListWorkersReply\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.pipefb.v1.WorkerInfo*\xa2\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0c\n\x08PLANNING\x10\x02\x12\x0b\n\x07RUNNING\x10\x03\x12\r\n\tMIGRATING\x10\x04\x12\x11\n\rCHECKPOINTING\x10\x05\x12\x0e\n\nRECOVERING\x10\x06\x12\x08\n\x04\x44ONE\x10\x07\x12\n\n\x06\x46\x41ILED\x10\x08\x12\x0b\n\x07STOPPED\x10\t2\xa5\x04\n\x0b\x43oordinator\x12R\n\x0eRegisterWorker\x12 .pipefb.v1.RegisterWorkerRequest\x1a\x1e.pipefb.v1.RegisterWorkerReply\x12\x43\n\tHeartbeat\x12\x1b.pipefb.v1.HeartbeatRequest\x1a\x19.pipefb.v1.HeartbeatReply\x12\x35\n\tSubmitJob\x12\x12.pipefb.v1.JobSpec\x1a\x14.pipefb.v1.JobStatus\x12\x39\n\x05Train\x12\x17.pipefb.v1.TrainRequest\x1a\x15.pipefb.v1.StepReport0\x01\x12\x38\n\x06GetJob\x12\x18.pipefb.v1.GetJobRequest\x1a\x14.pipefb.v1.JobStatus\x12I\n\x0bListWorkers\x12\x1d.pipefb.v1.ListWorkersRequest\x1a\x1b.pipefb.v1.ListWorkersReply\x12:\n\x07StopJob\x12\x19.pipefb.v1.StopJobRequest\x1a\x14.pipefb.v1.JobStatus\x12J\n\rExportWeights\x12\x1f.pipefb.v1.ExportWeightsRequest\x1a\x16.pipefb.v1.TensorChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,8 +44,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_options = b'8\001'
   _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._loaded_options = None
   _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=1956
-  _globals['_JOBSTATE']._serialized_end=2118
+  _globals['_JOBSTATE']._serialized_start=2008
+  _globals['_JOBSTATE']._serialized_end=2170
   _globals['_REGISTERWORKERREQUEST']._serialized_start=99
   _globals['_REGISTERWORKERREQUEST']._serialized_end=153
   _globals['_REGISTERWORKERREPLY']._serialized_start=155
@@ -57,31 +57,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINREQUEST']._serialized_start=296
   _globals['_TRAINREQUEST']._serialized_end=326
   _globals['_STEPREPORT']._serialized_start=329
-  _globals['_STEPREPORT']._serialized_end=567
-  _globals['_STEPREPORT_EVALENTRY']._serialized_start=524
-  _globals['_STEPREPORT_EVALENTRY']._serialized_end=567
-  _globals['_WORKERSTEPSTATS']._serialized_start=570
-  _globals['_WORKERSTEPSTATS']._serialized_end=1470
-  _globals['_WORKERSTEPSTATS_MEMORYBYTESENTRY']._serialized_start=1254
-  _globals['_WORKERSTEPSTATS_MEMORYBYTESENTRY']._serialized_end=1304
-  _globals['_WORKERSTEPSTATS_ACTIONSECONDSENTRY']._serialized_start=1306
-  _globals['_WORKERSTEPSTATS_ACTIONSECONDSENTRY']._serialized_end=1358
-  _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_start=1360
-  _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_end=1412
-  _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_start=1414
-  _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_end=1470
-  _globals['_GETJOBREQUEST']._serialized_start=1472
-  _globals['_GETJOBREQUEST']._serialized_end=1503
-  _globals['_STOPJOBREQUEST']._serialized_start=1505
-  _globals['_STOPJOBREQUEST']._serialized_end=1537
-  _globals['_JOBSTATUS']._serialized_start=1540
-  _globals['_JOBSTATUS']._serialized_end=1739
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1741
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1761
-  _globals['_WORKERINFO']._serialized_start=1764
-  _globals['_WORKERINFO']._serialized_end=1893
-  _globals['_LISTWORKERSREPLY']._serialized_start=1895
-  _globals['_LISTWORKERSREPLY']._serialized_end=1953
-  _globals['_COORDINATOR']._serialized_start=2121
-  _globals['_COORDINATOR']._serialized_end=2670
+  _globals['_STEPREPORT']._serialized_end=584
+  _globals['_STEPREPORT_EVALENTRY']._serialized_start=541
+  _globals['_STEPREPORT_EVALENTRY']._serialized_end=584
+  _globals['_WORKERSTEPSTATS']._serialized_start=587
+  _globals['_WORKERSTEPSTATS']._serialized_end=1487
+  _globals['_WORKERSTEPSTATS_MEMORYBYTESENTRY']._serialized_start=1271
+  _globals['_WORKERSTEPSTATS_MEMORYBYTESENTRY']._serialized_end=1321
+  _globals['_WORKERSTEPSTATS_ACTIONSECONDSENTRY']._serialized_start=1323
+  _globals['_WORKERSTEPSTATS_ACTIONSECONDSENTRY']._serialized_end=1375
+  _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_start=1377
+  _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_end=1429
+  _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_start=1431
+  _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_end=1487
+  _globals['_GETJOBREQUEST']._serialized_start=1489
+  _globals['_GETJOBREQUEST']._serialized_end=1520
+  _globals['_STOPJOBREQUEST']._serialized_start=1522
+  _globals['_STOPJOBREQUEST']._serialized_end=1554
+  _globals['_JOBSTATUS']._serialized_start=1557
+  _globals['_JOBSTATUS']._serialized_end=1791
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1793
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1813
+  _globals['_WORKERINFO']._serialized_start=1816
+  _globals['_WORKERINFO']._serialized_end=1945
+  _globals['_LISTWORKERSREPLY']._serialized_start=1947
+  _globals['_LISTWORKERSREPLY']._serialized_end=2005
+  _globals['_COORDINATOR']._serialized_start=2173
+  _globals['_COORDINATOR']._serialized_end=2722
 # @@protoc_insertion_point(module_scope)

@@ -167,16 +167,20 @@ def ready(health_servicer: health.HealthServicer) -> None:
 
 
 def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServicer,
-                       grace_seconds: float = 5.0) -> None:
+                       grace_seconds: float = 5.0,
+                       on_stop: Callable[[], None] | None = None) -> None:
     """Blocks until SIGTERM or SIGINT, then stops gracefully: health turns NOT_SERVING (so
-    load balancers and probes stop sending work), new RPCs are refused and those in
-    flight get `grace_seconds` to finish."""
+    load balancers and probes stop sending work), `on_stop` runs (the coordinator drains
+    its jobs there) while the server still answers, then new RPCs are refused and those
+    in flight get `grace_seconds` to finish."""
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     log.info("stopping: health NOT_SERVING, %.0f s for RPCs in flight", grace_seconds)
     health_servicer.enter_graceful_shutdown()
+    if on_stop is not None:
+        on_stop()
     server.stop(grace_seconds).wait()
 
 

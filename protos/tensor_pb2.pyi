@@ -33,7 +33,7 @@ UINT8: DType
 BOOL: DType
 
 class Transfer(_message.Message):
-    __slots__ = ("job_id", "step", "microbatch", "stage", "version", "tensor_count", "kind")
+    __slots__ = ("job_id", "step", "microbatch", "stage", "version", "tensor_count", "kind", "attempt")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Transfer(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     microbatch: int
@@ -48,7 +49,8 @@ class Transfer(_message.Message):
     version: int
     tensor_count: int
     kind: str
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., kind: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes")

@@ -39,14 +39,16 @@ class AssignReply(_message.Message):
     def __init__(self, role: _Optional[str] = ..., actions: _Optional[_Iterable[str]] = ..., parameter_bytes: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("job_id", "step", "checkpoint")
+    __slots__ = ("job_id", "step", "checkpoint", "attempt")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     checkpoint: bool
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
+    attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("step", "losses", "compute_seconds", "idle_seconds", "memory_bytes", "peak_memory_bytes", "bytes_sent", "bytes_stashed", "weight_version", "action_seconds", "spans", "versions", "kept_versions", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "weights_digest")
@@ -135,12 +137,30 @@ class ActionSpan(_message.Message):
     def __init__(self, action: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("job_id", "reason")
+    __slots__ = ("job_id", "reason", "attempt")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("job_id", "attempt", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("saved",)
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    saved: bool
+    def __init__(self, saved: _Optional[bool] = ...) -> None: ...
 
 class DrainReply(_message.Message):
     __slots__ = ("drained",)

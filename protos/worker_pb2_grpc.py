@@ -71,6 +71,11 @@ class StageWorkerStub:
                 request_serializer=protos_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/pipefb.v1.StageWorker/Checkpoint',
+                request_serializer=protos_dot_worker__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.CheckpointReply.FromString,
+                _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/pipefb.v1.StageWorker/Profile',
                 request_serializer=protos_dot_worker__pb2.ProfileRequest.SerializeToString,
@@ -131,6 +136,14 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Between steps: waits until `step` is the next step to run (none running), then an
+        owner rank saves its checkpoint file of that step; other ranks just answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Profile(self, request, context):
         """Times every layer of a job on this worker (pipefb.profiler.measure_profile): forward and
         backward through the split executor a rank runs, their bytes, and one optimizer step.
@@ -177,6 +190,11 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=protos_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.DrainReply.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=protos_dot_worker__pb2.CheckpointRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.CheckpointReply.SerializeToString,
             ),
             'Profile': grpc.unary_unary_rpc_method_handler(
                     servicer.Profile,
@@ -373,6 +391,33 @@ class StageWorker:
             '/pipefb.v1.StageWorker/Drain',
             protos_dot_worker__pb2.DrainRequest.SerializeToString,
             protos_dot_worker__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipefb.v1.StageWorker/Checkpoint',
+            protos_dot_worker__pb2.CheckpointRequest.SerializeToString,
+            protos_dot_worker__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -146,3 +146,49 @@ def test_resume_of_another_job_fails_naming_the_field(client: Any) -> None:
     with pytest.raises(grpc.RpcError) as escaped:
         run_on_cluster(client, replace(job, checkpoint_dir="../../outside"))
     assert "outside the checkpoint root" in escaped.value.details()
+
+
+WRITER = """
+import sys, torch
+from pathlib import Path
+from pipefb.checkpoint import rank_file, save_rank, write_state
+root = Path(sys.argv[1])
+for step in range(1, 10**6):
+    for rank in (0, 1):
+        save_rank(rank_file(root, step, rank), {"w": torch.full((1 << 22,), float(step))},
+                  None, [])
+    write_state(root, step, {"job": {}, "plan": {}})
+    print(step, flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.13, 0.31])
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(
+        tmp_path: Path, delay: float) -> None:
+    """A real writer process (16 MiB rank files, two ranks per step) is SIGKILLed at some
+    point after its first commit: the newest committed checkpoint loads whole, each rank
+    file holds that step's values, and what the kill left are hidden temporary files."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=root,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "1"  # one checkpoint committed
+    time.sleep(delay)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    found = latest(tmp_path)
+    assert found is not None
+    step = found[0]
+    for rank in (0, 1):
+        weights, _, _ = load_rank(rank_file(tmp_path, step, rank))
+        assert weights["w"].eq(float(step)).all()
+    leftovers = [p.name for p in tmp_path.rglob("*") if p.is_file()
+                 and p.name not in ("state.json", "rank-0.safetensors", "rank-1.safetensors")]
+    assert all(n.startswith(".") for n in leftovers), leftovers  # hidden temporaries only

@@ -41,6 +41,9 @@ BAD = [
     ("--microbatches", "3", "microbatches 3"),
     ("--workers", "9", "9 workers"),
     ("--lr", "-1", "-1"),
+    ("--loss", "mse", "loss 'mse' do not fit: layer 4 (MSE) does not take [2, 10]"),
+    ("--batch-size", str(1 << 20), "batch_size 1048576 is more than the 65536"),
+    ("--max-restarts", "101", "max_restarts 101 must be an integer in 0..100"),
 ]
 
 

@@ -81,3 +81,28 @@ def test_dead_coordinator_ends_the_cli_with_a_message(tmp_path: Path, victim: st
     assert code == 1, err
     assert err.strip().splitlines()[-1].startswith("pipefb: UNAVAILABLE")
     assert not [name for name, p in manifest.items() if alive(p["pid"])]
+
+
+def test_with_max_restarts_the_cli_relaunches_a_killed_worker_and_finishes(
+        tmp_path: Path) -> None:
+    """`pipefb local train --max-restarts 1`: the killed worker is relaunched, the job
+    replays from its checkpoint, the CLI exits 0 and report.json names the restart."""
+    job = [*LONG_JOB[:LONG_JOB.index("--steps")], "--steps", "150",
+           *LONG_JOB[LONG_JOB.index("--steps") + 2:],
+           "--max-restarts", "1", "--checkpoint-every", "10"]
+    proc = subprocess.Popen([sys.executable, "-m", "pipefb.cli", *job, "--out", str(tmp_path)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("step 2/"):
+            break
+    manifest = json.loads((tmp_path / "logs" / "cluster.json").read_text())
+    os.kill(manifest["worker-2"]["pid"], signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 0, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["restarts"]) == 1 and "worker-2" in report["restarts"][0]
+    assert [s["step"] for s in report["steps"]] == list(range(150))
+    relaunched = json.loads((tmp_path / "logs" / "cluster.json").read_text())
+    assert relaunched["worker-2"]["pid"] != manifest["worker-2"]["pid"]
+    assert not [name for name, p in relaunched.items() if alive(p["pid"])]

@@ -205,6 +205,8 @@ def test_analytic_optimizer_state_ratio_is_the_optimizer_s() -> None:
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"microbatch_size": 0}, "micro-batch size 0"), ({"microbatch_size": True}, "True"),
     ({"warmup": -1}, "warmup -1"), ({"repeats": 0}, "repeats 0"),
+    ({"repeats": 2**31 - 1}, "repeats 2147483647 must be an integer in 1..100"),
+    ({"microbatch_size": 10**6}, "1000000 must be an integer in 1..65536"),
     ({"layers": range(3, 2)}, "range(3, 2)"), ({"layers": range(0, 6)}, "range(0, 6)"),
     ({"layers": range(0, 4, 2)}, "range(0, 4, 2)")])
 def test_bad_measure_arguments_are_named(kwargs: dict[str, object], named: str) -> None:

@@ -126,11 +126,12 @@ def second_rank_assignment() -> worker_pb2.AssignRequest:
 
 
 def activation(step: int = 0, microbatch: int = 0, stage: int = 1, name: str = "x",
-               shape: tuple[int, ...] = (2, 128)) -> list[tensor_pb2.TensorChunk]:
+               shape: tuple[int, ...] = (2, 128), attempt: int = 0
+               ) -> list[tensor_pb2.TensorChunk]:
     """A RECV_F transfer for job "win" (the default mlp's hidden width is 128)."""
     tensors = {name: torch.zeros(shape)}
     transfer = tensor_pb2.Transfer(job_id="win", kind="RECV_F", step=step,
-                                   microbatch=microbatch, stage=stage)
+                                   microbatch=microbatch, stage=stage, attempt=attempt)
     return list(wire.encode_stream(transfer, tensors))
 
 
@@ -157,3 +158,29 @@ def test_only_expected_transfers_are_accepted(stub: worker_pb2_grpc.StageWorkerS
             assert named in info.value.details(), (case, info.value.details())
     finally:
         stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=30)
+
+
+def test_calls_of_another_attempt_are_fenced_off(stub: worker_pb2_grpc.StageWorkerStub,
+                                                 worker: str) -> None:
+    """[Note: attempt fencing]: after a restart assigned attempt 2, a transfer or Step of
+    attempt 1 (a worker back from SIGSTOP, a stream from before) is refused, a late Drain
+    of attempt 1 leaves the assignment alone, and attempt 2's own transfers pass."""
+    request = second_rank_assignment()
+    request.attempt = 2
+    stub.Assign(request, timeout=60)
+    try:
+        for stale in (1, 3):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Activations(iter(activation(attempt=stale)), timeout=10)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"attempt {stale} of job 'win' is over" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Step(worker_pb2.StepRequest(job_id="win", step=0, attempt=1), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        late = stub.Drain(worker_pb2.DrainRequest(job_id="win", attempt=1), timeout=30)
+        assert not late.drained
+        ack = stub.Activations(iter(activation(attempt=2)), timeout=10)
+        assert ack.tensors == 1
+        assert serving(worker)
+    finally:
+        assert stub.Drain(worker_pb2.DrainRequest(job_id="win", attempt=2), timeout=30).drained

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
 DRAIN_WAIT_SECONDS = 10.0  # how long Drain waits for a running step to reach an abort point
+CHECKPOINT_WAIT_SECONDS = 30.0  # how long Checkpoint waits for the running step to end
 MAX_LEAD = 2  # steps a transfer may be ahead of the receiving rank (sync leads by one)
 
 
@@ -76,6 +77,31 @@ class StepGate:
             self._next, self._running = step + 1, -1
             self._cond.notify_all()
 
+    @contextmanager
+    def between(self, step: int, timeout: float) -> Iterator[None]:
+        """Holds the gate between steps once `step` is the next to run: no step runs
+        while the body does.
+
+        Raises:
+            FailedPrecondition: `step` is not the next step within `timeout` seconds.
+            Aborted: the job was drained meanwhile.
+        """
+        with self._cond:
+            ready = self._cond.wait_for(lambda: self._aborted is not None or (
+                self._next == step and self._running < 0), timeout)
+            if self._aborted is not None:
+                raise Aborted(self._aborted)
+            if not ready:
+                raise FailedPrecondition(f"step {step} is not next within {timeout:.0f} s "
+                                         f"(next: {self._next}, running: {self._running})")
+            self._next = -1  # taken: Step calls wait
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._next = step
+                self._cond.notify_all()
+
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no step runs; False if one still runs after `timeout` seconds."""
         with self._cond:
@@ -100,6 +126,7 @@ class Assigned:
     gate: StepGate
     reducer: GroupAllReduce | None = None  # with several groups, on ranks that own weights
     checkpoints: Path | None = None  # the job's checkpoint directory, when it takes any
+    attempt: int = 0  # the job attempt; Step calls and transfers of any other are refused
 
 
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
@@ -111,10 +138,24 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self.checkpoint_root = checkpoint_root  # checkpoints are written and read only here
         self.metrics = metrics
 
-    def _current(self, job_id: str) -> Assigned:
+    def _current(self, job_id: str, attempt: int | None = None) -> Assigned:
+        """The assignment of `job_id` (and of `attempt`, when given).
+
+        [Note: attempt fencing] Each restart of a job assigns every rank again with
+        attempt + 1; stash keys, Step calls and transfers carry the attempt, and a rank
+        refuses those of any other. A worker that was stopped past the deadline and comes
+        back (SIGCONT), or a stream still draining from before the restart, so cannot
+        feed the replay: its sender gets FAILED_PRECONDITION and its stash keys are
+        never read.
+        """
         assigned = self._assigned
         if assigned is None or assigned.job_id != job_id:
             raise FailedPrecondition(f"job {job_id!r} is not assigned to this worker")
+        if attempt is not None and attempt != assigned.attempt:
+            log.warning("refused a call of attempt %d of job %s (this rank runs attempt %d)",
+                        attempt, job_id, assigned.attempt)
+            raise FailedPrecondition(f"attempt {attempt} of job {job_id!r} is over; this "
+                                     f"worker runs attempt {assigned.attempt}")
         return assigned
 
     def Assign(self, request: worker_pb2.AssignRequest, context: grpc.ServicerContext
@@ -127,7 +168,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         inbox = Inbox()
         store = (OffloadStore(connect(request.store_address), job.job_id, request.attempt)
                  if request.store_address else None)
-        transport = GrpcTransport(job.job_id, request.peers, store, inbox)
+        transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
         runtime = StageRuntime(job, plan, request.rank, transport, reducer)
         checkpoints = (resolve_under(self.checkpoint_root, job.checkpoint_dir)
@@ -140,16 +181,18 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         with self._lock:
             self._drop("reassigned")
             self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
-                                      StepGate(request.resume_step), reducer, checkpoints)
+                                      StepGate(request.resume_step), reducer, checkpoints,
+                                      request.attempt)
         if self.metrics is not None:
             self.metrics.assigned(job.job_id, runtime.role)
-        log.info("assigned job %s rank %d as %s", job.job_id, request.rank, runtime.role)
+        log.info("assigned job %s rank %d as %s (attempt %d, from step %d)", job.job_id,
+                 request.rank, runtime.role, request.attempt, request.resume_step)
         return worker_pb2.AssignReply(role=runtime.role, actions=[str(a) for a in runtime.actions],
                                       parameter_bytes=runtime.param_bytes)
 
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext
              ) -> worker_pb2.StepReply:
-        assigned = self._current(request.job_id)
+        assigned = self._current(request.job_id, request.attempt)
         with assigned.gate.turn(request.step):
             r = assigned.runtime.run_step(request.step)
             if request.checkpoint and assigned.runtime.role != "forward":
@@ -175,11 +218,23 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             device_memory_bytes=r.device_memory_bytes, weights_digest=r.weights_digest,
         )
 
+    def Checkpoint(self, request: worker_pb2.CheckpointRequest, context: grpc.ServicerContext
+                   ) -> worker_pb2.CheckpointReply:
+        assigned = self._current(request.job_id, request.attempt)
+        if assigned.checkpoints is None:
+            raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
+        with assigned.gate.between(request.step, CHECKPOINT_WAIT_SECONDS):
+            if assigned.runtime.role == "forward":
+                return worker_pb2.CheckpointReply(saved=False)
+            assigned.runtime.save_checkpoint(
+                rank_file(assigned.checkpoints, request.step, assigned.rank))
+        return worker_pb2.CheckpointReply(saved=True)
+
     def _check(self, transfer: tensor_pb2.Transfer, kinds: tuple[str, ...]) -> Assigned:
         """The rank a received transfer is for, after checking it belongs here."""
         if transfer.kind not in kinds:
             raise CodecError(f"transfer kind {transfer.kind!r} is not one of {kinds}")
-        assigned = self._current(transfer.job_id)
+        assigned = self._current(transfer.job_id, transfer.attempt)
         plan = assigned.runtime.plan
         if transfer.kind != str(Kind.RECV_W) and not 0 <= transfer.microbatch < plan.microbatches:
             raise CodecError(
@@ -258,7 +313,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext
               ) -> worker_pb2.DrainReply:
         with self._lock:
-            if self._assigned is None or self._assigned.job_id != request.job_id:
+            current = self._assigned
+            if (current is None or current.job_id != request.job_id
+                    or current.attempt > request.attempt):  # a late Drain of an older attempt
                 return worker_pb2.DrainReply(drained=False)
             self._drop(request.reason or "drained")
         return worker_pb2.DrainReply(drained=True)

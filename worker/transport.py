@@ -94,8 +94,9 @@ class GrpcTransport:
     """Sends over one PeerStream per (peer, RPC); receives through the worker's inbox."""
 
     def __init__(self, job_id: str, peers: Sequence[str], store: OffloadStore | None,
-                 inbox: Inbox) -> None:
+                 inbox: Inbox, attempt: int = 0) -> None:
         self.job_id, self.peers, self.store, self.inbox = job_id, list(peers), store, inbox
+        self.attempt = attempt  # stamped on every transfer; peers on another attempt refuse it
         self._stubs: dict[int, worker_pb2_grpc.StageWorkerStub] = {}
         self._channels: list[grpc.Channel] = []
         self._streams: dict[tuple[int, str], PeerStream] = {}
@@ -132,7 +133,8 @@ class GrpcTransport:
              tensors: Tensors) -> None:
         """Streams tensors to peer `rank` (Activations for RECV_F/RECV_L, else Gradients)."""
         transfer = tensor_pb2.Transfer(job_id=self.job_id, step=step, microbatch=microbatch,
-                                       stage=stage, version=version, kind=str(kind))
+                                       stage=stage, version=version, kind=str(kind),
+                                       attempt=self.attempt)
         method = "Gradients" if kind == Kind.RECV_B else "Activations"
         self._start(rank, method, transfer, tensors)
 
@@ -169,7 +171,8 @@ class GrpcTransport:
     def push_weights(self, rank: int, version: int, tensors: Tensors) -> None:
         """Streams a weight version of some layers to forward peer `rank`."""
         transfer = tensor_pb2.Transfer(job_id=self.job_id, step=version, microbatch=-1,
-                                       stage=0, version=version, kind=str(Kind.RECV_W))
+                                       stage=0, version=version, kind=str(Kind.RECV_W),
+                                       attempt=self.attempt)
         self._start(rank, "Weights", transfer, tensors)
 
     def wait_weights(self, version: int, names: Sequence[str]) -> Tensors:

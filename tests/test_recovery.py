@@ -1,0 +1,222 @@
+"""Recovery with real processes killed or stopped by pid ([Note: restarts] in
+coordinator/driver.py): the local cluster relaunches what dies, as Kubernetes restarts a
+pod, and the job replays from its newest checkpoint to the weights an uninterrupted run
+trains, leaving no stash key behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.client import CoordinatorClient
+from pipefb.config import JobConfig
+from pipefb.local import LocalCluster
+from protos.coordinator_pb2 import DONE, FAILED, RECOVERING, RUNNING, STOPPED
+from tests.conftest import WORKER_THREADS, store_client
+from tests.test_transparency import make_job, reference
+
+HEARTBEAT_DEADLINE_S = 5.0  # the coordinator's default heartbeat timeout
+STEPS = 120  # long enough that a kill after a few steps lands mid-run
+
+
+@pytest.fixture(scope="module")
+def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Redis, a coordinator and 4 workers that are relaunched when they die."""
+    root = tmp_path_factory.mktemp("recovery-checkpoints")
+    with LocalCluster(4, tmp_path_factory.mktemp("recovery"), threads=WORKER_THREADS,
+                      extra_env={"PIPEFB_CHECKPOINT_ROOT": str(root)}, restart=True) as cluster:
+        cluster.checkpoint_root = root  # type: ignore[attr-defined]
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def client(restarting: LocalCluster) -> Iterator[CoordinatorClient]:
+    with CoordinatorClient(restarting.coordinator) as c:
+        c.wait_for_workers(4)
+        yield c
+
+
+def recoverable_job(name: str, **extra: Any) -> JobConfig:
+    """A sync PipeFB job (2 forward, 2 backward ranks) that checkpoints every 5 steps and
+    may restart twice."""
+    fields: dict[str, Any] = {"steps": STEPS, "checkpoint_every": 5, "checkpoint_dir": name,
+                              "max_restarts": 2, "job_id": name, **extra}
+    return make_job("mlp", "pipefb", 4, "sgd", **fields)
+
+
+def wait_for(client: CoordinatorClient, job_id: str, done: Callable[[Any], bool],
+             timeout: float = 120.0) -> Any:
+    """Polls the job's status until `done(status)`; returns that status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.status(job_id)
+        if done(status):
+            return status
+        assert time.monotonic() < deadline, f"job {job_id} stuck: {status}"
+        time.sleep(0.05)
+
+
+def running_at(client: CoordinatorClient, job_id: str, step: int, attempt: int = 0) -> Any:
+    """Waits until the job's attempt `attempt` runs and has reported `step` steps."""
+    return wait_for(client, job_id, lambda s: s.attempt == attempt and s.step >= step
+                    and s.state == RUNNING)
+
+
+def finished(client: CoordinatorClient, job_id: str) -> Any:
+    return wait_for(client, job_id, lambda s: s.state in (DONE, FAILED, STOPPED), timeout=300)
+
+
+def assert_trained_as_uninterrupted(client: CoordinatorClient, job: JobConfig,
+                                    reports: list[Any]) -> None:
+    """The reports (from some step to the last) have the losses of one process's run of
+    the job, and the job's final weights equal its weights bit for bit."""
+    first = reports[0].step
+    assert [r.step for r in reports] == list(range(first, job.steps))
+    want_losses, want_weights = reference(replace(job, checkpoint_every=0, checkpoint_dir="",
+                                                  max_restarts=0))
+    assert [r.loss for r in reports] == pytest.approx(want_losses[first:], rel=1e-6)
+    got = client.weights(job.job_id)
+    assert sorted(got) == sorted(want_weights)
+    for name, want in want_weights.items():
+        assert got[name].equal(want), name  # bit for bit: sync replay from the checkpoint
+
+
+def assert_equals_uninterrupted(client: CoordinatorClient, restarting: LocalCluster,
+                                job: JobConfig, status: Any) -> None:
+    """The job finished after one restart, trained what one process trains, reported
+    each step once, and left no key of any attempt in the store."""
+    assert status.state == DONE, status.error
+    assert status.attempt == 1 and len(status.restarts) == 1
+    reports = list(client.train(job.job_id))
+    assert reports[0].step == 0
+    assert_trained_as_uninterrupted(client, job, reports)
+    assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+
+
+@pytest.mark.parametrize("victim", ["worker-0", "worker-3"])
+def test_a_killed_worker_is_relaunched_and_the_job_replays_to_the_same_weights(
+        client: CoordinatorClient, restarting: LocalCluster, victim: str) -> None:
+    """worker-0 runs forward stage 0, worker-3 backward stage 0 (it receives the gradient
+    stream of backward stage 1); each is SIGKILLed mid-run."""
+    job = recoverable_job(f"kill-{victim}")
+    client.submit(job)
+    running_at(client, job.job_id, 8)
+    os.kill(restarting.process(victim).pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert victim in status.restarts[0] and "died" in status.restarts[0]
+    assert restarting.relaunches.get(victim, 0) >= 1
+    assert_equals_uninterrupted(client, restarting, job, status)
+
+
+def test_a_store_restarted_empty_replays_the_lost_steps(
+        client: CoordinatorClient, restarting: LocalCluster) -> None:
+    job = recoverable_job("kill-redis")
+    client.submit(job)
+    running_at(client, job.job_id, 8)
+    os.kill(restarting.process("redis").pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert "offload store" in status.restarts[0]
+    assert_equals_uninterrupted(client, restarting, job, status)
+
+
+def test_a_stopped_worker_is_declared_dead_in_time_and_its_return_is_fenced(
+        client: CoordinatorClient, restarting: LocalCluster) -> None:
+    """SIGSTOP past the heartbeat deadline: the job notices within the deadline plus a
+    margin (no hang) and waits for a replacement; after SIGCONT the same worker registers
+    again and the replay finishes with the uninterrupted run's weights."""
+    job = recoverable_job("stop-worker-1")
+    client.submit(job)
+    running_at(client, job.job_id, 8)
+    victim = restarting.process("worker-1")
+    os.kill(victim.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_for(client, job.job_id, lambda s: s.state == RECOVERING,
+                 timeout=HEARTBEAT_DEADLINE_S + 10)
+        noticed = time.monotonic() - stopped
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    assert noticed < HEARTBEAT_DEADLINE_S + 10
+    status = finished(client, job.job_id)
+    assert "worker-1" in status.restarts[0]
+    assert restarting.relaunches.get("worker-1", 0) == 0  # the same process came back
+    assert_equals_uninterrupted(client, restarting, job, status)
+
+
+def test_a_crash_loop_ends_the_job_after_max_restarts(
+        client: CoordinatorClient, restarting: LocalCluster) -> None:
+    job = recoverable_job("crash-loop", steps=STEPS)
+    client.submit(job)
+    for attempt in range(job.max_restarts + 1):
+        running_at(client, job.job_id, 0, attempt)
+        os.kill(restarting.process("worker-2").pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert status.state == FAILED
+    assert status.attempt == 2 and len(status.restarts) == 2
+    assert "worker-2" in status.error and "gave up after 2 restarts" in status.error
+    assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+    client.wait_for_workers(4)  # the cluster serves the next job
+
+
+def test_without_restarts_a_job_still_fails_on_the_first_death(
+        client: CoordinatorClient, restarting: LocalCluster, tmp_path: Path) -> None:
+    job = replace(recoverable_job("no-restarts"), max_restarts=0)
+    client.submit(job)
+    running_at(client, job.job_id, 3)
+    os.kill(restarting.process("worker-1").pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert status.state == FAILED and status.attempt == 0
+    assert "worker-1" in status.error and "died" in status.error
+    client.wait_for_workers(4)
+
+
+def test_a_killed_coordinator_is_relaunched_and_resumes_its_job_from_the_journal(
+        client: CoordinatorClient, restarting: LocalCluster) -> None:
+    """The relaunched coordinator (same address, same journal) resumes the job with
+    attempt + 1 from its newest checkpoint; the workers register again; the steps from
+    that checkpoint on are reported and everything equals the uninterrupted run."""
+    job = recoverable_job("kill-coordinator")
+    client.submit(job)
+    running_at(client, job.job_id, 12)
+    os.kill(restarting.process("coordinator").pid, signal.SIGKILL)
+    time.sleep(1.0)
+    client.wait_for_workers(4, timeout=120)
+    status = finished(client, job.job_id)
+    assert status.state == DONE, status.error
+    assert status.attempt == 1 and status.restarts == ["the coordinator restarted"]
+    reports = list(client.follow(job.job_id))
+    first = reports[0].step
+    assert first >= 10 and first % 5 == 0  # the newest checkpoint before the kill
+    assert_trained_as_uninterrupted(client, job, reports)
+    assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+    assert not list((restarting.log_dir / "journal").glob("*.json"))  # finished: forgotten
+
+
+def test_a_sigtermed_coordinator_drains_checkpoints_and_its_successor_resumes(
+        client: CoordinatorClient, restarting: LocalCluster) -> None:
+    """SIGTERM: the running steps end, every owner saves a checkpoint at that step (not
+    a multiple of checkpoint_every), the coordinator exits 0 with the job journaled, and
+    the relaunched one resumes from exactly that step: no step is lost or run twice."""
+    job = recoverable_job("drain", checkpoint_every=100)
+    client.submit(job)
+    running_at(client, job.job_id, 12)
+    old = restarting.process("coordinator")
+    old.popen.send_signal(signal.SIGTERM)
+    assert old.popen.wait(timeout=30) == 0
+    time.sleep(1.0)
+    client.wait_for_workers(4, timeout=120)
+    status = finished(client, job.job_id)
+    assert status.state == DONE, status.error
+    reports = list(client.follow(job.job_id))
+    first = reports[0].step
+    assert first >= 12 and first % 100  # the drain's own checkpoint, not a periodic one
+    root = restarting.checkpoint_root  # type: ignore[attr-defined]
+    assert (root / "drain" / f"step-{first:06d}" / "state.json").is_file()
+    assert_trained_as_uninterrupted(client, job, reports)
