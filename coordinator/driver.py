@@ -62,6 +62,7 @@ RESUME_MAY_CHANGE = frozenset({"steps", "resume", "job_id", "checkpoint_every", 
 IN_SITU_STEPS = range(1, 4)  # plan "auto": the steps whose action times the fit uses
 DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
 STORE_TIMEOUT_SECONDS = 2.0  # the store's INFO during a run (the liveness check)
+STORE_CHECK_SECONDS = 0.5  # at most this often (poll runs after every step)
 
 
 class StoppedWhilePending(RuntimeError):
@@ -462,7 +463,7 @@ class Driver:
             if job.stop_requested or self.draining.is_set():
                 pump.stop()
             _check_heartbeats(self.registry, ranks, range(len(ranks.workers)))
-            store.check()
+            store.check(every=STORE_CHECK_SECONDS)
 
         try:
             failures = pump.run(poll)
@@ -586,6 +587,7 @@ class StoreWatch:
         self.address = address
         self._client = connect(address, socket_timeout=STORE_TIMEOUT_SECONDS)
         self._run_id = self._read()
+        self._checked = time.monotonic()
 
     def _read(self) -> str:
         try:
@@ -594,8 +596,12 @@ class StoreWatch:
             raise WorkerFailed(f"the offload store at {self.address} does not answer: "
                                f"{error}") from None
 
-    def check(self) -> None:
-        """Raises WorkerFailed if the store restarted or does not answer."""
+    def check(self, every: float = 0.0) -> None:
+        """Raises WorkerFailed if the store restarted or does not answer; with `every`,
+        asks only if the last check is that many seconds old."""
+        if every and time.monotonic() - self._checked < every:
+            return
+        self._checked = time.monotonic()
         now = self._read()
         if now != self._run_id:
             raise WorkerFailed(f"the offload store at {self.address} restarted (run id "

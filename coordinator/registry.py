@@ -39,11 +39,13 @@ class Registry:
             self._workers[worker_id] = WorkerRecord(worker_id, address, name, time.monotonic())
             return worker_id
 
-    def heartbeat(self, worker_id: int) -> bool:
-        """Records a heartbeat; False if the id is unknown (the worker must register)."""
+    def heartbeat(self, worker_id: int, address: str = "") -> bool:
+        """Records a heartbeat; False if the id is unknown, or (with `address`) belongs to
+        a worker at another address (a restarted coordinator reuses ids): the worker must
+        register."""
         with self._lock:
             rec = self._workers.get(worker_id)
-            if rec is None:
+            if rec is None or (address and rec.address != address):
                 return False
             rec.last_seen = time.monotonic()
             return True

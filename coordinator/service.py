@@ -49,7 +49,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request: coordinator_pb2.HeartbeatRequest,
                   context: grpc.ServicerContext) -> coordinator_pb2.HeartbeatReply:
-        return coordinator_pb2.HeartbeatReply(known=self.registry.heartbeat(request.worker_id))
+        return coordinator_pb2.HeartbeatReply(
+            known=self.registry.heartbeat(request.worker_id, request.address))
 
     def SubmitJob(self, request: job_pb2.JobSpec, context: grpc.ServicerContext
                   ) -> coordinator_pb2.JobStatus:

@@ -23,7 +23,7 @@ import argparse
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,30 @@ def load_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
             raise ConfigError(f"checkpoint optimizer state {key!r} names no parameter here")
         state.setdefault(index[name], {})[field] = tensor
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def optimizer_share(files: Sequence[tuple[dict[str, torch.Tensor], dict[str, str]]],
+                    names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The optimizer state of the parameters `names` gathered from several ranks' files
+    (optimizer tensors, metadata), as `load_optimizer` takes it: a rank that now owns
+    layers another rank saved (a new partition) gets their state. Every pipefb rank has
+    one param group, and all ranks' hyper-parameters are the job's: the first file's
+    group is kept, with `names` as its parameters.
+
+    Raises:
+        ConfigError: no file has a param group.
+    """
+    wanted = set(names)
+    tensors = {k: v for optim, _ in files for k, v in optim.items()
+               if k[len(_OPTIMIZER):].rpartition(".")[0] in wanted}
+    for _, metadata in files:
+        try:
+            groups = json.loads(metadata["param_groups"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+            return tensors, {"param_groups": json.dumps([{**groups[0], "params": names}])}
+    raise ConfigError("no checkpoint file holds the optimizer's param group")
 
 
 def save_rank(path: Path, weights: Mapping[str, torch.Tensor],

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pipefb.allreduce import Reducer
-from pipefb.checkpoint import load_optimizer, load_rank, save_rank
+from pipefb.checkpoint import load_optimizer, load_rank, optimizer_share, save_rank
 from pipefb.codec import raw_view
 from pipefb.config import JobConfig, build_layers, job_device
 from pipefb.data import build_dataset
@@ -558,18 +558,18 @@ class StageRuntime:
 
     def restore(self, files: Mapping[int, Path], step: int) -> None:
         """Resumes at `step` from a checkpoint's rank files (rank -> file): the weights
-        of every layer held here, whoever owned them, and this rank's optimizer state.
+        of every layer held here and the optimizer state of every layer owned here,
+        whichever rank saved them (the checkpoint's partition may differ from this one).
 
         Raises:
             ConfigError: a held weight is missing or has another shape or dtype.
         """
         weights: dict[str, torch.Tensor] = {}
-        own: tuple[dict[str, torch.Tensor], dict[str, str]] = ({}, {})
-        for rank, path in files.items():
-            got, optim, meta = load_rank(path)
+        states: list[tuple[dict[str, torch.Tensor], dict[str, str]]] = []
+        for rank in sorted(files, key=lambda r: r != self.rank):  # its own file first
+            got, optim, meta = load_rank(files[rank])
             weights.update(got)
-            if rank == self.rank:
-                own = (optim, meta)
+            states.append((optim, meta))
         with torch.no_grad():
             for i, layer in self.layers.items():
                 for name, p in layer.named_parameters():
@@ -582,7 +582,7 @@ class StageRuntime:
         if self.optimizer is not None:
             names = [f"{i}.{n}" for i in self.bwd_layers
                      for n, _ in self.layers[i].named_parameters()]
-            load_optimizer(self.optimizer, names, *own)
+            load_optimizer(self.optimizer, names, *optimizer_share(states, names))
             self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         self.version = step
         self._account()

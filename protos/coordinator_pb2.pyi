@@ -50,10 +50,12 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    address: str
+    def __init__(self, worker_id: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)

@@ -179,7 +179,7 @@ def test_unpack_truncated_frames() -> None:
             codec.unpack(packed[:cut])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1000, deadline=None)  # issue 8: >= 1000 cases per entry point
 @given(raw=st.binary(max_size=120))
 def test_unpack_random_bytes_only_raises_codec_error(raw: bytes) -> None:
     try:
@@ -188,7 +188,7 @@ def test_unpack_random_bytes_only_raises_codec_error(raw: bytes) -> None:
         pass
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1000, deadline=None)  # issue 8: >= 1000 cases per entry point
 @given(
     code=st.integers(0, 12),
     dims=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=9),

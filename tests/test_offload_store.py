@@ -333,6 +333,7 @@ def test_put_that_never_fits_raises_store_full(small_client: redis.Redis) -> Non
     assert store.stats.retries > 0
     assert store.stats.keys_put == 0
     assert store.count_keys() == 0  # all or nothing
+    assert small_client.info("stats")["evicted_keys"] == 0  # noeviction: nothing was lost
 
 
 def test_blocked_put_resumes_after_concurrent_take(small_client: redis.Redis) -> None:
@@ -359,6 +360,7 @@ def test_blocked_put_resumes_after_concurrent_take(small_client: redis.Redis) ->
         for name, t in named.items():
             _assert_same(got[layer][name], t)
     assert store.count_keys() == 0 and store.stats.live_bytes == 0
+    assert small_client.info("stats")["evicted_keys"] == 0
 
 
 # --- server -------------------------------------------------------------------------------

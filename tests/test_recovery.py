@@ -220,3 +220,16 @@ def test_a_sigtermed_coordinator_drains_checkpoints_and_its_successor_resumes(
     root = restarting.checkpoint_root  # type: ignore[attr-defined]
     assert (root / "drain" / f"step-{first:06d}" / "state.json").is_file()
     assert_trained_as_uninterrupted(client, job, reports)
+
+
+def test_a_heartbeat_under_an_id_a_restarted_coordinator_gave_another_worker_is_unknown(
+) -> None:
+    """A restarted coordinator numbers workers from 0 again: a worker still heartbeating
+    with its old id must not keep another worker's record alive; it registers anew."""
+    from coordinator.registry import Registry
+
+    registry = Registry()
+    first = registry.register("127.0.0.1:1001", "worker-0")
+    assert registry.heartbeat(first, "127.0.0.1:1001")
+    assert not registry.heartbeat(first, "127.0.0.1:1002")  # the other worker's old id
+    assert not registry.heartbeat(first + 1, "127.0.0.1:1002")

@@ -65,8 +65,8 @@ class Registration:
         """Sends a heartbeat every interval until stopped."""
         while not self.stopped.wait(self.interval):
             try:
-                reply = self.stub.Heartbeat(
-                    coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=5)
+                reply = self.stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
+                    worker_id=self.worker_id, address=self.request.address), timeout=5)
                 if not reply.known:
                     self.register()
             except grpc.RpcError as error:
