@@ -83,6 +83,13 @@ class CoordinatorClient:
         """Asks the job to stop at the next step boundary."""
         return self.stub.StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
 
+    def repartition(self, job_id: str, forward: list[int], backward: list[int] | None = None
+                    ) -> coordinator_pb2.JobStatus:
+        """Moves the running job's layers to new partitions at its next step boundary."""
+        return self.stub.Repartition(coordinator_pb2.RepartitionRequest(
+            job_id=job_id, forward_partition=forward, backward_partition=backward or []),
+            timeout=10)
+
     def workers(self) -> list[coordinator_pb2.WorkerInfo]:
         """Registered workers."""
         return list(self.stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=10).workers)

@@ -40,17 +40,19 @@ from coordinator.registry import Registry, WorkerRecord
 from coordinator.rendezvous import Rendezvous
 from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
-from pipefb.checkpoint import due, latest, resolve_under, write_state
+from pipefb.checkpoint import due, latest, rank_file, resolve_under, tensor_bytes, write_state
 from pipefb.cluster import Cluster
 from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.costs import Profile
 from pipefb.errors import ConfigError, ScheduleError, WorkerFailed
 from pipefb.evaluate import evaluate
 from pipefb.insitu import fit, median_action_seconds
+from pipefb.migration import moved_bytes, repartitioned
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from pipefb.planning import job_cluster, label, plan_job, summary
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_to_proto, plan_to_proto
+from protos.server import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ class StoppedWhilePending(RuntimeError):
 
 class Drained(RuntimeError):
     """The coordinator is stopping: the job paused at a step boundary, journaled."""
+
+
+class Repartitioned(RuntimeError):
+    """The job paused at a step boundary and checkpointed, to go on with a new plan."""
 
 
 @dataclass
@@ -94,6 +100,8 @@ class Job:
     attempt: int = 0  # restarts so far ([Note: restarts])
     checkpointed: int = 0  # the newest step this job checkpointed (0: none)
     restarts: list[str] = field(default_factory=list)  # why each earlier attempt failed
+    pending_plan: Plan | None = None  # a Repartition's plan, taken at the next step boundary
+    migrations: list[dict[str, Any]] = field(default_factory=list)  # moves so far
     checkpoints: Path | None = None  # the job's checkpoint directory, when it uses one
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -202,8 +210,11 @@ class Driver:
                     self._plan_and_assign(job, ranks)
                     self._run_steps(job, ranks)
                     break
+                except Repartitioned:
+                    self._switch_plan(job, ranks)
+                    ranks = None
                 except RECOVERABLE as error:
-                    if job.attempt >= job.config.max_restarts or job.stop_requested:
+                    if len(job.restarts) >= job.config.max_restarts or job.stop_requested:
                         raise
                     self._restart(job, ranks, error)
                     ranks = None
@@ -224,8 +235,8 @@ class Driver:
             dead = self._dead_ranks(ranks) if ranks is not None else []
             message = self._diagnose(error, ranks, dead)
             self._forget(ranks, dead)
-            if job.attempt:
-                message = f"{message} (gave up after {job.attempt} restarts)"
+            if job.restarts:
+                message = f"{message} (gave up after {len(job.restarts)} restarts)"
             log.error("job %s failed: %s", job.job_id, message)
             job.set_state("FAILED", message)
         finally:
@@ -261,7 +272,7 @@ class Driver:
     def _plan_and_assign(self, job: Job, ranks: Ranks) -> None:
         job.set_state("PLANNING")
         cfg = job.config
-        if cfg.checkpoint_every or cfg.resume:
+        if cfg.checkpoint_every or cfg.resume or (cfg.checkpoint_dir and self.checkpoint_root):
             job.checkpoints = resolve_under(self.checkpoint_root, cfg.checkpoint_dir)
         if job.attempt and job.plan is not None:
             plan = job.plan  # a replay runs the same plan from its checkpoint
@@ -287,6 +298,10 @@ class Driver:
             timeout=300)
             for r, stub in enumerate(ranks.stubs)]
         _wait_all(calls, ranks)
+        if job.migrations and "seconds" not in job.migrations[-1]:  # a migration ends here
+            job.migrations[-1]["seconds"] = time.monotonic() - job.migrations[-1].pop("_t0")
+            log.info("job %s: migrated in %.2f s: %s", job.job_id,
+                     job.migrations[-1]["seconds"], job.migrations[-1])
         job.set_state("RUNNING")
 
     def _resume_point(self, job: Job) -> Plan:
@@ -337,7 +352,7 @@ class Driver:
         dead = self._dead_ranks(ranks)
         message = self._diagnose(error, ranks, dead)
         log.warning("job %s: attempt %d failed: %s; restarting (%d of %d)", job.job_id,
-                    job.attempt, message, job.attempt + 1, job.config.max_restarts)
+                    job.attempt, message, len(job.restarts) + 1, job.config.max_restarts)
         with job.cond:
             job.restarts.append(message)
         job.set_state("RECOVERING")
@@ -460,7 +475,7 @@ class Driver:
         store = StoreWatch(self.store_address)
 
         def poll() -> None:
-            if job.stop_requested or self.draining.is_set():
+            if job.stop_requested or self.draining.is_set() or job.pending_plan is not None:
                 pump.stop()
             _check_heartbeats(self.registry, ranks, range(len(ranks.workers)))
             store.check(every=STORE_CHECK_SECONDS)
@@ -477,8 +492,61 @@ class Driver:
             self._checkpoint_now(job, ranks)
             raise Drained(f"the coordinator stopped after step {job.step}; a coordinator "
                           f"on the same journal resumes from step {job.checkpointed}")
+        if job.step < job.config.steps and job.pending_plan is not None and (
+                not job.stop_requested):
+            self._checkpoint_now(job, ranks)
+            raise Repartitioned(job.job_id)
         if job.step < job.config.steps:
             job.set_state("STOPPED", "stopped by request")
+
+    def repartition(self, job: Job, forward: list[int], backward: list[int]) -> None:
+        """Asks a running job to move to new partitions at its next step boundary (see
+        `_switch_plan`).
+
+        Raises:
+            FailedPrecondition: the job is not running, has no checkpoint directory to
+                move through, or has a move pending.
+            ConfigError: the partitions are bad for this job (pipefb.migration).
+        """
+        with job.cond:
+            if job.state != "RUNNING" or job.plan is None:
+                raise FailedPrecondition(f"job {job.job_id} is {job.state}; only a running "
+                                         "job can be repartitioned")
+            if job.checkpoints is None:
+                raise FailedPrecondition(f"job {job.job_id} has no checkpoint directory "
+                                         "(--checkpoint-dir) to move layers through")
+            if job.pending_plan is not None:
+                raise FailedPrecondition(f"job {job.job_id} has a repartition pending")
+            if job.config.mode != "sync":
+                raise FailedPrecondition(f"job {job.job_id} is {job.config.mode}; only sync "
+                                         "jobs move layers (a checkpoint holds no old "
+                                         "weight versions)")
+            job.pending_plan = repartitioned(job.plan, forward, backward)
+
+    def _switch_plan(self, job: Job, ranks: Ranks) -> None:
+        """[Note: migration] The job paused at step v and every owner saved its layers'
+        weights and optimizer state (the Checkpoint RPC); every rank is now assigned the
+        new plan with attempt + 1 from that checkpoint, so each restores the layers it
+        holds under the new partition, whichever rank saved them, and the forward and
+        backward ranks switch together at step v. Losses and weights go on exactly as
+        without the move (sync). The layers travel through the checkpoint directory, not
+        yet rank to rank over gRPC."""
+        assert job.plan is not None and job.pending_plan is not None
+        assert job.checkpoints is not None
+        owners = {a.rank for a in job.plan.assignment if a.role != "forward"}
+        saved = {r: tensor_bytes(rank_file(job.checkpoints, job.step, r)) for r in owners}
+        new = job.pending_plan
+        job.migrations.append({
+            "step": job.step, "bytes": moved_bytes(job.plan, new, saved),
+            "forward_partition": list(new.forward_partition),
+            "backward_partition": list(new.backward_partition), "_t0": time.monotonic()})
+        job.set_state("MIGRATING")
+        ranks.close()
+        job.plan, job.pending_plan = new, None
+        job.attempt += 1
+        self._record(job)
+        if self.metrics is not None:
+            self.metrics.migrated(job.job_id)
 
     def _checkpoint_now(self, job: Job, ranks: Ranks) -> None:
         """Between steps: every owner saves its rank file of `job.step` (the Checkpoint

@@ -70,6 +70,10 @@ class CoordinatorMetrics:
         self.predicted.labels(job).set(0.0)
         self.read_store()
 
+    def migrated(self, job: str) -> None:
+        """Counts one migration of the job's layers."""
+        self.migrations.labels(job).inc()
+
     def restarted(self, job: str) -> None:
         """Counts one restart of the job (a failed attempt replayed)."""
         self.restarts.labels(job).inc()

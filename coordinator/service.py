@@ -130,6 +130,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             job.stop_requested = True
         return _status(job)
 
+    def Repartition(self, request: coordinator_pb2.RepartitionRequest,
+                    context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
+        job = self._job(request.job_id)
+        self.driver.repartition(job, list(request.forward_partition),
+                                list(request.backward_partition))
+        return _status(job)
+
     def ExportWeights(self, request: job_pb2.ExportWeightsRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
         job = self._job(request.job_id)
@@ -152,7 +159,9 @@ def _status(job: Job) -> coordinator_pb2.JobStatus:
         job_id=job.job_id, state=coordinator_pb2.JobState.Value(job.state), step=job.step,
         spec=job_to_proto(job.config), error=job.error,
         worker_ids=[w.worker_id for w in job.workers], attempt=job.attempt,
-        restarts=job.restarts)
+        restarts=job.restarts,
+        migrations=[coordinator_pb2.Migration(**{k: v for k, v in m.items() if k != "_t0"})
+                    for m in job.migrations])
     if job.plan is not None:
         status.plan.CopyFrom(plan_to_proto(job.plan))
     if job.planner:

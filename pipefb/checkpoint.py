@@ -36,6 +36,8 @@ from pipefb.errors import ConfigError
 STATE = "state.json"
 _STEP_DIR = re.compile(r"step-(\d{6,})")
 _OPTIMIZER = "optimizer."
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U8": 1, "BOOL": 1}  # safetensors dtype names
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -146,6 +148,26 @@ def save_rank(path: Path, weights: Mapping[str, torch.Tensor],
         extra, metadata = optimizer_tensors(optimizer, names)
         tensors.update(extra)
     write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """Name -> byte count of every tensor in a rank file, read from its header only.
+
+    Raises:
+        ConfigError: the file is missing or not a valid safetensors file.
+    """
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {k: _nbytes(handle.get_slice(k)) for k in handle.keys()}
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+        raise ConfigError(f"cannot read checkpoint file {str(path)!r}: {error}") from None
+
+
+def _nbytes(view: Any) -> int:
+    count = 1
+    for dim in view.get_shape():
+        count *= dim
+    return count * _ITEMSIZE[view.get_dtype()]
 
 
 def load_rank(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],

@@ -136,7 +136,24 @@ def build_parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop a job at the next step boundary")
     stop.add_argument("--coordinator", required=True, help="host:port")
     stop.add_argument("job_id", help="job id")
+    move = sub.add_parser("repartition", help="move a running sync job's layers between "
+                          "its workers at the next step boundary")
+    move.add_argument("--coordinator", required=True, help="host:port")
+    move.add_argument("--forward", type=_bounds, default=[],
+                      help="new stage boundaries, e.g. 0,3,5 (the same number of stages)")
+    move.add_argument("--backward", type=_bounds, default=[],
+                      help="new backward stage boundaries (pipefb; default: unchanged)")
+    move.add_argument("job_id", help="job id")
     return p
+
+
+def _bounds(text: str) -> list[int]:
+    """`0,3,5` as stage boundaries."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of layer indices, "
+                                         "e.g. 0,3,5") from None
 
 
 def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) -> JobConfig:
@@ -302,9 +319,22 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_repartition(args: argparse.Namespace) -> int:
+    """`pipefb repartition`: move a running job's layers."""
+    from coordinator.client import CoordinatorClient
+
+    if not args.forward and not args.backward:
+        raise ConfigError("give --forward, --backward or both")
+    with CoordinatorClient(args.coordinator) as client:
+        status = client.repartition(args.job_id, args.forward, args.backward)
+        print(f"{status.job_id}: moves to forward {args.forward or 'unchanged'}, backward "
+              f"{args.backward or 'unchanged'} at the next step boundary")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "local": cmd_local_train, "submit": cmd_submit, "status": cmd_status, "stop": cmd_stop,
-    "plan": cmd_plan,
+    "plan": cmd_plan, "repartition": cmd_repartition,
 }
 
 

@@ -174,6 +174,30 @@ class GetJobRequest(_message.Message):
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
+class RepartitionRequest(_message.Message):
+    __slots__ = ("job_id", "forward_partition", "backward_partition")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    forward_partition: _containers.RepeatedScalarFieldContainer[int]
+    backward_partition: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Migration(_message.Message):
+    __slots__ = ("step", "seconds", "bytes", "forward_partition", "backward_partition")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seconds: float
+    bytes: int
+    forward_partition: _containers.RepeatedScalarFieldContainer[int]
+    backward_partition: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StopJobRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -181,7 +205,7 @@ class StopJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json", "attempt", "restarts")
+    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json", "attempt", "restarts", "migrations")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +216,7 @@ class JobStatus(_message.Message):
     PLANNER_JSON_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     step: int
@@ -202,7 +227,8 @@ class JobStatus(_message.Message):
     planner_json: str
     attempt: int
     restarts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ..., attempt: _Optional[int] = ..., restarts: _Optional[_Iterable[str]] = ...) -> None: ...
+    migrations: _containers.RepeatedCompositeFieldContainer[Migration]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ..., attempt: _Optional[int] = ..., restarts: _Optional[_Iterable[str]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

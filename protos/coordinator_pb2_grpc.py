@@ -76,6 +76,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_job__pb2.ExportWeightsRequest.SerializeToString,
                 response_deserializer=protos_dot_tensor__pb2.TensorChunk.FromString,
                 _registered_method=True)
+        self.Repartition = channel.unary_unary(
+                '/pipefb.v1.Coordinator/Repartition',
+                request_serializer=protos_dot_coordinator__pb2.RepartitionRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.JobStatus.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -137,6 +142,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Repartition(self, request, context):
+        """Moves layers between a running job's workers at the next step boundary: new forward
+        and backward partitions, the same roles and stage counts (see Migration).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +192,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ExportWeights,
                     request_deserializer=protos_dot_job__pb2.ExportWeightsRequest.FromString,
                     response_serializer=protos_dot_tensor__pb2.TensorChunk.SerializeToString,
+            ),
+            'Repartition': grpc.unary_unary_rpc_method_handler(
+                    servicer.Repartition,
+                    request_deserializer=protos_dot_coordinator__pb2.RepartitionRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.JobStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +415,33 @@ class Coordinator:
             '/pipefb.v1.Coordinator/ExportWeights',
             protos_dot_job__pb2.ExportWeightsRequest.SerializeToString,
             protos_dot_tensor__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Repartition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipefb.v1.Coordinator/Repartition',
+            protos_dot_coordinator__pb2.RepartitionRequest.SerializeToString,
+            protos_dot_coordinator__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -171,8 +171,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
         runtime = StageRuntime(job, plan, request.rank, transport, reducer)
-        checkpoints = (resolve_under(self.checkpoint_root, job.checkpoint_dir)
-                       if job.checkpoint_every or request.resume_step else None)
+        takes = job.checkpoint_every or request.resume_step or (
+            job.checkpoint_dir and self.checkpoint_root)  # repartitions move through it
+        checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None
         if request.resume_step:
             assert checkpoints is not None
             owners = {a.rank for a in plan.assignment if a.role != "forward"}

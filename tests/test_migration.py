@@ -1,0 +1,87 @@
+"""Moving layers between a running job's workers ([Note: migration] in
+coordinator/driver.py): training goes on exactly as without the move, and the move's
+bytes are the moved layers' weights and optimizer state."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from pipefb.config import JobConfig, build_layers
+from pipefb.migration import repartitioned
+from pipefb.plan import balanced_plan
+from protos.coordinator_pb2 import RUNNING
+from tests.test_transparency import make_job, reference
+
+STEPS = 40
+
+
+def stage_of(bounds: list[int], layer: int) -> int:
+    return bisect.bisect_right(bounds, layer) - 1
+
+
+def adamw_bytes(job: JobConfig) -> list[tuple[int, int]]:
+    """Per layer: (weight bytes, AdamW state bytes: exp_avg, exp_avg_sq and a float32
+    step per parameter), from the model itself."""
+    out = []
+    for layer in build_layers(job):
+        params = list(layer.parameters())
+        weights = sum(p.numel() * p.element_size() for p in params)
+        out.append((weights, 2 * weights + 4 * len(params)))
+    return out
+
+
+def other(current: list[int], choices: list[list[int]]) -> list[int]:
+    return next(c for c in choices if c != current)
+
+
+def test_a_move_of_forward_and_backward_layers_trains_as_without_it(
+        client: Any, cluster: Any) -> None:
+    job = make_job("mlp", "pipefb", 4, "adamw", steps=STEPS, checkpoint_dir="migrate",
+                   job_id="migrate")
+    client.submit(job)
+    deadline = time.monotonic() + 120
+    while (status := client.status("migrate")).step < 5 or status.state != RUNNING:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.02)
+    old_fwd, old_bwd = list(status.plan.forward_partition), list(status.plan.backward_partition)
+    fwd = other(old_fwd, [[0, 1, 5], [0, 3, 5]])  # layers move one way forward ...
+    bwd = other(old_bwd, [[0, 3, 5], [0, 1, 5]])  # ... and both ways overall
+    client.repartition("migrate", fwd, bwd)
+    reports = list(client.train("migrate"))
+    status = client.status("migrate")
+    assert [r.step for r in reports] == list(range(STEPS))  # none lost, none twice
+    want_losses, want_weights = reference(job)
+    assert [r.loss for r in reports] == pytest.approx(want_losses, rel=1e-6)
+    got = client.weights("migrate")
+    for name, want in want_weights.items():
+        assert got[name].equal(want), name  # bit for bit
+    [move] = status.migrations
+    assert 5 <= move.step < STEPS and move.seconds > 0
+    assert list(status.plan.forward_partition) == fwd == list(move.forward_partition)
+    assert list(status.plan.backward_partition) == bwd
+    sizes = adamw_bytes(job)
+    want_bytes = sum(w + s for i, (w, s) in enumerate(sizes)
+                     if stage_of(old_bwd, i) != stage_of(bwd, i))
+    want_bytes += sum(w for i, (w, _) in enumerate(sizes)
+                      if stage_of(old_fwd, i) != stage_of(fwd, i))
+    assert move.bytes == want_bytes > 0
+    assert status.attempt == 1 and not status.restarts
+
+
+def test_a_bad_repartition_is_refused_naming_why(client: Any) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        client.repartition("no-such-job", [0, 1, 5])
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    plan = balanced_plan("pipefb", 4, [1.0] * 5, 8, 4, ("offload",) * 5)
+    with pytest.raises(ValueError, match="has 1 stages; the job runs 2"):
+        repartitioned(plan, [0, 5], [])
+    with pytest.raises(ValueError, match="must start at 0 and increase strictly"):
+        repartitioned(plan, [0, 4, 2], [])
+    with pytest.raises(ValueError, match="must equal the forward"):
+        repartitioned(balanced_plan("1f1b", 2, [1.0] * 5, 8, 4, ("keep",) * 5),
+                      [0, 2, 5], [0, 3, 5])
