@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import groups_doc, planner_doc, sim_accuracy
+from bench import groups_doc, planner_doc, replan, sim_accuracy
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 
@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "planner": ("planner", []),
     "sim_accuracy": ("sim_accuracy", []),
     "groups": ("groups", []),
+    "replan": ("replan", []),
 }
 
 
@@ -254,6 +255,9 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
     if "groups" in results:
         lines += groups_doc.doc_section(*results["groups"], os.path.relpath(
             out / "groups" / "groups.png", doc.parent))
+    if "replan" in results:
+        lines += replan.doc_section(*results["replan"], os.path.relpath(
+            out / "replan" / "replan.png", doc.parent))
     lines += READING
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))

@@ -47,9 +47,10 @@ from pipefb.costs import Profile
 from pipefb.errors import ConfigError, ScheduleError, WorkerFailed
 from pipefb.evaluate import evaluate
 from pipefb.insitu import fit, median_action_seconds
-from pipefb.migration import moved_bytes, repartitioned
+from pipefb.migration import layer_sizes, moved_bytes, repartitioned
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from pipefb.planning import job_cluster, label, plan_job, summary
+from pipefb.replan import Replanner, ReplanSettings
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_to_proto, plan_to_proto
 from protos.server import FailedPrecondition
@@ -60,7 +61,7 @@ TERMINAL = ("DONE", "FAILED", "STOPPED")
 RECOVERABLE = (WorkerFailed, grpc.RpcError)  # an attempt that failed so may be replayed
 # job fields a resumed job may set otherwise than the checkpointed one
 RESUME_MAY_CHANGE = frozenset({"steps", "resume", "job_id", "checkpoint_every", "eval_every",
-                               "max_restarts"})
+                               "max_restarts", "slowdown"})
 IN_SITU_STEPS = range(1, 4)  # plan "auto": the steps whose action times the fit uses
 DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
 STORE_TIMEOUT_SECONDS = 2.0  # the store's INFO during a run (the liveness check)
@@ -102,6 +103,7 @@ class Job:
     restarts: list[str] = field(default_factory=list)  # why each earlier attempt failed
     pending_plan: Plan | None = None  # a Repartition's plan, taken at the next step boundary
     migrations: list[dict[str, Any]] = field(default_factory=list)  # moves so far
+    replanner: Replanner | None = None  # with `replan`: decides moves from step reports
     checkpoints: Path | None = None  # the job's checkpoint directory, when it uses one
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -300,6 +302,8 @@ class Driver:
         _wait_all(calls, ranks)
         if job.migrations and "seconds" not in job.migrations[-1]:  # a migration ends here
             job.migrations[-1]["seconds"] = time.monotonic() - job.migrations[-1].pop("_t0")
+            if job.replanner is not None:
+                job.replanner.moved(job.migrations[-1]["seconds"])
             log.info("job %s: migrated in %.2f s: %s", job.job_id,
                      job.migrations[-1]["seconds"], job.migrations[-1])
         job.set_state("RUNNING")
@@ -449,6 +453,7 @@ class Driver:
             if step < job.step:  # a replay ([Note: restarts]): reported before
                 _compare_replay(job, report)
                 return
+            self._consider_move(job, report)
             every = job.config.eval_every
             if every and (step + 1) % every == 0 and step + 1 < job.config.steps:
                 report.eval.update(self._evaluate(job, ranks, step + 1))
@@ -467,6 +472,8 @@ class Driver:
                 job.cond.notify_all()
 
         assert job.plan is not None
+        if job.config.replan:
+            self._watch(job)
         # async forward ranks may run `staleness` steps ahead of the backward ranks
         pump = StepPump(job.job_id, ranks.stubs, job.config.steps, on_step,
                         in_flight=IN_FLIGHT + job.plan.staleness, start=job.start_step,
@@ -523,6 +530,49 @@ class Driver:
                                          "weight versions)")
             job.pending_plan = repartitioned(job.plan, forward, backward)
 
+    def _watch(self, job: Job) -> None:
+        """Starts (or, on a new plan, restarts) the job's re-planner ([Note: online
+        re-planning] in pipefb/replan.py): layer costs from the profile of plan "auto",
+        else the placeholder costs (a backward twice its forward); move cost over the
+        cluster's store link (the move goes through the checkpoint directory)."""
+        assert job.plan is not None
+        if job.replanner is not None:
+            job.replanner.reset(job.plan)
+            return
+        if job.costs is not None:
+            profile = job.costs[0]
+            forward = [layer.forward_seconds for layer in profile.layers]
+            backward = [layer.backward_seconds for layer in profile.layers]
+            state = profile.optimizer_state_ratio
+            sizes = {i: (layer.param_bytes, int(layer.param_bytes * state))
+                     for i, layer in enumerate(profile.layers)}
+        else:  # 1 + parameter count per layer; fp32 weights, AdamW keeps two moments
+            forward, backward = job.layer_costs, [2 * c for c in job.layer_costs]
+            state = 2 if job.config.optimizer == "adamw" else 1
+            sizes = {i: (4 * int(c - 1), 4 * state * int(c - 1))
+                     for i, c in enumerate(job.layer_costs)}
+        bandwidth = self.cluster.store.bandwidth if self.cluster else ReplanSettings().bandwidth
+        job.replanner = Replanner(job.plan, forward, backward, sizes,
+                                  ReplanSettings(bandwidth=bandwidth))
+
+    def _consider_move(self, job: Job, report: coordinator_pb2.StepReport) -> None:
+        """With `replan`: feeds the step's compute times to the re-planner; a decision
+        becomes the job's pending plan, taken at the next step boundary."""
+        if job.replanner is None or job.pending_plan is not None:
+            return
+        decision = job.replanner.observe({w.rank: w.compute_seconds for w in report.workers
+                                          if w.group == 0},
+                                         steps_left=job.config.steps - report.step - 1)
+        if decision is None:
+            return
+        log.info("job %s: re-planning after step %d: %.1f ms/step measured, %.1f ms "
+                 "predicted on forward %s backward %s (move %.1f ms)", job.job_id,
+                 report.step, decision.current_seconds * 1e3, decision.new_seconds * 1e3,
+                 list(decision.plan.forward_partition),
+                 list(decision.plan.backward_partition), decision.move_seconds * 1e3)
+        with job.cond:
+            job.pending_plan = decision.plan
+
     def _switch_plan(self, job: Job, ranks: Ranks) -> None:
         """[Note: migration] The job paused at step v and every owner saved its layers'
         weights and optimizer state (the Checkpoint RPC); every rank is now assigned the
@@ -537,7 +587,7 @@ class Driver:
         saved = {r: tensor_bytes(rank_file(job.checkpoints, job.step, r)) for r in owners}
         new = job.pending_plan
         job.migrations.append({
-            "step": job.step, "bytes": moved_bytes(job.plan, new, saved),
+            "step": job.step, "bytes": moved_bytes(job.plan, new, layer_sizes(saved)),
             "forward_partition": list(new.forward_partition),
             "backward_partition": list(new.backward_partition), "_t0": time.monotonic()})
         job.set_state("MIGRATING")

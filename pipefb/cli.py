@@ -78,6 +78,13 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                    help="replay a failed attempt this many times, from the newest "
                         "checkpoint (or step 0), on relaunched or spare workers; local "
                         "train relaunches dead processes (0: a failure ends the job)")
+    p.add_argument("--slowdown", default=d.slowdown,
+                   help="fault injection: RANK=FACTOR[@STEP],... makes that rank's compute "
+                        "FACTOR times slower from STEP on (benchmarks of re-planning)")
+    p.add_argument("--replan", action="store_true",
+                   help="move layers between workers while training when measured stage "
+                        "times make another partition pay (sync; through the checkpoint "
+                        "directory)")
     p.add_argument("--groups", type=_groups, default=None,
                    help="pipeline groups, data-parallel across groups: each runs the same "
                         "stages on workers/G workers and microbatches/G micro-batches, and "
@@ -164,10 +171,10 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
                  "policy", "eval_every", "plan", "job_id", "device", "checkpoint_every",
-                 "resume", "max_restarts"):
+                 "resume", "max_restarts", "slowdown", "replan"):
         values.setdefault(name, getattr(args, name))
     if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
-        wanted = values.get("checkpoint_every") or values.get("resume")
+        wanted = values.get("checkpoint_every") or values.get("resume") or values.get("replan")
         values["checkpoint_dir"] = args.checkpoint_dir or ("checkpoints" if wanted else "")
     if args.groups is not None or "groups" not in values:  # default: auto with --plan auto
         values["groups"] = (args.groups if args.groups is not None

@@ -22,6 +22,7 @@ PLANS = ("", "even", "auto")  # "" and even: stages balanced by parameter count
 AUTO = "auto"  # schedule and plan value: the planner picks
 DEVICES = ("cpu", "cuda")  # cuda: each worker's current CUDA device (CUDA_VISIBLE_DEVICES)
 MAX_STALENESS = 8  # bounds the weight versions and stashed steps a job may hold
+MAX_SLOWDOWN = 100.0  # fault injection: the most a slowdown may stretch compute
 MAX_RESTARTS = 100  # a crash loop ends long before; bounds what a spec may ask
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -72,6 +73,8 @@ class JobConfig:
     checkpoint_dir: str = ""  # where (inside the services' checkpoint root)
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir
     max_restarts: int = 0  # failed attempts replayed (newest checkpoint, or step 0); 0: none
+    slowdown: str = ""  # fault injection: "RANK=FACTOR[@STEP],...", slower compute from STEP
+    replan: bool = False  # move layers when measured stage times make another partition pay
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
@@ -101,6 +104,10 @@ class JobConfig:
             raise ConfigError(f"unknown device {self.device!r}; choose one of {DEVICES}")
         self._check_groups()
         self._check_checkpoints()
+        for rank in slowdowns(self.slowdown):
+            if rank >= self.workers:
+                raise ConfigError(f"slowdown names rank {rank}; the job has ranks "
+                                  f"0..{self.workers - 1}")
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"microbatches {self.microbatches} does not divide batch size {self.batch_size}"
@@ -135,6 +142,11 @@ class JobConfig:
                 0 <= restarts <= MAX_RESTARTS):
             raise ConfigError(f"max_restarts {restarts!r} must be an integer in "
                               f"0..{MAX_RESTARTS}")
+        if self.replan and (self.mode != "sync" or not self.checkpoint_dir
+                            or self.schedule == "single"):
+            raise ConfigError("replan moves a sync job's layers through its checkpoint "
+                              "directory: it needs --mode sync, a pipeline schedule and "
+                              "--checkpoint-dir")
         if restarts and self.schedule == "single":
             raise ConfigError("schedule 'single' runs in this process: it has no workers "
                               "to restart")
@@ -178,6 +190,27 @@ class JobConfig:
         if unknown:
             raise ConfigError(f"unknown job field {unknown[0]!r}")
         return cls(**data)
+
+
+def slowdowns(text: str) -> dict[int, tuple[float, int]]:
+    """Parses a `slowdown` spec: rank -> (factor >= 1, first step), e.g. "1=2@10,3=1.5".
+
+    Raises:
+        ConfigError: naming the entry that is not RANK=FACTOR[@STEP].
+    """
+    out: dict[int, tuple[float, int]] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        rank, _, rest = entry.partition("=")
+        factor, _, step = rest.partition("@")
+        try:
+            parsed = int(rank), float(factor), int(step or 0)
+        except ValueError:
+            parsed = (-1, 0.0, -1)
+        if parsed[0] < 0 or not 1.0 <= parsed[1] <= MAX_SLOWDOWN or parsed[2] < 0:
+            raise ConfigError(f"slowdown entry {entry!r} is not RANK=FACTOR[@STEP] with "
+                              f"FACTOR in 1..{MAX_SLOWDOWN:g} and STEP >= 0")
+        out[parsed[0]] = parsed[1:]
+    return out
 
 
 def layer_policies(config: JobConfig, n_layers: int) -> tuple[str, ...]:

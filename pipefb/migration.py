@@ -58,13 +58,10 @@ def holders(plan: Plan) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int
     return forward, owner
 
 
-def moved_bytes(old: Plan, new: Plan, saved: Mapping[int, Mapping[str, int]]) -> int:
-    """Bytes a migration from `old` to `new` moves: the weights of each layer whose
-    forward rank changes (when that rank is not its owner), and the weights and optimizer
-    state of each layer whose owner changes, per group; sizes from the rank files of the
-    checkpoint it moves through (`saved`: rank -> tensor name -> bytes,
-    `pipefb.checkpoint.tensor_bytes`)."""
-    sizes: dict[int, tuple[int, int]] = {}  # layer -> (weight bytes, optimizer bytes)
+def layer_sizes(saved: Mapping[int, Mapping[str, int]]) -> dict[int, tuple[int, int]]:
+    """Layer -> (weight bytes, optimizer state bytes) from rank files' tensor sizes
+    (`saved`: rank -> tensor name -> bytes, `pipefb.checkpoint.tensor_bytes`)."""
+    sizes: dict[int, tuple[int, int]] = {}
     for tensors in saved.values():
         for name, nbytes in tensors.items():
             optim = name.startswith(OPTIMIZER_PREFIX)
@@ -72,6 +69,14 @@ def moved_bytes(old: Plan, new: Plan, saved: Mapping[int, Mapping[str, int]]) ->
                         .split(".", 1)[0])
             weights, state = sizes.get(layer, (0, 0))
             sizes[layer] = (weights, state + nbytes) if optim else (weights + nbytes, state)
+    return sizes
+
+
+def moved_bytes(old: Plan, new: Plan, sizes: Mapping[int, tuple[int, int]]) -> int:
+    """Bytes a migration from `old` to `new` moves: the weights of each layer whose
+    forward rank changes (when that rank is not its owner), and the weights and optimizer
+    state of each layer whose owner changes, per group (`sizes`: layer -> (weight bytes,
+    optimizer state bytes), e.g. `layer_sizes`)."""
     (old_fwd, old_own), (new_fwd, new_own) = holders(old), holders(new)
     total = 0
     for key, owner in new_own.items():

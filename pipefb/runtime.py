@@ -20,7 +20,7 @@ import torch
 from pipefb.allreduce import Reducer
 from pipefb.checkpoint import load_optimizer, load_rank, optimizer_share, save_rank
 from pipefb.codec import raw_view
-from pipefb.config import JobConfig, build_layers, job_device
+from pipefb.config import JobConfig, build_layers, job_device, slowdowns
 from pipefb.data import build_dataset
 from pipefb.errors import CodecError, ConfigError
 from pipefb.execs import AutogradExec, LayerExec, Saved, SplitExec
@@ -109,6 +109,7 @@ class StageRuntime:
     def __init__(self, job: JobConfig, plan: Plan, rank: int, transport: Transport,
                  reducer: Reducer | None = None) -> None:
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
+        self._slowdown = slowdowns(job.slowdown).get(rank, (1.0, 0))  # fault injection
         self.reducer = reducer  # sums gradients across groups; None with one group
         self.group = plan.group_of(rank)
         # [Note: groups] group g runs micro-batches g*M .. (g+1)*M - 1 of the step (M per
@@ -240,6 +241,13 @@ class StageRuntime:
 
     # -- the interpreter -------------------------------------------------------------------
 
+    def _slow_down(self, step: int, seconds: float) -> None:
+        """Fault injection (the job's `slowdown`): a compute action of a slowed rank takes
+        `factor` times as long from the given step on, as on a slower or shared device."""
+        factor, start = self._slowdown
+        if factor > 1.0 and step >= start:
+            time.sleep((factor - 1.0) * seconds)
+
     def run_step(self, step: int) -> StepResult:
         """Runs iteration `step` of this rank's action list and reports what it did."""
         it = _Iteration(step)
@@ -251,6 +259,7 @@ class StageRuntime:
             self._handlers[action.kind](action, at, it)
             if action.kind in COMPUTE:
                 self.device_memory.synchronize()  # time the kernels, not their launch
+                self._slow_down(at, time.perf_counter() - started)
             if action.kind is Kind.FETCH and self.role == "combined":
                 self._prefetch_next(todo, index)
             elapsed = time.perf_counter() - started

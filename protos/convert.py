@@ -26,7 +26,8 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         staleness=job.staleness, policy=job.policy, eval_every=job.eval_every,
         plan=job.plan, memory_cap=job.memory_cap, device=job.device, groups=job.groups,
         checkpoint_every=job.checkpoint_every, checkpoint_dir=job.checkpoint_dir,
-        resume=job.resume, max_restarts=job.max_restarts,
+        resume=job.resume, max_restarts=job.max_restarts, slowdown=job.slowdown,
+        replan=job.replan,
     )
 
 
@@ -45,7 +46,8 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         plan=spec.plan, memory_cap=spec.memory_cap, device=spec.device or "cpu",
         groups=spec.groups or (0 if spec.plan == "auto" else 1),
         checkpoint_every=spec.checkpoint_every, checkpoint_dir=spec.checkpoint_dir,
-        resume=spec.resume, max_restarts=spec.max_restarts,
+        resume=spec.resume, max_restarts=spec.max_restarts, slowdown=spec.slowdown,
+        replan=spec.replan,
     )
 
 

@@ -161,3 +161,17 @@ def test_groups_quick(tmp_path: Path) -> None:
         assert r["ghp_over_exhaustive"] >= 0.95
         assert r["rows"][str(r["ghp_groups"])]["samples_per_second"] > 0
     assert len(doc_section("cmd", res, "x.png")) > 10
+
+
+@pytest.mark.timeout(280)
+def test_replan_quick(tmp_path: Path) -> None:
+    from bench.replan import SYSTEMS, doc_section
+
+    res = run_quick("replan", tmp_path, timeout=260)
+    assert (tmp_path / "replan.png").stat().st_size > 0
+    meas = res["measured"]
+    assert set(meas["curves"]) == set(SYSTEMS)
+    assert all(len(c) == res["args"]["steps"] for c in meas["curves"].values())
+    for r in meas["recovery"].values():
+        assert_summary(r)
+    assert "## Online re-planning" in "\n".join(doc_section("cmd", res, "replan.png"))

@@ -5,7 +5,9 @@ bytes are the moved layers' weights and optimizer state."""
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -18,6 +20,7 @@ from protos.coordinator_pb2 import RUNNING
 from tests.test_transparency import make_job, reference
 
 STEPS = 40
+STEPS_REPLAN = 80  # enough steps left after the slowdown for a move (~1.5 s) to pay
 
 
 def stage_of(bounds: list[int], layer: int) -> int:
@@ -35,6 +38,15 @@ def adamw_bytes(job: JobConfig) -> list[tuple[int, int]]:
     return out
 
 
+def wait_running(client: Any, job_id: str, steps: int) -> Any:
+    """The job's status once it runs and has reported `steps` steps."""
+    deadline = time.monotonic() + 120
+    while (status := client.status(job_id)).step < steps or status.state != RUNNING:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.02)
+    return status
+
+
 def other(current: list[int], choices: list[list[int]]) -> list[int]:
     return next(c for c in choices if c != current)
 
@@ -44,10 +56,7 @@ def test_a_move_of_forward_and_backward_layers_trains_as_without_it(
     job = make_job("mlp", "pipefb", 4, "adamw", steps=STEPS, checkpoint_dir="migrate",
                    job_id="migrate")
     client.submit(job)
-    deadline = time.monotonic() + 120
-    while (status := client.status("migrate")).step < 5 or status.state != RUNNING:
-        assert time.monotonic() < deadline, status
-        time.sleep(0.02)
+    status = wait_running(client, "migrate", 5)
     old_fwd, old_bwd = list(status.plan.forward_partition), list(status.plan.backward_partition)
     fwd = other(old_fwd, [[0, 1, 5], [0, 3, 5]])  # layers move one way forward ...
     bwd = other(old_bwd, [[0, 3, 5], [0, 1, 5]])  # ... and both ways overall
@@ -85,3 +94,31 @@ def test_a_bad_repartition_is_refused_naming_why(client: Any) -> None:
     with pytest.raises(ValueError, match="must equal the forward"):
         repartitioned(balanced_plan("1f1b", 2, [1.0] * 5, 8, 4, ("keep",) * 5),
                       [0, 2, 5], [0, 3, 5])
+
+
+def test_replan_moves_layers_off_a_slowed_worker_and_trains_as_without_it(
+        client: Any) -> None:
+    """--replan with rank 3 (backward stage 1) made 8x slower from step 8: the re-planner
+    moves layers off it, training stays bit for bit, and the steps after the move are
+    faster than those just before it (a loose check; bench/replan.py measures)."""
+    job = make_job("gpt", "pipefb", 4, "adamw", steps=STEPS_REPLAN, checkpoint_dir="replan",
+                   job_id="replan", replan=True, slowdown="3=8@8")
+    client.submit(job)
+    initial = wait_running(client, "replan", 0).plan
+    reports = list(client.train("replan"))
+    status = client.status("replan")
+    assert [r.step for r in reports] == list(range(STEPS_REPLAN))
+    want_losses, want_weights = reference(replace(job, replan=False, slowdown=""))
+    assert [r.loss for r in reports] == pytest.approx(want_losses, rel=1e-6)
+    got = client.weights("replan")
+    for name, want in want_weights.items():
+        assert got[name].equal(want), name
+    assert status.migrations, "no migration"
+    first = status.migrations[0]
+    assert 8 < first.step <= 8 + 20
+    slowed_layers = [p.backward_partition[2] - p.backward_partition[1]
+                     for p in (initial, status.plan)]
+    assert slowed_layers[1] < slowed_layers[0]  # rank 3 runs backward stage 1
+    before = [r.seconds for r in reports[first.step - 6:first.step - 1]]
+    after = [r.seconds for r in reports[-10:]]
+    assert statistics.median(after) < statistics.median(before)
