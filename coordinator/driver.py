@@ -126,6 +126,7 @@ class Ranks:
     workers: list[WorkerRecord]
     stubs: list[worker_pb2_grpc.StageWorkerStub]
     channels: list[grpc.Channel]
+    closed: bool = False  # a restart or a move closed them: nothing to drain through them
 
     @classmethod
     def connect(cls, workers: list[WorkerRecord]) -> Ranks:
@@ -139,9 +140,11 @@ class Ranks:
         return f"worker {w.worker_id} ({w.name}, {w.address}, rank {rank})"
 
     def close(self) -> None:
-        """Closes every channel."""
+        """Closes every channel (once; later calls do nothing)."""
         for c in self.channels:
             c.close()
+        self.channels = []
+        self.closed = True
 
 
 class Driver:
@@ -242,7 +245,7 @@ class Driver:
             log.error("job %s failed: %s", job.job_id, message)
             job.set_state("FAILED", message)
         finally:
-            if ranks is not None:
+            if ranks is not None and not ranks.closed:
                 self._drain(job, ranks)
                 ranks.close()
             if job.state in ("FAILED", "STOPPED"):

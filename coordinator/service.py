@@ -79,7 +79,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         driver.py): each with attempt + 1, its plan, from its newest checkpoint."""
         for entry in entries:
             step = entry.step if entry.config.mode == "sync" else 0  # async: from step 0
-            job = Job(entry.config, layer_costs=check_job(entry.config), plan=entry.plan,
+            try:
+                costs = check_job(entry.config)
+            except ValueError as error:  # ConfigError too: e.g. a model plugin is gone
+                log.error("journaled job %s cannot resume: %s", entry.config.job_id, error)
+                continue
+            job = Job(entry.config, layer_costs=costs, plan=entry.plan,
                       attempt=entry.attempt + 1, step=step, start_step=step,
                       first_step=step, checkpointed=step,
                       restarts=[*entry.restarts, "the coordinator restarted"])
