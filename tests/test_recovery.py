@@ -143,6 +143,7 @@ def test_a_stopped_worker_is_declared_dead_in_time_and_its_return_is_fenced(
         noticed = time.monotonic() - stopped
     finally:
         os.kill(victim.pid, signal.SIGCONT)
+    print(f"a worker stopped by SIGSTOP was noticed after {noticed:.1f} s")
     assert noticed < HEARTBEAT_DEADLINE_S + 10
     status = finished(client, job.job_id)
     assert "worker-1" in status.restarts[0]
