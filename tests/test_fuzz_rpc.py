@@ -157,6 +157,7 @@ WORKER_RPCS = {
     "ExportWeights": (messages(job_pb2.ExportWeightsRequest.DESCRIPTOR),
                       server_stream("ExportWeights")),
     "Drain": (messages(worker_pb2.DrainRequest.DESCRIPTOR), unary("Drain")),
+    "Checkpoint": (messages(worker_pb2.CheckpointRequest.DESCRIPTOR), unary("Checkpoint")),
     "Step": (messages(worker_pb2.StepRequest.DESCRIPTOR), unary("Step")),
     "Profile": (PROFILE, unary("Profile")),
     "Assign": (ASSIGN, unary("Assign")),
@@ -170,7 +171,7 @@ def test_every_worker_rpc_answers_random_input_with_documented_codes(
     cases reach the receive window and shape checks; Step without one (a matching Step
     would wait for peers that do not exist)."""
     strategy, make = WORKER_RPCS[rpc]
-    if rpc in ("Activations", "Gradients", "Weights", "ExportWeights"):
+    if rpc in ("Activations", "Gradients", "Weights", "ExportWeights", "Checkpoint"):
         worker.stub.Assign(second_rank_assignment(), timeout=60)
     try:
         fuzz(worker, strategy, make(worker))
@@ -188,6 +189,8 @@ COORDINATOR_RPCS = {
     "ListWorkers": (messages(coordinator_pb2.ListWorkersRequest.DESCRIPTOR),
                     unary("ListWorkers")),
     "StopJob": (messages(coordinator_pb2.StopJobRequest.DESCRIPTOR), unary("StopJob")),
+    "Repartition": (messages(coordinator_pb2.RepartitionRequest.DESCRIPTOR),
+                    unary("Repartition")),
     "ExportWeights": (messages(job_pb2.ExportWeightsRequest.DESCRIPTOR),
                       server_stream("ExportWeights")),
 }
