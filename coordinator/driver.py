@@ -31,7 +31,9 @@ from typing import Any
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.retry import Retry
 
 from coordinator.journal import Entry, Journal
 from coordinator.metrics import CoordinatorMetrics
@@ -68,8 +70,8 @@ STORE_TIMEOUT_SECONDS = 2.0  # the store's INFO during a run (the liveness check
 STORE_CHECK_SECONDS = 0.5  # at most this often (poll runs after every step)
 
 
-class StoppedWhilePending(RuntimeError):
-    """StopJob arrived before the job had its workers."""
+class Stopped(RuntimeError):
+    """StopJob took effect: before the job had its workers, or at a step boundary."""
 
 
 class Drained(RuntimeError):
@@ -205,6 +207,7 @@ class Driver:
         stash keys deleted, so no late stash outlives the job.
         """
         ranks: Ranks | None = None
+        final: tuple[str, str] | None = None  # the state and message it ends with
         if self.metrics is not None:
             self.metrics.job_started(job.job_id)
         try:
@@ -231,11 +234,11 @@ class Driver:
                 if job.attempt:  # late stashes of a worker stopped in an earlier attempt
                     self._clear_store(job)
                 job.set_state("DONE")
-        except StoppedWhilePending:
-            job.set_state("STOPPED", "stopped before it started")
+        except Stopped as stopped:
+            final = ("STOPPED", str(stopped))
         except Drained as paused:
             log.info("job %s paused: %s", job.job_id, paused)
-            job.set_state("PENDING", str(paused))
+            final = ("PENDING", str(paused))
         except Exception as error:
             dead = self._dead_ranks(ranks) if ranks is not None else []
             message = self._diagnose(error, ranks, dead)
@@ -243,13 +246,16 @@ class Driver:
             if job.restarts:
                 message = f"{message} (gave up after {len(job.restarts)} restarts)"
             log.error("job %s failed: %s", job.job_id, message)
-            job.set_state("FAILED", message)
-        finally:
+            final = ("FAILED", message)
+        finally:  # the state a follower sees last: cleanup is done when it changes
+            state = final[0] if final else job.state
             if ranks is not None and not ranks.closed:
-                self._drain(job, ranks)
+                self._drain(job, ranks, reason=state)
                 ranks.close()
-            if job.state in ("FAILED", "STOPPED"):
+            if state in ("FAILED", "STOPPED"):
                 self._clear_store(job)
+            if final:
+                job.set_state(*final)
             if job.state in TERMINAL:
                 self.journal.finish(job.job_id)
             self.registry.release(job.job_id)
@@ -272,7 +278,7 @@ class Driver:
                 raise WorkerFailed(f"job needs {job.config.workers} idle workers; "
                                    f"{alive} alive after {self.worker_wait_seconds:.0f} s")
             time.sleep(0.1)
-        raise StoppedWhilePending(job.job_id)
+        raise Stopped("stopped before it started")
 
     def _plan_and_assign(self, job: Job, ranks: Ranks) -> None:
         job.set_state("PLANNING")
@@ -379,7 +385,7 @@ class Driver:
 
         Raises:
             WorkerFailed: a dead rank found no replacement in time (names them).
-            StoppedWhilePending: StopJob arrived while waiting.
+            Stopped: StopJob arrived while waiting.
         """
         workers = list(job.workers)
         self._forget(ranks, dead)
@@ -395,16 +401,20 @@ class Driver:
                     missing.discard(r)
             if not missing:
                 break
-            if job.stop_requested:
-                raise StoppedWhilePending(job.job_id)
-            if self.draining.is_set():
-                raise Drained("the coordinator stopped while the job waited for workers")
+            self._check_interrupted(job, "while it waited for workers")
             if time.monotonic() > deadline:
                 names = ", ".join(ranks.describe(r) for r in sorted(missing))
                 raise WorkerFailed(f"no worker replaced {names} within "
                                    f"{self.worker_wait_seconds:.0f} s")
             time.sleep(0.1)
         return workers
+
+    def _check_interrupted(self, job: Job, where: str) -> None:
+        """Raises Stopped after StopJob, Drained while the coordinator stops."""
+        if job.stop_requested:
+            raise Stopped(f"stopped {where}")
+        if self.draining.is_set():
+            raise Drained(f"the coordinator stopped {where}")
 
     def _forget(self, ranks: Ranks | None, dead: list[int]) -> None:
         """Drops dead ranks' workers from the registry: no later job may take them before
@@ -418,15 +428,17 @@ class Driver:
 
         Raises:
             WorkerFailed: it did not answer within `worker_wait_seconds`.
+            Stopped, Drained: StopJob arrived, or the coordinator is stopping.
         """
         deadline = time.monotonic() + self.worker_wait_seconds
-        client = connect(self.store_address, socket_timeout=STORE_TIMEOUT_SECONDS)
+        client = fail_fast_client(self.store_address)
         try:
             while True:
                 try:
                     client.ping()
                     return
                 except RedisError as error:
+                    self._check_interrupted(job, "while the store was away")
                     if time.monotonic() > deadline:
                         raise WorkerFailed(f"the offload store at {self.store_address} did "
                                            f"not come back: {error}") from None
@@ -507,7 +519,7 @@ class Driver:
             self._checkpoint_now(job, ranks)
             raise Repartitioned(job.job_id)
         if job.step < job.config.steps:
-            job.set_state("STOPPED", "stopped by request")
+            raise Stopped("stopped by request")
 
     def repartition(self, job: Job, forward: list[int], backward: list[int]) -> None:
         """Asks a running job to move to new partitions at its next step boundary (see
@@ -674,11 +686,14 @@ class Driver:
             log.warning("could not clear the store of job %s: %s", job.job_id, error)
 
     def _store(self, job: Job) -> OffloadStore:
-        return OffloadStore(connect(self.store_address), job.job_id)
+        """The job's stash, through a client that fails at once when the store is down
+        (no retries): a job's end must not wait on a dead store."""
+        return OffloadStore(fail_fast_client(self.store_address), job.job_id)
 
-    def _drain(self, job: Job, ranks: Ranks, skip: Iterable[int] = ()) -> None:
+    def _drain(self, job: Job, ranks: Ranks, skip: Iterable[int] = (), reason: str = ""
+               ) -> None:
         """Drains every rank at once but those in `skip` (dead: nothing to drain)."""
-        request = worker_pb2.DrainRequest(job_id=job.job_id, reason=job.state,
+        request = worker_pb2.DrainRequest(job_id=job.job_id, reason=reason or job.state,
                                           attempt=job.attempt)
         calls = [stub.Drain.future(request, timeout=DRAIN_TIMEOUT_SECONDS)
                  for r, stub in enumerate(ranks.stubs) if r not in set(skip)]
@@ -700,13 +715,22 @@ class Driver:
         return str(error)
 
 
+def fail_fast_client(address: str, retries: int = 0) -> Any:
+    """A client of the store for the coordinator's own calls: short timeouts and few
+    retries, none waited for, so a dead store shows at once (the workers' clients keep
+    redis-py's backoff)."""
+    return connect(address, retry=Retry(NoBackoff(), retries),
+                   socket_timeout=STORE_TIMEOUT_SECONDS,
+                   socket_connect_timeout=STORE_TIMEOUT_SECONDS)
+
+
 class StoreWatch:
     """Notices a lost offload store during a run: its Redis run id changes when it restarts
     (empty), and INFO fails while it is down."""
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._client = connect(address, socket_timeout=STORE_TIMEOUT_SECONDS)
+        self._client = fail_fast_client(address, retries=2)  # a blip must not fail a job
         self._run_id = self._read()
         self._checked = time.monotonic()
 
