@@ -35,7 +35,7 @@ from pipefb.errors import ConfigError
 
 STATE = "state.json"
 _STEP_DIR = re.compile(r"step-(\d{6,})")
-_OPTIMIZER = "optimizer."
+OPTIMIZER_PREFIX = "optimizer."  # names of optimizer state tensors in rank files
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
              "U8": 1, "BOOL": 1}  # safetensors dtype names
 
@@ -82,7 +82,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]
     for index, per_param in state["state"].items():
         for key, value in per_param.items():
             tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            tensors[f"{_OPTIMIZER}{names[index]}.{key}"] = tensor.detach().cpu().contiguous()
+            tensors[f"{OPTIMIZER_PREFIX}{names[index]}.{key}"] = tensor.detach().cpu().contiguous()
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
     return tensors, {"param_groups": json.dumps(groups)}
 
@@ -108,7 +108,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
                 group[key] = tuple(value)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        name, _, field = key[len(_OPTIMIZER):].rpartition(".")
+        name, _, field = key[len(OPTIMIZER_PREFIX):].rpartition(".")
         if name not in index:
             raise ConfigError(f"checkpoint optimizer state {key!r} names no parameter here")
         state.setdefault(index[name], {})[field] = tensor
@@ -128,7 +128,7 @@ def optimizer_share(files: Sequence[tuple[dict[str, torch.Tensor], dict[str, str
     """
     wanted = set(names)
     tensors = {k: v for optim, _ in files for k, v in optim.items()
-               if k[len(_OPTIMIZER):].rpartition(".")[0] in wanted}
+               if k[len(OPTIMIZER_PREFIX):].rpartition(".")[0] in wanted}
     for _, metadata in files:
         try:
             groups = json.loads(metadata["param_groups"])
@@ -184,8 +184,8 @@ def load_rank(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
             tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:
         raise ConfigError(f"cannot read checkpoint file {str(path)!r}: {error}") from None
-    weights = {k: v for k, v in tensors.items() if not k.startswith(_OPTIMIZER)}
-    optim = {k: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)}
+    weights = {k: v for k, v in tensors.items() if not k.startswith(OPTIMIZER_PREFIX)}
+    optim = {k: v for k, v in tensors.items() if k.startswith(OPTIMIZER_PREFIX)}
     return weights, optim, metadata
 
 

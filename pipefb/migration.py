@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from pipefb.checkpoint import OPTIMIZER_PREFIX
 from pipefb.errors import ConfigError
 from pipefb.plan import Plan, schedule_for
-
-OPTIMIZER_PREFIX = "optimizer."  # = pipefb.checkpoint's prefix of optimizer state tensors
 
 
 def repartitioned(plan: Plan, forward: Sequence[int], backward: Sequence[int]) -> Plan:

@@ -65,3 +65,11 @@ def store_client(cluster: object) -> Any:
 
     return connect(cluster.store, username=cluster.store_user,  # type: ignore[attr-defined]
                    password=cluster.store_password)  # type: ignore[attr-defined]
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of a process (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")

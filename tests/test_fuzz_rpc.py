@@ -26,6 +26,7 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from tests.conftest import rss
 from tests.fuzz_messages import messages, mutated
 from tests.test_worker_service import activation, second_rank_assignment, serving
 
@@ -43,13 +44,6 @@ FUZZ = settings(max_examples=FUZZ_CASES, deadline=None, database=None,
                 derandomize=not os.environ.get("PIPEFB_FUZZ_RANDOM"),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-
-def rss(pid: int) -> int:
-    """Resident bytes of a process (VmRSS)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 class Target:

@@ -5,11 +5,10 @@ flat (no trend): nothing a step makes outlives the steps that need it."""
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import Any
 
 from offload_store import job_pattern
-from tests.conftest import store_client
+from tests.conftest import rss, store_client
 from tests.test_transparency import make_job
 
 SOAK_STEPS = 500
@@ -17,13 +16,6 @@ SETTLED = 100  # memory is compared from this step on (first steps warm caches u
 RSS_RISE_BYTES = 16 << 20  # per worker, from step SETTLED to the end
 MAX_KEY_SLOPE = 0.02  # keys per step: the trend of the store's key count over the run
 
-
-def rss(pid: int) -> int:
-    """Resident bytes of a process (VmRSS)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def test_500_steps_keep_worker_memory_and_the_store_flat(client: Any, cluster: Any) -> None:
