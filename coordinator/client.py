@@ -90,6 +90,12 @@ class CoordinatorClient:
             job_id=job_id, forward_partition=forward, backward_partition=backward or []),
             timeout=10)
 
+    def checkpoint(self, job_id: str, timeout: float = 600.0) -> coordinator_pb2.JobStatus:
+        """Checkpoints the running job at its next step boundary; returns its status once
+        the checkpoint is committed (`checkpointed` is the step a resume starts at)."""
+        return self.stub.Checkpoint(coordinator_pb2.CheckpointJobRequest(job_id=job_id),
+                                    timeout=timeout)
+
     def workers(self) -> list[coordinator_pb2.WorkerInfo]:
         """Registered workers."""
         return list(self.stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=10).workers)

@@ -42,11 +42,11 @@ from coordinator.registry import Registry, WorkerRecord
 from coordinator.rendezvous import Rendezvous
 from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
-from pipefb.checkpoint import due, latest, rank_file, resolve_under, tensor_bytes, write_state
+from pipefb.checkpoint import latest, rank_file, resolve_under, tensor_bytes, write_state
 from pipefb.cluster import Cluster
 from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.costs import Profile
-from pipefb.errors import ConfigError, ScheduleError, WorkerFailed
+from pipefb.errors import Aborted, ConfigError, ScheduleError, WorkerFailed
 from pipefb.evaluate import evaluate
 from pipefb.insitu import fit, median_action_seconds
 from pipefb.migration import layer_sizes, moved_bytes, repartitioned
@@ -107,6 +107,7 @@ class Job:
     migrations: list[dict[str, Any]] = field(default_factory=list)  # moves so far
     replanner: Replanner | None = None  # with `replan`: decides moves from step reports
     checkpoints: Path | None = None  # the job's checkpoint directory, when it uses one
+    pump: StepPump | None = None  # while steps run: takes checkpoint requests
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -472,8 +473,7 @@ class Driver:
             every = job.config.eval_every
             if every and (step + 1) % every == 0 and step + 1 < job.config.steps:
                 report.eval.update(self._evaluate(job, ranks, step + 1))
-            if job.checkpoints is not None and due(step, job.config.checkpoint_every,
-                                                   job.config.steps):
+            if job.checkpoints is not None and pump.checkpointed_after(step):
                 assert job.plan is not None
                 write_state(job.checkpoints, step + 1, {"job": job.config.to_dict(),
                                                         "plan": job.plan.to_dict()})
@@ -502,11 +502,16 @@ class Driver:
             _check_heartbeats(self.registry, ranks, range(len(ranks.workers)))
             store.check(every=STORE_CHECK_SECONDS)
 
+        with job.cond:
+            job.pump = pump
         try:
             failures = pump.run(poll)
             if failures:
                 store.check()  # a lost store is the root cause of the ranks' failures
         finally:
+            with job.cond:
+                job.pump = None
+                job.cond.notify_all()
             store.close()
         if failures:
             raise _first_failure(failures, ranks)
@@ -544,6 +549,36 @@ class Driver:
                                          "jobs move layers (a checkpoint holds no old "
                                          "weight versions)")
             job.pending_plan = repartitioned(job.plan, forward, backward)
+
+    def checkpoint(self, job: Job, timeout: float) -> int:
+        """Checkpoints a running job at its next step boundary that no rank has started
+        (`StepPump.checkpoint_after`): the owners save when that step ends, in the same
+        Step call, so nothing flushes or waits. Returns the checkpoint's step (a resume
+        starts there) once it is committed, waiting up to `timeout` s.
+
+        Raises:
+            FailedPrecondition: the job is not stepping, has no checkpoint directory, or
+                has issued its last step.
+            Aborted: the job stopped, failed or restarted before the checkpoint committed.
+        """
+        with job.cond:
+            if job.checkpoints is None:
+                raise FailedPrecondition(f"job {job.job_id} has no checkpoint directory "
+                                         "(--checkpoint-dir) to write to")
+            pump = job.pump
+            if job.state != "RUNNING" or pump is None:
+                raise FailedPrecondition(f"job {job.job_id} is {job.state}; only a job "
+                                         "running steps can be checkpointed")
+            after = pump.checkpoint_after()
+            if after is None:
+                raise FailedPrecondition(f"job {job.job_id} has issued its last step; "
+                                         "its final weights come with ExportWeights")
+            job.cond.wait_for(lambda: job.checkpointed > after or job.pump is not pump,
+                              timeout=timeout)
+            if job.checkpointed > after:
+                return job.checkpointed
+        raise Aborted(f"job {job.job_id} did not commit the checkpoint of step {after + 1} "
+                      f"(it is {job.state}{': ' + job.error if job.error else ''})")
 
     def _watch(self, job: Job) -> None:
         """Starts (or, on a new plan, restarts) the job's re-planner ([Note: online

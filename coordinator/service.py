@@ -21,6 +21,7 @@ from protos.convert import job_from_proto, job_to_proto, plan_to_proto
 from protos.server import FailedPrecondition
 
 log = logging.getLogger(__name__)
+CHECKPOINT_WAIT_SECONDS = 600.0  # Checkpoint waits at most this long for the commit
 KEEP_FINISHED_JOBS = 32  # finished jobs whose status, reports and weights stay queryable
 
 
@@ -142,6 +143,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 list(request.backward_partition))
         return _status(job)
 
+    def Checkpoint(self, request: coordinator_pb2.CheckpointJobRequest,
+                   context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
+        job = self._job(request.job_id)
+        remaining = context.time_remaining()
+        timeout = CHECKPOINT_WAIT_SECONDS if remaining is None else min(
+            remaining, CHECKPOINT_WAIT_SECONDS)
+        self.driver.checkpoint(job, timeout)
+        return _status(job)
+
     def ExportWeights(self, request: job_pb2.ExportWeightsRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
         job = self._job(request.job_id)
@@ -164,7 +174,7 @@ def _status(job: Job) -> coordinator_pb2.JobStatus:
         job_id=job.job_id, state=coordinator_pb2.JobState.Value(job.state), step=job.step,
         spec=job_to_proto(job.config), error=job.error,
         worker_ids=[w.worker_id for w in job.workers], attempt=job.attempt,
-        restarts=job.restarts,
+        restarts=job.restarts, checkpointed=job.checkpointed,
         migrations=[coordinator_pb2.Migration(**{k: v for k, v in m.items() if k != "_t0"})
                     for m in job.migrations])
     if job.plan is not None:

@@ -58,6 +58,22 @@ class StepPump:
         self.in_flight, self.start, self.steps = in_flight, start, steps
         self.checkpoint_every = checkpoint_every  # owners save after these steps (`due`)
         self.progress = _Progress(stop_at=steps, issued=[-1] * len(stubs))
+        self.requested: set[int] = set()  # steps after which owners save (`checkpoint_after`)
+
+    def checkpointed_after(self, step: int) -> bool:
+        """Whether owners save a checkpoint after step `step`: by cadence or by request."""
+        return due(step, self.checkpoint_every, self.steps) or step in self.requested
+
+    def checkpoint_after(self) -> int | None:
+        """Asks every owner to save after the lowest step no rank was issued yet, so no
+        step waits and the pipeline does not flush; returns that step (None: every step
+        was issued, no boundary is left before the end)."""
+        with self.progress.cond:
+            step = max(*self.progress.issued, self.start - 1) + 1
+            if step >= self.progress.stop_at:
+                return None
+            self.requested.add(step)
+            return step
 
     def _issue(self, rank: int, step: int, inflight: deque[tuple[int, grpc.Future]]) -> int:
         """Starts Step calls on `rank` until `in_flight` are pending; returns the next step."""
@@ -67,7 +83,7 @@ class StepPump:
                 p.issued[rank] = step
                 request = worker_pb2.StepRequest(
                     job_id=self.job_id, step=step, attempt=self.attempt,
-                    checkpoint=due(step, self.checkpoint_every, self.steps))
+                    checkpoint=self.checkpointed_after(step))
                 inflight.append((step, self.stubs[rank].Step.future(request)))
                 step += 1
         return step

@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop a job at the next step boundary")
     stop.add_argument("--coordinator", required=True, help="host:port")
     stop.add_argument("job_id", help="job id")
+    save = sub.add_parser("checkpoint", help="checkpoint a running job at its next step "
+                          "boundary and wait until it is committed")
+    save.add_argument("--coordinator", required=True, help="host:port")
+    save.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds to wait for the commit (default 600)")
+    save.add_argument("job_id", help="job id")
     move = sub.add_parser("repartition", help="move a running sync job's layers between "
                           "its workers at the next step boundary")
     move.add_argument("--coordinator", required=True, help="host:port")
@@ -326,6 +332,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """`pipefb checkpoint`: checkpoint a running job now."""
+    from coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(args.coordinator) as client:
+        status = client.checkpoint(args.job_id, timeout=args.timeout)
+        print(f"{status.job_id}: checkpoint committed; a resume starts at step "
+              f"{status.checkpointed} (--resume with the job's checkpoint directory)")
+    return 0
+
+
 def cmd_repartition(args: argparse.Namespace) -> int:
     """`pipefb repartition`: move a running job's layers."""
     from coordinator.client import CoordinatorClient
@@ -341,7 +358,7 @@ def cmd_repartition(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "local": cmd_local_train, "submit": cmd_submit, "status": cmd_status, "stop": cmd_stop,
-    "plan": cmd_plan, "repartition": cmd_repartition,
+    "plan": cmd_plan, "checkpoint": cmd_checkpoint, "repartition": cmd_repartition,
 }
 
 

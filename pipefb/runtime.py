@@ -536,6 +536,8 @@ class StageRuntime:
             layers = set(self.topology.layers_of_forward(fwd_stage)) & set(self.bwd_layers)
             tensors = {f"{i}.{name}": p.detach() for i in sorted(layers)
                        for name, p in self.layers[i].named_parameters()}
+            if not tensors:
+                continue  # those layers hold no parameters: their forward never waits for one
             self.transport.push_weights(self.topology.forward_workers[fwd_stage], self.version,
                                         tensors)
 

@@ -198,6 +198,12 @@ class Migration(_message.Message):
     backward_partition: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class CheckpointJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
 class StopJobRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -205,7 +211,7 @@ class StopJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json", "attempt", "restarts", "migrations")
+    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json", "attempt", "restarts", "migrations", "checkpointed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +223,7 @@ class JobStatus(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     step: int
@@ -228,7 +235,8 @@ class JobStatus(_message.Message):
     attempt: int
     restarts: _containers.RepeatedScalarFieldContainer[str]
     migrations: _containers.RepeatedCompositeFieldContainer[Migration]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ..., attempt: _Optional[int] = ..., restarts: _Optional[_Iterable[str]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...
+    checkpointed: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ..., attempt: _Optional[int] = ..., restarts: _Optional[_Iterable[str]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., checkpointed: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -81,6 +81,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.RepartitionRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/pipefb.v1.Coordinator/Checkpoint',
+                request_serializer=protos_dot_coordinator__pb2.CheckpointJobRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.JobStatus.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -150,6 +155,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Checkpoints a running job now: the owners save at the next step boundary no rank has
+        started (no pipeline flush); returns once that checkpoint is committed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +209,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'Repartition': grpc.unary_unary_rpc_method_handler(
                     servicer.Repartition,
                     request_deserializer=protos_dot_coordinator__pb2.RepartitionRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.JobStatus.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=protos_dot_coordinator__pb2.CheckpointJobRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.JobStatus.SerializeToString,
             ),
     }
@@ -441,6 +459,33 @@ class Coordinator:
             target,
             '/pipefb.v1.Coordinator/Repartition',
             protos_dot_coordinator__pb2.RepartitionRequest.SerializeToString,
+            protos_dot_coordinator__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipefb.v1.Coordinator/Checkpoint',
+            protos_dot_coordinator__pb2.CheckpointJobRequest.SerializeToString,
             protos_dot_coordinator__pb2.JobStatus.FromString,
             options,
             channel_credentials,

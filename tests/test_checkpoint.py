@@ -192,3 +192,43 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(
     leftovers = [p.name for p in tmp_path.rglob("*") if p.is_file()
                  and p.name not in ("state.json", "rank-0.safetensors", "rank-1.safetensors")]
     assert all(n.startswith(".") for n in leftovers), leftovers  # hidden temporaries only
+
+
+def test_a_checkpoint_on_request_resumes_to_the_same_training(client: Any, cluster: Any
+                                                              ) -> None:
+    """`Checkpoint` mid-run (no cadence) commits the step boundary after the steps already
+    issued, without stopping the job; a resume from it trains what the whole run trains."""
+    job = make_job("mlp", "pipefb", 4, "adamw", steps=12, checkpoint_dir="on-request")
+    job_id = client.submit(job).job_id
+    stream = client.train(job_id)
+    first = next(stream)
+    status = client.checkpoint(job_id)
+    reports = [first, *stream]
+    step = status.checkpointed
+    assert 1 < step < job.steps and [r.step for r in reports] == list(range(job.steps))
+    root = cluster.checkpoint_root / job.checkpoint_dir
+    assert latest(root)[0] == step  # type: ignore[index]  # the only checkpoint
+    assert client.status(job_id).checkpointed == step
+    want = client.weights(job_id)
+    with pytest.raises(grpc.RpcError) as done:
+        client.checkpoint(job_id)
+    assert done.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "is DONE" in done.value.details()
+    rest, got = run_on_cluster(client, replace(job, resume=True))
+    assert [r.step for r in rest] == list(range(step, job.steps))
+    assert [r.loss for r in rest] == [r.loss for r in reports[step:]]  # bit for bit
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_checkpoint_without_a_directory_or_of_an_unknown_job_is_refused(client: Any) -> None:
+    job = make_job("mlp", "1f1b", 2, "sgd", steps=2)
+    job_id = client.submit(job).job_id
+    with pytest.raises(grpc.RpcError) as missing:
+        client.checkpoint(job_id)
+    assert missing.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no checkpoint directory" in missing.value.details()
+    list(client.train(job_id))
+    with pytest.raises(grpc.RpcError) as unknown:
+        client.checkpoint("no-such-job")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND

@@ -1,4 +1,5 @@
-"""`pipefb submit / status / stop` and the Python client against a running coordinator."""
+"""`pipefb submit / status / stop / checkpoint` and the Python client, against a live
+coordinator."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
+from pipefb.checkpoint import latest
 from pipefb.cli import main
 
 JOB = ["--model", "mlp", "--dataset", "digits", "--loss", "cross_entropy", "--schedule", "1f1b",
@@ -37,12 +39,19 @@ def test_submit_a_yaml_job_file_and_stop_it(cluster: Any, client: Any, tmp_path:
     job = tmp_path / "job.yaml"
     job.write_text("model: mlp\ndataset: digits\nloss: cross_entropy\nschedule: gpipe\n"
                    "workers: 2\nbatch_size: 8\nmicrobatches: 4\nsteps: 100000\n"
-                   "optimizer: sgd\nlr: 0.01\njob_id: cli-stop\n")
+                   "optimizer: sgd\nlr: 0.01\njob_id: cli-stop\ncheckpoint_dir: cli-stop\n")
     assert main(["submit", "--coordinator", cluster.coordinator, str(job)]) == 0
     assert capsys.readouterr().out.strip() == "cli-stop"
     deadline = time.monotonic() + 120
     while client.status("cli-stop").step < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
+    capsys.readouterr()
+    assert main(["checkpoint", "--coordinator", cluster.coordinator, "cli-stop"]) == 0
+    saved = client.status("cli-stop").checkpointed
+    assert saved > 2 and capsys.readouterr().out.strip() == (
+        f"cli-stop: checkpoint committed; a resume starts at step {saved} (--resume with "
+        "the job's checkpoint directory)")
+    assert latest(cluster.checkpoint_root / "cli-stop")[0] == saved  # type: ignore[index]
     assert main(["stop", "--coordinator", cluster.coordinator, "cli-stop"]) == 0
     while client.status("cli-stop").state not in (7, 8, 9) and time.monotonic() < deadline:
         time.sleep(0.1)

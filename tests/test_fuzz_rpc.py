@@ -185,6 +185,8 @@ COORDINATOR_RPCS = {
     "StopJob": (messages(coordinator_pb2.StopJobRequest.DESCRIPTOR), unary("StopJob")),
     "Repartition": (messages(coordinator_pb2.RepartitionRequest.DESCRIPTOR),
                     unary("Repartition")),
+    "Checkpoint": (messages(coordinator_pb2.CheckpointJobRequest.DESCRIPTOR),
+                   unary("Checkpoint")),
     "ExportWeights": (messages(job_pb2.ExportWeightsRequest.DESCRIPTOR),
                       server_stream("ExportWeights")),
 }
