@@ -83,12 +83,13 @@ class CoordinatorClient:
         """Asks the job to stop at the next step boundary."""
         return self.stub.StopJob(coordinator_pb2.StopJobRequest(job_id=job_id), timeout=10)
 
-    def repartition(self, job_id: str, forward: list[int], backward: list[int] | None = None
-                    ) -> coordinator_pb2.JobStatus:
-        """Moves the running job's layers to new partitions at its next step boundary."""
+    def repartition(self, job_id: str, forward: list[int], backward: list[int] | None = None,
+                    fail_ranks: list[int] | None = None) -> coordinator_pb2.JobStatus:
+        """Moves the running job's layers to new partitions at its next step boundary
+        (`fail_ranks`: fault injection for tests, those ranks fail the move)."""
         return self.stub.Repartition(coordinator_pb2.RepartitionRequest(
-            job_id=job_id, forward_partition=forward, backward_partition=backward or []),
-            timeout=10)
+            job_id=job_id, forward_partition=forward, backward_partition=backward or [],
+            fail_ranks=fail_ranks or []), timeout=10)
 
     def checkpoint(self, job_id: str, timeout: float = 600.0) -> coordinator_pb2.JobStatus:
         """Checkpoints the running job at its next step boundary; returns its status once

@@ -42,14 +42,14 @@ from coordinator.registry import Registry, WorkerRecord
 from coordinator.rendezvous import Rendezvous
 from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
-from pipefb.checkpoint import latest, rank_file, resolve_under, tensor_bytes, write_state
+from pipefb.checkpoint import latest, resolve_under, write_state
 from pipefb.cluster import Cluster
 from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.costs import Profile
 from pipefb.errors import Aborted, ConfigError, ScheduleError, WorkerFailed
 from pipefb.evaluate import evaluate
 from pipefb.insitu import fit, median_action_seconds
-from pipefb.migration import layer_sizes, moved_bytes, repartitioned
+from pipefb.migration import repartitioned
 from pipefb.plan import Plan, balanced_plan, schedule_for
 from pipefb.planning import job_cluster, label, plan_job, summary
 from pipefb.replan import Replanner, ReplanSettings
@@ -104,6 +104,8 @@ class Job:
     checkpointed: int = 0  # the newest step this job checkpointed (0: none)
     restarts: list[str] = field(default_factory=list)  # why each earlier attempt failed
     pending_plan: Plan | None = None  # a Repartition's plan, taken at the next step boundary
+    fail_ranks: tuple[int, ...] = ()  # fault injection: ranks that fail the pending move
+    migrating_from: tuple[Plan, int] | None = None  # during a move: the paused plan, attempt
     migrations: list[dict[str, Any]] = field(default_factory=list)  # moves so far
     replanner: Replanner | None = None  # with `replan`: decides moves from step reports
     checkpoints: Path | None = None  # the job's checkpoint directory, when it uses one
@@ -286,7 +288,10 @@ class Driver:
         cfg = job.config
         if cfg.checkpoint_every or cfg.resume or (cfg.checkpoint_dir and self.checkpoint_root):
             job.checkpoints = resolve_under(self.checkpoint_root, cfg.checkpoint_dir)
-        if job.attempt and job.plan is not None:
+        if job.migrating_from is not None:
+            plan = job.plan  # [Note: migration]: the new plan, from the paused step
+            job.start_step = job.step
+        elif job.attempt and job.plan is not None:
             plan = job.plan  # a replay runs the same plan from its checkpoint
             job.start_step = self._replay_point(job)
         elif cfg.resume:
@@ -301,22 +306,62 @@ class Driver:
         schedule_for(plan)  # refuses a plan whose schedule fails validation or deadlocks
         job.plan = plan
         self._record(job)
-        spec, plan_msg = job_to_proto(job.config), plan_to_proto(plan)
-        peers = [w.address for w in ranks.workers]
-        rendezvous = self.rendezvous() if plan.groups > 1 else ""
-        calls = [stub.Assign.future(worker_pb2.AssignRequest(
-            job=spec, plan=plan_msg, rank=r, peers=peers, store_address=self.store_address,
-            rendezvous=rendezvous, resume_step=job.start_step, attempt=job.attempt),
-            timeout=300)
-            for r, stub in enumerate(ranks.stubs)]
-        _wait_all(calls, ranks)
-        if job.migrations and "seconds" not in job.migrations[-1]:  # a migration ends here
-            job.migrations[-1]["seconds"] = time.monotonic() - job.migrations[-1].pop("_t0")
-            if job.replanner is not None:
-                job.replanner.moved(job.migrations[-1]["seconds"])
-            log.info("job %s: migrated in %.2f s: %s", job.job_id,
-                     job.migrations[-1]["seconds"], job.migrations[-1])
+        if job.migrating_from is None:
+            self._assign_all(job, ranks)
+        else:
+            self._migrate(job, ranks)
         job.set_state("RUNNING")
+
+    def _assign_all(self, job: Job, ranks: Ranks, fail_ranks: Iterable[int] = ()
+                    ) -> list[worker_pb2.AssignReply]:
+        """Assigns every rank the job's plan and attempt, from its start step (and from
+        the paused attempt, during a migration)."""
+        assert job.plan is not None
+        spec, plan_msg = job_to_proto(job.config), plan_to_proto(job.plan)
+        peers = [w.address for w in ranks.workers]
+        rendezvous = self.rendezvous() if job.plan.groups > 1 else ""
+        source = None
+        if job.migrating_from is not None:
+            old, attempt = job.migrating_from
+            source = worker_pb2.MigrationSource(plan=plan_to_proto(old), attempt=attempt)
+        failing = set(fail_ranks)
+        calls = []
+        for r, stub in enumerate(ranks.stubs):
+            request = worker_pb2.AssignRequest(
+                job=spec, plan=plan_msg, rank=r, peers=peers, store_address=self.store_address,
+                rendezvous=rendezvous, resume_step=job.start_step, attempt=job.attempt)
+            if source is not None:
+                request.source.CopyFrom(source)
+                request.source.fail = r in failing
+            calls.append(stub.Assign.future(request, timeout=300))
+        return _wait_all(calls, ranks)
+
+    def _migrate(self, job: Job, ranks: Ranks) -> None:
+        """Assigns the new plan from the paused attempt; on a failure, the old plan from
+        the same source ([Note: migration]). A failed rollback is the job's failure (and
+        its restart from the newest checkpoint, with `max_restarts`)."""
+        assert job.migrating_from is not None
+        move = job.migrations[-1]
+        try:
+            replies = self._assign_all(job, ranks, job.fail_ranks)
+        except WorkerFailed as error:
+            log.warning("job %s: the move at step %d failed, rolling back: %s", job.job_id,
+                        job.step, error)
+            move["rolled_back"] = str(error)
+            job.plan = job.migrating_from[0]
+            job.attempt += 1
+            self._record(job)
+            replies = self._assign_all(job, ranks)
+        finally:  # a failed rollback restarts the job from its checkpoint, not a move
+            job.fail_ranks, job.migrating_from = (), None
+        move["bytes"] = sum(r.migrated_bytes for r in replies)
+        move["seconds"] = time.monotonic() - move.pop("_t0")
+        if job.replanner is not None:
+            job.replanner.moved(move["seconds"])
+        if self.metrics is not None:
+            self.metrics.migrated_bytes(job.job_id, move["bytes"])
+        log.info("job %s: %s in %.2f s: %s", job.job_id,
+                 "rolled back" if "rolled_back" in move else "migrated", move["seconds"], move)
 
     def _resume_point(self, job: Job) -> Plan:
         """The newest checkpoint's plan; sets the job's start step to its step.
@@ -521,27 +566,27 @@ class Driver:
                           f"on the same journal resumes from step {job.checkpointed}")
         if job.step < job.config.steps and job.pending_plan is not None and (
                 not job.stop_requested):
-            self._checkpoint_now(job, ranks)
             raise Repartitioned(job.job_id)
         if job.step < job.config.steps:
             raise Stopped("stopped by request")
 
-    def repartition(self, job: Job, forward: list[int], backward: list[int]) -> None:
+    def repartition(self, job: Job, forward: list[int], backward: list[int],
+                    fail_ranks: Iterable[int] = ()) -> None:
         """Asks a running job to move to new partitions at its next step boundary (see
-        `_switch_plan`).
+        `_switch_plan`); `fail_ranks` inject a failure of the move on those ranks (tests).
 
         Raises:
-            FailedPrecondition: the job is not running, has no checkpoint directory to
-                move through, or has a move pending.
-            ConfigError: the partitions are bad for this job (pipefb.migration).
+            FailedPrecondition: the job is not running, is not sync, or has a move pending.
+            ConfigError: the partitions are bad for this job (pipefb.migration), or a
+                fault names no rank of it.
         """
         with job.cond:
             if job.state != "RUNNING" or job.plan is None:
                 raise FailedPrecondition(f"job {job.job_id} is {job.state}; only a running "
                                          "job can be repartitioned")
-            if job.checkpoints is None:
-                raise FailedPrecondition(f"job {job.job_id} has no checkpoint directory "
-                                         "(--checkpoint-dir) to move layers through")
+            bad = sorted(set(fail_ranks) - set(range(len(job.plan.assignment))))
+            if bad:
+                raise ConfigError(f"fail_ranks {bad} are not ranks of job {job.job_id}")
             if job.pending_plan is not None:
                 raise FailedPrecondition(f"job {job.job_id} has a repartition pending")
             if job.config.mode != "sync":
@@ -549,6 +594,7 @@ class Driver:
                                          "jobs move layers (a checkpoint holds no old "
                                          "weight versions)")
             job.pending_plan = repartitioned(job.plan, forward, backward)
+            job.fail_ranks = tuple(fail_ranks)
 
     def checkpoint(self, job: Job, timeout: float) -> int:
         """Checkpoints a running job at its next step boundary that no rank has started
@@ -584,7 +630,7 @@ class Driver:
         """Starts (or, on a new plan, restarts) the job's re-planner ([Note: online
         re-planning] in pipefb/replan.py): layer costs from the profile of plan "auto",
         else the placeholder costs (a backward twice its forward); move cost over the
-        cluster's store link (the move goes through the checkpoint directory)."""
+        cluster's worker-to-worker network (layers move rank to rank)."""
         assert job.plan is not None
         if job.replanner is not None:
             job.replanner.reset(job.plan)
@@ -601,7 +647,8 @@ class Driver:
             state = 2 if job.config.optimizer == "adamw" else 1
             sizes = {i: (4 * int(c - 1), 4 * state * int(c - 1))
                      for i, c in enumerate(job.layer_costs)}
-        bandwidth = self.cluster.store.bandwidth if self.cluster else ReplanSettings().bandwidth
+        bandwidth = (self.cluster.network.bandwidth if self.cluster
+                     else ReplanSettings().bandwidth)
         job.replanner = Replanner(job.plan, forward, backward, sizes,
                                   ReplanSettings(bandwidth=bandwidth))
 
@@ -624,24 +671,22 @@ class Driver:
             job.pending_plan = decision.plan
 
     def _switch_plan(self, job: Job, ranks: Ranks) -> None:
-        """[Note: migration] The job paused at step v and every owner saved its layers'
-        weights and optimizer state (the Checkpoint RPC); every rank is now assigned the
-        new plan with attempt + 1 from that checkpoint, so each restores the layers it
-        holds under the new partition, whichever rank saved them, and the forward and
-        backward ranks switch together at step v. Losses and weights go on exactly as
-        without the move (sync). The layers travel through the checkpoint directory, not
-        yet rank to rank over gRPC."""
+        """[Note: migration] The job paused at step v with every issued step done; the
+        next assignment gives every rank the new plan with attempt + 1 and the paused
+        attempt as its source (`_assign_all`): each rank keeps what it held and takes the
+        rest from the old owners' paused state over the workers' `Migrate` stream
+        ([Note: migration, worker side] in worker/migrate.py), so the forward and backward
+        ranks switch together at step v and losses and weights go on exactly as without
+        the move (sync). If any rank fails the move, every rank is assigned the old plan
+        with attempt + 2 from the same source: the move rolls back and nothing is lost."""
         assert job.plan is not None and job.pending_plan is not None
-        assert job.checkpoints is not None
-        owners = {a.rank for a in job.plan.assignment if a.role != "forward"}
-        saved = {r: tensor_bytes(rank_file(job.checkpoints, job.step, r)) for r in owners}
         new = job.pending_plan
         job.migrations.append({
-            "step": job.step, "bytes": moved_bytes(job.plan, new, layer_sizes(saved)),
-            "forward_partition": list(new.forward_partition),
+            "step": job.step, "forward_partition": list(new.forward_partition),
             "backward_partition": list(new.backward_partition), "_t0": time.monotonic()})
         job.set_state("MIGRATING")
         ranks.close()
+        job.migrating_from = (job.plan, job.attempt)
         job.plan, job.pending_plan = new, None
         job.attempt += 1
         self._record(job)
@@ -865,10 +910,19 @@ def _report(job: Job, step: int, seconds: float, replies: list[worker_pb2.StepRe
         kind_peak_bytes=rep.kind_peak_bytes, activation_peak_bytes=rep.activation_peak_bytes,
         device_memory_bytes=rep.device_memory_bytes, weights_digest=rep.weights_digest)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
-    return coordinator_pb2.StepReport(
+    report = coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),
         seconds=seconds, samples_per_second=job.config.batch_size / seconds, workers=stats,
         attempt=job.attempt)
+    moves = [m for m in job.migrations if m["step"] == step and "seconds" in m]
+    if moves:
+        report.migration.CopyFrom(migration_proto(moves[-1]))
+    return report
+
+
+def migration_proto(move: dict[str, Any]) -> coordinator_pb2.Migration:
+    """A migration record of `Job.migrations` as its message."""
+    return coordinator_pb2.Migration(**{k: v for k, v in move.items() if not k.startswith("_")})
 
 
 def _check_groups_agree(report: coordinator_pb2.StepReport) -> None:

@@ -46,6 +46,9 @@ class CoordinatorMetrics:
                                  "last step")
         self.migrations = Counter("pipefb_migrations_total", "Live layer migrations", ["job"],
                                   registry=registry)
+        self.migrated_bytes_total = Counter(
+            "pipefb_migrated_bytes_total", "Bytes of weights and optimizer state that layer "
+            "migrations moved between workers", ["job"], registry=registry)
         self.restarts = Counter("pipefb_restarts_total", "Job restarts after a failure",
                                 ["job"], registry=registry)
         self.registered = gauge("pipefb_workers_registered", "Workers in the registry", ())
@@ -60,12 +63,13 @@ class CoordinatorMetrics:
         self._lock = threading.Lock()
         self._per_job = (self.step, self.loss, self.samples_per_second, self.step_seconds,
                          self.predicted, self.bubble, self.version_lag, self.migrations,
-                         self.restarts)
+                         self.migrated_bytes_total, self.restarts)
 
     def job_started(self, job: str) -> None:
         """Exports the job's counters (0 so far), its prediction (none yet) and the store's
         memory before any step."""
         self.migrations.labels(job)
+        self.migrated_bytes_total.labels(job)
         self.restarts.labels(job)
         self.predicted.labels(job).set(0.0)
         self.read_store()
@@ -73,6 +77,10 @@ class CoordinatorMetrics:
     def migrated(self, job: str) -> None:
         """Counts one migration of the job's layers."""
         self.migrations.labels(job).inc()
+
+    def migrated_bytes(self, job: str, count: int) -> None:
+        """Adds the bytes one migration moved."""
+        self.migrated_bytes_total.labels(job).inc(count)
 
     def restarted(self, job: str) -> None:
         """Counts one restart of the job (a failed attempt replayed)."""

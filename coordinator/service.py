@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import grpc
 
-from coordinator.driver import TERMINAL, Driver, Job
+from coordinator.driver import TERMINAL, Driver, Job, migration_proto
 from coordinator.journal import Entry
 from coordinator.registry import Registry
 from pipefb.config import check_job
@@ -140,7 +140,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
         job = self._job(request.job_id)
         self.driver.repartition(job, list(request.forward_partition),
-                                list(request.backward_partition))
+                                list(request.backward_partition), request.fail_ranks)
         return _status(job)
 
     def Checkpoint(self, request: coordinator_pb2.CheckpointJobRequest,
@@ -175,8 +175,7 @@ def _status(job: Job) -> coordinator_pb2.JobStatus:
         spec=job_to_proto(job.config), error=job.error,
         worker_ids=[w.worker_id for w in job.workers], attempt=job.attempt,
         restarts=job.restarts, checkpointed=job.checkpointed,
-        migrations=[coordinator_pb2.Migration(**{k: v for k, v in m.items() if k != "_t0"})
-                    for m in job.migrations])
+        migrations=[migration_proto(m) for m in job.migrations])
     if job.plan is not None:
         status.plan.CopyFrom(plan_to_proto(job.plan))
     if job.planner:

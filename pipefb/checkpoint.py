@@ -33,6 +33,9 @@ from safetensors.torch import save_file
 
 from pipefb.errors import ConfigError
 
+#: One piece of a job's state, as a rank file holds it: (weights `layers.i.p`, optimizer
+#: tensors `optimizer.i.p.key`, metadata with the param groups).
+Part = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]
 STATE = "state.json"
 _STEP_DIR = re.compile(r"step-(\d{6,})")
 OPTIMIZER_PREFIX = "optimizer."  # names of optimizer state tensors in rank files
@@ -170,8 +173,7 @@ def _nbytes(view: Any) -> int:
     return count * _ITEMSIZE[view.get_dtype()]
 
 
-def load_rank(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                   dict[str, str]]:
+def load_rank(path: Path) -> Part:
     """Reads a rank file: (weights, optimizer tensors, metadata). safetensors checks the
     header's offsets and sizes before it allocates; nothing is unpickled.
 

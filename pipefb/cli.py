@@ -83,8 +83,7 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                         "FACTOR times slower from STEP on (benchmarks of re-planning)")
     p.add_argument("--replan", action="store_true",
                    help="move layers between workers while training when measured stage "
-                        "times make another partition pay (sync; through the checkpoint "
-                        "directory)")
+                        "times make another partition pay (sync; rank to rank over gRPC)")
     p.add_argument("--groups", type=_groups, default=None,
                    help="pipeline groups, data-parallel across groups: each runs the same "
                         "stages on workers/G workers and microbatches/G micro-batches, and "
@@ -180,7 +179,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
                  "resume", "max_restarts", "slowdown", "replan"):
         values.setdefault(name, getattr(args, name))
     if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
-        wanted = values.get("checkpoint_every") or values.get("resume") or values.get("replan")
+        wanted = values.get("checkpoint_every") or values.get("resume")
         values["checkpoint_dir"] = args.checkpoint_dir or ("checkpoints" if wanted else "")
     if args.groups is not None or "groups" not in values:  # default: auto with --plan auto
         values["groups"] = (args.groups if args.groups is not None

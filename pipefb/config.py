@@ -142,11 +142,9 @@ class JobConfig:
                 0 <= restarts <= MAX_RESTARTS):
             raise ConfigError(f"max_restarts {restarts!r} must be an integer in "
                               f"0..{MAX_RESTARTS}")
-        if self.replan and (self.mode != "sync" or not self.checkpoint_dir
-                            or self.schedule == "single"):
-            raise ConfigError("replan moves a sync job's layers through its checkpoint "
-                              "directory: it needs --mode sync, a pipeline schedule and "
-                              "--checkpoint-dir")
+        if self.replan and (self.mode != "sync" or self.schedule == "single"):
+            raise ConfigError("replan moves a sync job's layers between its workers: it "
+                              "needs --mode sync and a pipeline schedule")
         if restarts and self.schedule == "single":
             raise ConfigError("schedule 'single' runs in this process: it has no workers "
                               "to restart")

@@ -3,13 +3,15 @@
 A migration keeps every rank's role and the number of stages; only the stage boundaries
 change. The layers whose weights (forward holders) or weights and optimizer state
 (owners: backward and combined ranks) land on another rank are what a migration moves;
-their bytes are what it reports.
+their bytes are what it reports. `takeover` says, for one rank, which layers it keeps and
+which it takes from which rank of the paused attempt: summed over the ranks, what they
+take is exactly what `moved_bytes` counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from pipefb.checkpoint import OPTIMIZER_PREFIX
 from pipefb.errors import ConfigError
@@ -85,3 +87,49 @@ def moved_bytes(old: Plan, new: Plan, sizes: Mapping[int, tuple[int, int]]) -> i
         if new_fwd.get(key, owner) != owner and old_fwd.get(key) != new_fwd[key]:
             total += weights
     return total
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What one rank needs from the paused attempt to run the new plan."""
+
+    owned: tuple[int, ...]  # layers it owned before and still owns: weights and state kept
+    kept: tuple[int, ...]  # forward layers it held before: the version it would install
+    #: old owner rank -> (layers whose weights it sends, layers whose optimizer state too)
+    pulls: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+
+
+def takeover(old: Plan, new: Plan, rank: int) -> Takeover:
+    """Where `rank` takes each layer it holds under `new` from (see `Takeover`): an owned
+    layer from its old owner (itself, or a peer's weights and optimizer state), a forward
+    layer from itself if it held it before, else the old owner's weights. Each group
+    takes from its own ranks.
+
+    Raises:
+        ConfigError: `rank` is not in `new`, or the plans differ in ranks or roles.
+    """
+    roles = [(a.rank, a.role, a.group) for a in old.assignment]
+    if roles != [(a.rank, a.role, a.group) for a in new.assignment]:
+        raise ConfigError("a migration keeps every rank, role and group; the plans differ")
+    mine = [a for a in new.assignment if a.rank == rank]
+    if not mine:
+        raise ConfigError(f"rank {rank} is not in the plan")
+    group = mine[0].group
+    (old_fwd, old_own), (new_fwd, new_own) = holders(old), holders(new)
+    owned = {layer for (g, layer), r in new_own.items() if (g, r) == (group, rank)}
+    forward = {layer for (g, layer), r in new_fwd.items() if (g, r) == (group, rank)}
+    stays, kept = [], []
+    pulls: dict[int, tuple[list[int], list[int]]] = {}
+    for layer in sorted(owned | forward):
+        source = old_own[(group, layer)]
+        if layer in owned and source == rank:
+            stays.append(layer)
+        elif layer not in owned and old_fwd.get((group, layer)) == rank:
+            kept.append(layer)
+        else:
+            weights, state = pulls.setdefault(source, ([], []))
+            weights.append(layer)
+            if layer in owned:
+                state.append(layer)
+    return Takeover(tuple(stays), tuple(kept),
+                    {r: (tuple(w), tuple(o)) for r, (w, o) in sorted(pulls.items())})

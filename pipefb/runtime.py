@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -18,7 +18,15 @@ from pathlib import Path
 import torch
 
 from pipefb.allreduce import Reducer
-from pipefb.checkpoint import load_optimizer, load_rank, optimizer_share, save_rank
+from pipefb.checkpoint import (
+    OPTIMIZER_PREFIX,
+    Part,
+    load_optimizer,
+    load_rank,
+    optimizer_share,
+    optimizer_tensors,
+    save_rank,
+)
 from pipefb.codec import raw_view
 from pipefb.config import JobConfig, build_layers, job_device, slowdowns
 from pipefb.data import build_dataset
@@ -142,6 +150,9 @@ class StageRuntime:
         self.max_receive_bytes = max((s.nbytes for named in self.receives.values()
                                       for s in named.values()), default=0)
         self._owned = self._owned_params()
+        # the largest tensor a migrating peer may send: a parameter or its optimizer state
+        self.max_state_bytes = max((p.numel() * p.element_size() for layer in self.layers.values()
+                                    for p in layer.parameters()), default=0) + 8
         self.optimizer = (
             build_optimizer(job.optimizer, self._owned, job.lr, job.optimizer_config)
             if self._owned else None  # a stage of parameter-free layers has nothing to update
@@ -562,10 +573,46 @@ class StageRuntime:
         return {f"layers.{i}.{name}": p.detach()
                 for i in self.bwd_layers for name, p in self.layers[i].named_parameters()}
 
+    def _owned_names(self) -> list[str]:
+        """`{layer}.{param}` of every owned parameter, in the optimizer's order."""
+        return [f"{i}.{n}" for i in self.bwd_layers for n, _ in self.layers[i].named_parameters()]
+
     def save_checkpoint(self, path: Path) -> None:
         """Writes the owned weights and optimizer state (`pipefb.checkpoint.save_rank`)."""
-        names = [f"{i}.{n}" for i in self.bwd_layers for n, _ in self.layers[i].named_parameters()]
-        save_rank(path, self.owned_weights(), self.optimizer, names)
+        save_rank(path, self.owned_weights(), self.optimizer, self._owned_names())
+
+    def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
+                    ) -> dict[str, torch.Tensor]:
+        """What a migration moves off this rank: the weights of `layers` and the optimizer
+        state of `optimizer_layers`, each owned here, named as in a rank file.
+
+        Raises:
+            ConfigError: a layer this rank does not own.
+        """
+        wanted, optim = set(layers), set(optimizer_layers)
+        foreign = sorted((wanted | optim) - set(self.bwd_layers))
+        if foreign:
+            raise ConfigError(f"layers {foreign} are not owned by rank {self.rank} "
+                              f"(it owns {list(self.bwd_layers)})")
+        out = {f"layers.{i}.{n}": p.detach() for i in sorted(wanted)
+               for n, p in self.layers[i].named_parameters()}
+        if self.optimizer is not None and optim:
+            state, _ = optimizer_tensors(self.optimizer, self._owned_names())
+            out.update({k: v for k, v in state.items()
+                        if int(k[len(OPTIMIZER_PREFIX):].split(".", 1)[0]) in optim})
+        return out
+
+    def pending_weights(self, step: int) -> dict[str, torch.Tensor]:
+        """A forward rank's weights of the version step `step` uses, `layers.i.p`: the
+        pushed version waiting in its inbox, or the installed one if it is that version
+        (a migration keeps a forward layer that stays on this rank from here)."""
+        version = max(0, step - self.plan.staleness)
+        names = [f"{i}.{n}" for i in self.fwd_layers for n, _ in self.layers[i].named_parameters()]
+        if version <= self.version:
+            return {f"layers.{i}.{n}": p.detach() for i in self.fwd_layers
+                    for n, p in self.layers[i].named_parameters()}
+        got = self.transport.wait_weights(version, names)
+        return {f"layers.{k}": v for k, v in got.items()}
 
     def restore(self, files: Mapping[int, Path], step: int) -> None:
         """Resumes at `step` from a checkpoint's rank files (rank -> file): the weights
@@ -575,10 +622,23 @@ class StageRuntime:
         Raises:
             ConfigError: a held weight is missing or has another shape or dtype.
         """
+        order = sorted(files, key=lambda r: r != self.rank)  # its own file first
+        self.restore_parts([load_rank(files[rank]) for rank in order], step,
+                           f"checkpoint of step {step}")
+
+    def restore_parts(self, parts: Sequence[Part], step: int, source: str) -> None:
+        """Resumes at `step` from parts of the job's state, each (weights `layers.i.p`,
+        optimizer tensors `optimizer.i.p.key`, metadata with the param groups) as a rank
+        file or a migrating peer gives them; the first part with param groups gives the
+        optimizer's hyper-parameters, else this rank's own optimizer does.
+
+        Raises:
+            ConfigError: a held weight is missing from every part, or has another shape
+                or dtype (the message names `source`).
+        """
         weights: dict[str, torch.Tensor] = {}
         states: list[tuple[dict[str, torch.Tensor], dict[str, str]]] = []
-        for rank in sorted(files, key=lambda r: r != self.rank):  # its own file first
-            got, optim, meta = load_rank(files[rank])
+        for got, optim, meta in parts:
             weights.update(got)
             states.append((optim, meta))
         with torch.no_grad():
@@ -586,13 +646,13 @@ class StageRuntime:
                 for name, p in layer.named_parameters():
                     saved = weights.get(f"layers.{i}.{name}")
                     if saved is None or saved.shape != p.shape or saved.dtype != p.dtype:
-                        raise ConfigError(f"checkpoint of step {step} has no weight "
-                                          f"layers.{i}.{name} {list(p.shape)} {p.dtype}")
+                        raise ConfigError(f"{source} has no weight layers.{i}.{name} "
+                                          f"{list(p.shape)} {p.dtype}")
                     p.copy_(saved)
                 self.execs[i].weights_changed()
         if self.optimizer is not None:
-            names = [f"{i}.{n}" for i in self.bwd_layers
-                     for n, _ in self.layers[i].named_parameters()]
+            names = self._owned_names()
+            states.append(({}, optimizer_tensors(self.optimizer, names)[1]))  # groups last
             load_optimizer(self.optimizer, names, *optimizer_share(states, names))
             self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         self.version = step

@@ -70,7 +70,7 @@ class TrainRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("job_id", "step", "loss", "seconds", "samples_per_second", "workers", "eval", "attempt")
+    __slots__ = ("job_id", "step", "loss", "seconds", "samples_per_second", "workers", "eval", "attempt", "migration")
     class EvalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class StepReport(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     loss: float
@@ -94,7 +95,8 @@ class StepReport(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStepStats]
     eval: _containers.ScalarMap[str, float]
     attempt: int
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ..., eval: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[int] = ...) -> None: ...
+    migration: Migration
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ..., eval: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
     __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed", "action_seconds", "spans", "versions", "kept_versions", "weight_version", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "group", "weights_digest")
@@ -175,28 +177,32 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class RepartitionRequest(_message.Message):
-    __slots__ = ("job_id", "forward_partition", "backward_partition")
+    __slots__ = ("job_id", "forward_partition", "backward_partition", "fail_ranks")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FORWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    FAIL_RANKS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     forward_partition: _containers.RepeatedScalarFieldContainer[int]
     backward_partition: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+    fail_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., fail_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Migration(_message.Message):
-    __slots__ = ("step", "seconds", "bytes", "forward_partition", "backward_partition")
+    __slots__ = ("step", "seconds", "bytes", "forward_partition", "backward_partition", "rolled_back")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     step: int
     seconds: float
     bytes: int
     forward_partition: _containers.RepeatedScalarFieldContainer[int]
     backward_partition: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ...) -> None: ...
+    rolled_back: str
+    def __init__(self, step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., rolled_back: _Optional[str] = ...) -> None: ...
 
 class CheckpointJobRequest(_message.Message):
     __slots__ = ("job_id",)

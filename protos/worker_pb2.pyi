@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("job", "plan", "rank", "peers", "store_address", "attempt", "rendezvous", "resume_step")
+    __slots__ = ("job", "plan", "rank", "peers", "store_address", "attempt", "rendezvous", "resume_step", "source")
     JOB_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class AssignRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     job: _job_pb2.JobSpec
     plan: _job_pb2.Plan
     rank: int
@@ -26,17 +27,44 @@ class AssignRequest(_message.Message):
     attempt: int
     rendezvous: str
     resume_step: int
-    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., attempt: _Optional[int] = ..., rendezvous: _Optional[str] = ..., resume_step: _Optional[int] = ...) -> None: ...
+    source: MigrationSource
+    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., attempt: _Optional[int] = ..., rendezvous: _Optional[str] = ..., resume_step: _Optional[int] = ..., source: _Optional[_Union[MigrationSource, _Mapping]] = ...) -> None: ...
+
+class MigrationSource(_message.Message):
+    __slots__ = ("plan", "attempt", "fail")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FAIL_FIELD_NUMBER: _ClassVar[int]
+    plan: _job_pb2.Plan
+    attempt: int
+    fail: bool
+    def __init__(self, plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., attempt: _Optional[int] = ..., fail: _Optional[bool] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("job_id", "attempt", "step", "layers", "optimizer_layers")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    step: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    optimizer_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., optimizer_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AssignReply(_message.Message):
-    __slots__ = ("role", "actions", "parameter_bytes")
+    __slots__ = ("role", "actions", "parameter_bytes", "migrated_bytes")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     role: str
     actions: _containers.RepeatedScalarFieldContainer[str]
     parameter_bytes: int
-    def __init__(self, role: _Optional[str] = ..., actions: _Optional[_Iterable[str]] = ..., parameter_bytes: _Optional[int] = ...) -> None: ...
+    migrated_bytes: int
+    def __init__(self, role: _Optional[str] = ..., actions: _Optional[_Iterable[str]] = ..., parameter_bytes: _Optional[int] = ..., migrated_bytes: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("job_id", "step", "checkpoint", "attempt")

@@ -76,6 +76,11 @@ class StageWorkerStub:
                 request_serializer=protos_dot_worker__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_stream(
+                '/pipefb.v1.StageWorker/Migrate',
+                request_serializer=protos_dot_worker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=protos_dot_tensor__pb2.TensorChunk.FromString,
+                _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/pipefb.v1.StageWorker/Profile',
                 request_serializer=protos_dot_worker__pb2.ProfileRequest.SerializeToString,
@@ -144,6 +149,16 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Between steps of a paused attempt: streams the weights (layers.{i}.{param}) and
+        optimizer state (optimizer.{i}.{param}.{key}) of layers this rank owns, to a peer that
+        takes them over in a migration ([Note: migration] in coordinator/driver.py). Served
+        until this worker runs a step of a later attempt, so a failed move can roll back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Profile(self, request, context):
         """Times every layer of a job on this worker (pipefb.profiler.measure_profile): forward and
         backward through the split executor a rank runs, their bytes, and one optimizer step.
@@ -195,6 +210,11 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=protos_dot_worker__pb2.CheckpointRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.CheckpointReply.SerializeToString,
+            ),
+            'Migrate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=protos_dot_worker__pb2.MigrateRequest.FromString,
+                    response_serializer=protos_dot_tensor__pb2.TensorChunk.SerializeToString,
             ),
             'Profile': grpc.unary_unary_rpc_method_handler(
                     servicer.Profile,
@@ -418,6 +438,33 @@ class StageWorker:
             '/pipefb.v1.StageWorker/Checkpoint',
             protos_dot_worker__pb2.CheckpointRequest.SerializeToString,
             protos_dot_worker__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pipefb.v1.StageWorker/Migrate',
+            protos_dot_worker__pb2.MigrateRequest.SerializeToString,
+            protos_dot_tensor__pb2.TensorChunk.FromString,
             options,
             channel_credentials,
             insecure,

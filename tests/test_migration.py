@@ -5,6 +5,7 @@ bytes are the moved layers' weights and optimizer state."""
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
 import time
 from dataclasses import replace
@@ -14,10 +15,10 @@ import grpc
 import pytest
 
 from pipefb.config import JobConfig, build_layers
-from pipefb.migration import repartitioned
+from pipefb.migration import holders, moved_bytes, repartitioned, takeover
 from pipefb.plan import balanced_plan
 from protos.coordinator_pb2 import RUNNING
-from tests.test_transparency import make_job, reference
+from tests.test_transparency import assert_same_training, make_job, reference
 
 STEPS = 40
 STEPS_REPLAN = 80  # enough steps left after the slowdown for a move (~1.5 s) to pay
@@ -53,8 +54,8 @@ def other(current: list[int], choices: list[list[int]]) -> list[int]:
 
 def test_a_move_of_forward_and_backward_layers_trains_as_without_it(
         client: Any, cluster: Any) -> None:
-    job = make_job("mlp", "pipefb", 4, "adamw", steps=STEPS, checkpoint_dir="migrate",
-                   job_id="migrate")
+    """No checkpoint directory: the layers go rank to rank over the Migrate stream."""
+    job = make_job("mlp", "pipefb", 4, "adamw", steps=STEPS, job_id="migrate")
     client.submit(job)
     status = wait_running(client, "migrate", 5)
     old_fwd, old_bwd = list(status.plan.forward_partition), list(status.plan.backward_partition)
@@ -79,7 +80,9 @@ def test_a_move_of_forward_and_backward_layers_trains_as_without_it(
     want_bytes += sum(w for i, (w, _) in enumerate(sizes)
                       if stage_of(old_fwd, i) != stage_of(fwd, i))
     assert move.bytes == want_bytes > 0
-    assert status.attempt == 1 and not status.restarts
+    assert not move.rolled_back and status.attempt == 1 and not status.restarts
+    [told] = [r for r in reports if r.HasField("migration")]  # the step report says so
+    assert told.step == move.step and told.migration == move
 
 
 def test_a_bad_repartition_is_refused_naming_why(client: Any) -> None:
@@ -94,6 +97,74 @@ def test_a_bad_repartition_is_refused_naming_why(client: Any) -> None:
     with pytest.raises(ValueError, match="must equal the forward"):
         repartitioned(balanced_plan("1f1b", 2, [1.0] * 5, 8, 4, ("keep",) * 5),
                       [0, 2, 5], [0, 3, 5])
+
+
+
+@pytest.mark.parametrize(("schedule", "groups", "fail"), [("1f1b", 2, []), ("pipefb", 1, [2])])
+def test_a_move_across_groups_and_a_failed_move_train_as_without_them(
+        client: Any, schedule: str, groups: int, fail: list[int]) -> None:
+    """1F1B in two groups: each group's ranks take their layers from their own group.
+    PipeFB with a failure injected on rank 2 after it took its layers: every rank is
+    assigned the old partitions from the same paused attempt, and training goes on."""
+    job_id = f"move-{schedule}"
+    job = make_job("mlp", schedule, 4, "adamw", steps=16, groups=groups, job_id=job_id)
+    client.submit(job)
+    status = wait_running(client, job_id, 3)
+    old = status.plan
+    fwd = other(list(old.forward_partition), [[0, 1, 5], [0, 3, 5]])
+    bwd = other(list(old.backward_partition), [[0, 3, 5], [0, 1, 5]]) if fail else []
+    with pytest.raises(grpc.RpcError) as bad:
+        client.repartition(job_id, fwd, bwd, fail_ranks=[9])
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fail_ranks [9] are not ranks" in bad.value.details()
+    client.repartition(job_id, fwd, bwd, fail_ranks=fail)
+    reports = list(client.train(job_id))
+    status = client.status(job_id)
+    assert [r.step for r in reports] == list(range(job.steps))
+    assert_same_training(job, reports, client.weights(job_id))
+    [move] = status.migrations
+    if fail:
+        assert "rank 2: migration fault injected" in move.rolled_back
+        assert status.plan.forward_partition == old.forward_partition
+        assert status.plan.backward_partition == old.backward_partition
+        assert move.bytes == 0 and status.attempt == 2  # each rank kept its own layers
+    else:
+        assert list(status.plan.forward_partition) == fwd and not move.rolled_back
+        assert move.bytes > 0 and status.attempt == 1
+
+
+def bounds(layers: int, stages: int) -> list[list[int]]:
+    """Every partition of `layers` layers into `stages` contiguous non-empty stages."""
+    return [[0, *cut, layers] for cut in itertools.combinations(range(1, layers), stages - 1)]
+
+
+@pytest.mark.parametrize(("schedule", "workers", "groups"),
+                         [("pipefb", 4, 1), ("pipefb", 6, 1), ("1f1b", 4, 2), ("gpipe", 3, 1)])
+def test_what_the_ranks_take_over_is_what_a_move_moves(schedule: str, workers: int,
+                                                       groups: int) -> None:
+    """For every pair of partitions of 6 layers: each rank keeps or takes every layer it
+    holds, from the old owner in its group, and the bytes taken sum to `moved_bytes`."""
+    sizes = {i: (100 * (i + 1), 7 * (i + 1)) for i in range(6)}
+    plan = balanced_plan(schedule, workers, [1.0] * 6, 8, 4, ("keep",) * 6, groups=groups)
+    fwd_stages = len(plan.forward_partition) - 1
+    bwd_stages = len(plan.backward_partition) - 1
+    _, old_own = holders(plan)
+    for fwd in bounds(6, fwd_stages):
+        for bwd in bounds(6, bwd_stages) if schedule == "pipefb" else [fwd]:
+            new = replace(plan, forward_partition=tuple(fwd), backward_partition=tuple(bwd))
+            new_fwd, new_own = holders(new)
+            taken = 0
+            for a in new.assignment:
+                wanted = takeover(plan, new, a.rank)
+                held = {i for holder in (new_fwd, new_own) for (_, i), r in holder.items()
+                        if r == a.rank}
+                pulled = {i for w, _ in wanted.pulls.values() for i in w}
+                assert set(wanted.owned) | set(wanted.kept) | pulled == held
+                for source, (weights, states) in wanted.pulls.items():
+                    assert all(old_own[(a.group, i)] == source for i in weights)
+                    taken += sum(sizes[i][0] for i in weights)
+                    taken += sum(sizes[i][1] for i in states)
+            assert taken == moved_bytes(plan, new, sizes), (fwd, bwd)
 
 
 def test_replan_moves_layers_off_a_slowed_worker_and_trains_as_without_it(

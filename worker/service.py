@@ -17,7 +17,8 @@ from pipefb import codec
 from pipefb.allreduce import GroupAllReduce, rendezvous_key
 from pipefb.checkpoint import rank_file, resolve_under
 from pipefb.config import job_device
-from pipefb.errors import Aborted, CodecError, ConfigError
+from pipefb.errors import Aborted, CodecError, ConfigError, WorkerFailed
+from pipefb.migration import takeover
 from pipefb.plan import Plan
 from pipefb.profiler import measure_profile
 from pipefb.runtime import StageRuntime
@@ -27,6 +28,7 @@ from protos.convert import ProfileQuery, job_from_proto, plan_from_proto, profil
 from protos.server import FailedPrecondition
 from worker.inbox import Inbox
 from worker.metrics import WorkerMetrics
+from worker.migrate import Source, local_part, pull
 from worker.transport import GrpcTransport, inbox_key, nbytes, weight_key
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def __init__(self, metrics: WorkerMetrics | None = None, checkpoint_root: str = "") -> None:
         self._lock = threading.Lock()
         self._assigned: Assigned | None = None
+        self._source: Source | None = None  # a paused attempt peers may migrate from
         self.checkpoint_root = checkpoint_root  # checkpoints are written and read only here
         self.metrics = metrics
 
@@ -165,16 +168,27 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if len(request.peers) != len(plan.assignment):
             raise ConfigError(f"{len(request.peers)} peer addresses for "
                               f"{len(plan.assignment)} ranks")
+        with self._lock:
+            current = self._assigned
+        if current is not None and current.job_id == job.job_id and (
+                current.attempt > request.attempt):
+            raise FailedPrecondition(f"attempt {request.attempt} of job {job.job_id!r} is "
+                                     f"over; this worker runs attempt {current.attempt}")
+        source = (self._keep_source(job.job_id, request.source.attempt, request.resume_step)
+                  if request.HasField("source") else None)
         inbox = Inbox()
         store = (OffloadStore(connect(request.store_address), job.job_id, request.attempt)
                  if request.store_address else None)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
         runtime = StageRuntime(job, plan, request.rank, transport, reducer)
-        takes = job.checkpoint_every or request.resume_step or (
-            job.checkpoint_dir and self.checkpoint_root)  # repartitions move through it
+        takes = job.checkpoint_every or (request.resume_step and source is None) or (
+            job.checkpoint_dir and self.checkpoint_root)  # Checkpoint on request writes there
         checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None
-        if request.resume_step:
+        migrated = 0
+        if request.HasField("source"):
+            migrated = self._take_over(request, plan, runtime, source)
+        elif request.resume_step:
             assert checkpoints is not None
             owners = {a.rank for a in plan.assignment if a.role != "forward"}
             runtime.restore({r: rank_file(checkpoints, request.resume_step, r) for r in owners},
@@ -189,11 +203,62 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         log.info("assigned job %s rank %d as %s (attempt %d, from step %d)", job.job_id,
                  request.rank, runtime.role, request.attempt, request.resume_step)
         return worker_pb2.AssignReply(role=runtime.role, actions=[str(a) for a in runtime.actions],
-                                      parameter_bytes=runtime.param_bytes)
+                                      parameter_bytes=runtime.param_bytes,
+                                      migrated_bytes=migrated)
+
+    def _keep_source(self, job_id: str, attempt: int, step: int) -> Source | None:
+        """This worker's paused attempt `attempt` of `job_id` at step `step`, kept as the
+        migration's source ([Note: migration, worker side]); None if it ran none."""
+        with self._lock:
+            if self._source is not None and self._source.matches(job_id, attempt):
+                return self._source
+            current = self._assigned
+        if current is None or (current.job_id, current.attempt) != (job_id, attempt):
+            return None
+        if current.gate.horizon() != step or not current.gate.wait_idle(0):
+            raise FailedPrecondition(f"attempt {attempt} of job {job_id!r} is not paused "
+                                     f"at step {step} (it is at {current.gate.horizon()})")
+        runtime = current.runtime
+        forward = runtime.pending_weights(step) if runtime.role == "forward" else {}
+        with self._lock:
+            if self._source is None or not self._source.matches(job_id, attempt):
+                self._source = Source(job_id, attempt, step, runtime, forward)
+            return self._source
+
+    def _take_over(self, request: worker_pb2.AssignRequest, plan: Plan,
+                   runtime: StageRuntime, source: Source | None) -> int:
+        """Restores every layer the new runtime holds from the paused attempt (its own
+        source and its peers'); returns the bytes taken from peers. A fault injected for
+        tests (`MigrationSource.fail`) raises after the layers arrived."""
+        old = plan_from_proto(request.source.plan)
+        wanted = takeover(old, plan, request.rank)
+        parts, received = pull(request.peers, request.job.job_id, request.source.attempt,
+                               request.resume_step, wanted, runtime.max_state_bytes)
+        parts.insert(0, local_part(source, wanted))
+        runtime.restore_parts(parts, request.resume_step,
+                              f"migration at step {request.resume_step}")
+        if request.source.fail:
+            raise WorkerFailed(f"rank {request.rank}: migration fault injected for tests")
+        log.info("rank %d took over layers %s at step %d: %d bytes from peers",
+                 request.rank, sorted(set(wanted.owned) | set(wanted.kept)
+                                      | {i for w, _ in wanted.pulls.values() for i in w}),
+                 request.resume_step, received)
+        return received
+
+    def Migrate(self, request: worker_pb2.MigrateRequest, context: grpc.ServicerContext
+                ) -> Iterator[tensor_pb2.TensorChunk]:
+        source = self._keep_source(request.job_id, request.attempt, request.step)
+        if source is None:
+            raise FailedPrecondition(f"attempt {request.attempt} of job {request.job_id!r} "
+                                     "did not run here")
+        yield from source.stream(request)
 
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext
              ) -> worker_pb2.StepReply:
         assigned = self._current(request.job_id, request.attempt)
+        if self._source is not None:  # a later attempt runs: no rollback needs it now
+            with self._lock:
+                self._source = None
         with assigned.gate.turn(request.step):
             r = assigned.runtime.run_step(request.step)
             if request.checkpoint and assigned.runtime.role != "forward":
@@ -319,6 +384,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     or current.attempt > request.attempt):  # a late Drain of an older attempt
                 return worker_pb2.DrainReply(drained=False)
             self._drop(request.reason or "drained")
+            self._source = None
         return worker_pb2.DrainReply(drained=True)
 
     def _drop(self, reason: str) -> None:
