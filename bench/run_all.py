@@ -37,6 +37,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "sim_accuracy": ("sim_accuracy", []),
     "groups": ("groups", []),
     "replan": ("replan", []),
+    "replan_layer": ("replan", ["--scenario", "layer", "--factor", "4", "--batch", "64"]),
 }
 
 
@@ -255,9 +256,10 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
     if "groups" in results:
         lines += groups_doc.doc_section(*results["groups"], os.path.relpath(
             out / "groups" / "groups.png", doc.parent))
-    if "replan" in results:
-        lines += replan.doc_section(*results["replan"], os.path.relpath(
-            out / "replan" / "replan.png", doc.parent))
+    for name in ("replan", "replan_layer"):
+        if name in results:
+            lines += replan.doc_section(*results[name], os.path.relpath(
+                out / name / "replan.png", doc.parent))
     lines += READING
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))

@@ -657,9 +657,10 @@ class Driver:
         becomes the job's pending plan, taken at the next step boundary."""
         if job.replanner is None or job.pending_plan is not None:
             return
-        decision = job.replanner.observe({w.rank: w.compute_seconds for w in report.workers
-                                          if w.group == 0},
-                                         steps_left=job.config.steps - report.step - 1)
+        first = [w for w in report.workers if w.group == 0]
+        decision = job.replanner.observe({w.rank: w.compute_seconds for w in first},
+                                         steps_left=job.config.steps - report.step - 1,
+                                         layers={w.rank: dict(w.layer_seconds) for w in first})
         if decision is None:
             return
         log.info("job %s: re-planning after step %d: %.1f ms/step measured, %.1f ms "
@@ -908,7 +909,8 @@ def _report(job: Job, step: int, seconds: float, replies: list[worker_pb2.StepRe
         action_seconds=rep.action_seconds, spans=rep.spans, versions=rep.versions,
         kept_versions=rep.kept_versions, weight_version=rep.weight_version,
         kind_peak_bytes=rep.kind_peak_bytes, activation_peak_bytes=rep.activation_peak_bytes,
-        device_memory_bytes=rep.device_memory_bytes, weights_digest=rep.weights_digest)
+        device_memory_bytes=rep.device_memory_bytes, weights_digest=rep.weights_digest,
+        layer_seconds=rep.layer_seconds)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
     report = coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),

@@ -80,7 +80,8 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                         "train relaunches dead processes (0: a failure ends the job)")
     p.add_argument("--slowdown", default=d.slowdown,
                    help="fault injection: RANK=FACTOR[@STEP],... makes that rank's compute "
-                        "FACTOR times slower from STEP on (benchmarks of re-planning)")
+                        "FACTOR times slower from STEP on; LLAYER=FACTOR[@STEP] that layer's "
+                        "forward and backward, wherever it runs (benchmarks of re-planning)")
     p.add_argument("--replan", action="store_true",
                    help="move layers between workers while training when measured stage "
                         "times make another partition pay (sync; rank to rank over gRPC)")

@@ -73,7 +73,8 @@ class JobConfig:
     checkpoint_dir: str = ""  # where (inside the services' checkpoint root)
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir
     max_restarts: int = 0  # failed attempts replayed (newest checkpoint, or step 0); 0: none
-    slowdown: str = ""  # fault injection: "RANK=FACTOR[@STEP],...", slower compute from STEP
+    slowdown: str = ""  # fault injection: "RANK=FACTOR[@STEP],..." (a rank's compute) and
+    # "LLAYER=FACTOR[@STEP]" (a layer's, wherever it runs), slower from STEP
     replan: bool = False  # move layers when measured stage times make another partition pay
     job_id: str = ""  # empty: the coordinator names it
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
@@ -190,24 +191,29 @@ class JobConfig:
         return cls(**data)
 
 
-def slowdowns(text: str) -> dict[int, tuple[float, int]]:
-    """Parses a `slowdown` spec: rank -> (factor >= 1, first step), e.g. "1=2@10,3=1.5".
+def slowdowns(text: str, layers: bool = False) -> dict[int, tuple[float, int]]:
+    """Parses a `slowdown` spec: rank -> (factor >= 1, first step), e.g. "1=2@10,3=1.5";
+    with `layers`, its layer entries instead, layer -> (factor, first step), e.g. "L3=4@20"
+    (that layer's forward and backward, wherever it runs: a per-layer cost that changes).
 
     Raises:
-        ConfigError: naming the entry that is not RANK=FACTOR[@STEP].
+        ConfigError: naming the entry that is not [L]INDEX=FACTOR[@STEP].
     """
     out: dict[int, tuple[float, int]] = {}
     for entry in filter(None, (e.strip() for e in text.split(","))):
-        rank, _, rest = entry.partition("=")
+        index, _, rest = entry.partition("=")
         factor, _, step = rest.partition("@")
+        is_layer = index.startswith("L")
         try:
-            parsed = int(rank), float(factor), int(step or 0)
+            parsed = int(index.removeprefix("L")), float(factor), int(step or 0)
         except ValueError:
             parsed = (-1, 0.0, -1)
         if parsed[0] < 0 or not 1.0 <= parsed[1] <= MAX_SLOWDOWN or parsed[2] < 0:
-            raise ConfigError(f"slowdown entry {entry!r} is not RANK=FACTOR[@STEP] with "
-                              f"FACTOR in 1..{MAX_SLOWDOWN:g} and STEP >= 0")
-        out[parsed[0]] = parsed[1:]
+            raise ConfigError(f"slowdown entry {entry!r} is not RANK=FACTOR[@STEP] or "
+                              f"LLAYER=FACTOR[@STEP] with FACTOR in 1..{MAX_SLOWDOWN:g} and "
+                              "STEP >= 0")
+        if is_layer == layers:
+            out[parsed[0]] = parsed[1:]
     return out
 
 
@@ -311,6 +317,10 @@ def check_job(config: JobConfig) -> list[float]:
 
     if config.plan != AUTO:
         layer_policies(config, len(layers))
+    for layer in slowdowns(config.slowdown, layers=True):
+        if layer >= len(layers):
+            raise ConfigError(f"slowdown names layer {layer}; model {config.model!r} has "
+                              f"layers 0..{len(layers) - 1} (loss included)")
     if config.schedule not in ("single", AUTO):
         stages = max(stage_counts(config.schedule, config.workers))
         if stages > len(layers):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -68,6 +69,7 @@ class StepResult:
     samples: int  # samples this rank's F (B on a backward rank) actions processed
     phase_seconds: list[tuple[str, float]]  # (forward|backward|recompute, seconds) per action
     weights_digest: str = ""  # several groups: digest of the owned weights after the step
+    layer_seconds: dict[int, float] = field(default_factory=dict)  # per layer (`replan`)
 
 
 # Keys of in-flight tensors: (training step, stage, micro-batch) or (step, micro-batch, layer).
@@ -118,6 +120,10 @@ class StageRuntime:
                  reducer: Reducer | None = None) -> None:
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
         self._slowdown = slowdowns(job.slowdown).get(rank, (1.0, 0))  # fault injection
+        self._layer_slowdown = slowdowns(job.slowdown, layers=True)
+        self._time_layers = job.replan  # the re-planner reads per-layer seconds
+        self._layer_seconds: dict[int, float] = {}  # this step's, while it runs
+        self._in_layers = 0.0  # seconds the running action spent in `_timed_layer` bodies
         self.reducer = reducer  # sums gradients across groups; None with one group
         self.group = plan.group_of(rank)
         # [Note: groups] group g runs micro-batches g*M .. (g+1)*M - 1 of the step (M per
@@ -252,25 +258,56 @@ class StageRuntime:
 
     # -- the interpreter -------------------------------------------------------------------
 
-    def _slow_down(self, step: int, seconds: float) -> None:
-        """Fault injection (the job's `slowdown`): a compute action of a slowed rank takes
-        `factor` times as long from the given step on, as on a slower or shared device."""
+    def _factor(self, step: int, layer: int | None = None) -> float:
+        """Fault injection (the job's `slowdown`): how many times as long compute takes at
+        `step` on this rank, as on a slower or shared device, times, for `layer`, that
+        layer's own factor, as when its input grew (1: not slowed)."""
         factor, start = self._slowdown
-        if factor > 1.0 and step >= start:
+        rank = factor if step >= start else 1.0
+        if layer is None:
+            return rank
+        factor, start = self._layer_slowdown.get(layer, (1.0, 0))
+        return rank * (factor if step >= start else 1.0)
+
+    @contextmanager
+    def _timed_layer(self, step: int, layer: int) -> Iterator[None]:
+        """Runs the body (a layer's forward or backward), stretches it by `_factor` and,
+        for the re-planner, adds its seconds to the layer's."""
+        factor = self._factor(step, layer)
+        if not self._time_layers and factor == 1.0:
+            yield
+            return
+        started = time.perf_counter()
+        yield
+        self.device_memory.synchronize()
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * (time.perf_counter() - started))
+        elapsed = time.perf_counter() - started
+        self._in_layers += elapsed
+        if self._time_layers:
+            self._layer_seconds[layer] = self._layer_seconds.get(layer, 0.0) + elapsed
+
+    def _slow_rest(self, step: int, seconds: float) -> None:
+        """Stretches the part of a compute action outside its layers (the optimizer step)
+        by the rank's `_factor`; the layers were stretched as they ran."""
+        factor = self._factor(step)
+        if factor > 1.0:
             time.sleep((factor - 1.0) * seconds)
 
     def run_step(self, step: int) -> StepResult:
         """Runs iteration `step` of this rank's action list and reports what it did."""
         it = _Iteration(step)
+        self._layer_seconds = {}
         self.memory.reset_peak()
         self.device_memory.reset_peak()
         todo = iteration(self.actions, step, self.job.steps)
         for index, (at, action) in enumerate(todo):
             wall, started, recomputed = time.time(), time.perf_counter(), it.recompute
+            self._in_layers = 0.0
             self._handlers[action.kind](action, at, it)
             if action.kind in COMPUTE:
                 self.device_memory.synchronize()  # time the kernels, not their launch
-                self._slow_down(at, time.perf_counter() - started)
+                self._slow_rest(at, time.perf_counter() - started - self._in_layers)
             if action.kind is Kind.FETCH and self.role == "combined":
                 self._prefetch_next(todo, index)
             elapsed = time.perf_counter() - started
@@ -307,6 +344,7 @@ class StageRuntime:
             samples=it.samples,
             phase_seconds=it.phases,
             weights_digest=self.weights_digest() if self.reducer is not None else "",
+            layer_seconds=dict(self._layer_seconds),
         )
 
     def _count_phase(self, kind: Kind, elapsed: float, recompute: float, it: _Iteration
@@ -362,7 +400,8 @@ class StageRuntime:
                    params: list[torch.Tensor] | None) -> tuple[torch.Tensor, Saved]:
         if self.execs[i].has_random_ops:
             seed_random_ops(derive_seed(self.job.seed, step, self.mb_offset + m, i))
-        return self.execs[i].forward(inputs, params)
+        with self._timed_layer(step, i):
+            return self.execs[i].forward(inputs, params)
 
     def _stage_input(self, stage: int, m: int, step: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -411,7 +450,8 @@ class StageRuntime:
                 saved = recomputed.pop(i)
             else:
                 saved = self.flight.saved.pop((step, m, i))
-            grad = self.execs[i].backward(saved, grad, self._params(version, i))[0]
+            with self._timed_layer(step, i):
+                grad = self.execs[i].backward(saved, grad, self._params(version, i))[0]
         self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)
         if grad is not None and action.stage > 0:
             self.flight.input_grads[(step, action.stage, m)] = grad

@@ -44,9 +44,10 @@ BAD = [
     ("--loss", "mse", "loss 'mse' do not fit: layer 4 (MSE) does not take [2, 10]"),
     ("--batch-size", str(1 << 20), "batch_size 1048576 is more than the 65536"),
     ("--max-restarts", "101", "max_restarts 101 must be an integer in 0..100"),
-    ("--slowdown", "1=0.5", "slowdown entry '1=0.5' is not RANK=FACTOR[@STEP]"),
+    ("--slowdown", "1=0.5", "slowdown entry '1=0.5' is not RANK=FACTOR[@STEP] or LLAYER"),
     ("--slowdown", "1=2@x", "'1=2@x'"),
     ("--slowdown", "5=2", "slowdown names rank 5; the job has ranks 0..1"),
+    ("--slowdown", "L9=2@3", "slowdown names layer 9; model 'mlp' has layers 0..4"),
 ]
 
 
