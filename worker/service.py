@@ -169,11 +169,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             raise ConfigError(f"{len(request.peers)} peer addresses for "
                               f"{len(plan.assignment)} ranks")
         with self._lock:
-            current = self._assigned
-        if current is not None and current.job_id == job.job_id and (
-                current.attempt > request.attempt):
-            raise FailedPrecondition(f"attempt {request.attempt} of job {job.job_id!r} is "
-                                     f"over; this worker runs attempt {current.attempt}")
+            self._check_not_stale(job.job_id, request.attempt)
         source = (self._keep_source(job.job_id, request.source.attempt, request.resume_step)
                   if request.HasField("source") else None)
         inbox = Inbox()
@@ -186,18 +182,26 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             job.checkpoint_dir and self.checkpoint_root)  # Checkpoint on request writes there
         checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None
         migrated = 0
-        if request.HasField("source"):
-            migrated = self._take_over(request, plan, runtime, source)
-        elif request.resume_step:
-            assert checkpoints is not None
-            owners = {a.rank for a in plan.assignment if a.role != "forward"}
-            runtime.restore({r: rank_file(checkpoints, request.resume_step, r) for r in owners},
-                            request.resume_step)
-        with self._lock:
-            self._drop("reassigned")
-            self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
-                                      StepGate(request.resume_step), reducer, checkpoints,
-                                      request.attempt)
+        try:
+            if request.HasField("source"):
+                migrated = self._take_over(request, plan, runtime, source)
+            elif request.resume_step:
+                assert checkpoints is not None
+                owners = {a.rank for a in plan.assignment if a.role != "forward"}
+                runtime.restore({r: rank_file(checkpoints, request.resume_step, r)
+                                 for r in owners}, request.resume_step)
+            with self._lock:
+                # a later attempt's Assign may have finished first (a rolled-back move)
+                self._check_not_stale(job.job_id, request.attempt)
+                self._drop("reassigned")
+                self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
+                                          StepGate(request.resume_step), reducer, checkpoints,
+                                          request.attempt)
+        except BaseException:  # nothing of the refused assignment stays open
+            transport.close()
+            if reducer is not None:
+                reducer.close()
+            raise
         if self.metrics is not None:
             self.metrics.assigned(job.job_id, runtime.role)
         log.info("assigned job %s rank %d as %s (attempt %d, from step %d)", job.job_id,
@@ -205,6 +209,14 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         return worker_pb2.AssignReply(role=runtime.role, actions=[str(a) for a in runtime.actions],
                                       parameter_bytes=runtime.param_bytes,
                                       migrated_bytes=migrated)
+
+    def _check_not_stale(self, job_id: str, attempt: int) -> None:
+        """Refuses an Assign of an attempt older than the one this worker runs (hold the
+        lock)."""
+        current = self._assigned
+        if current is not None and current.job_id == job_id and current.attempt > attempt:
+            raise FailedPrecondition(f"attempt {attempt} of job {job_id!r} is over; this "
+                                     f"worker runs attempt {current.attempt}")
 
     def _keep_source(self, job_id: str, attempt: int, step: int) -> Source | None:
         """This worker's paused attempt `attempt` of `job_id` at step `step`, kept as the
