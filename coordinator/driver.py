@@ -359,7 +359,7 @@ class Driver:
         if job.replanner is not None:
             job.replanner.moved(move["seconds"])
         if self.metrics is not None:
-            self.metrics.migrated_bytes(job.job_id, move["bytes"])
+            self.metrics.migration_done(job.job_id, move["bytes"], move["seconds"])
         log.info("job %s: %s in %.2f s: %s", job.job_id,
                  "rolled back" if "rolled_back" in move else "migrated", move["seconds"], move)
 

@@ -49,6 +49,9 @@ class CoordinatorMetrics:
         self.migrated_bytes_total = Counter(
             "pipefb_migrated_bytes_total", "Bytes of weights and optimizer state that layer "
             "migrations moved between workers", ["job"], registry=registry)
+        self.migration_seconds = Counter(
+            "pipefb_migration_seconds_total", "Seconds layer migrations took, from the pause "
+            "at the step boundary to running again", ["job"], registry=registry)
         self.restarts = Counter("pipefb_restarts_total", "Job restarts after a failure",
                                 ["job"], registry=registry)
         self.registered = gauge("pipefb_workers_registered", "Workers in the registry", ())
@@ -63,13 +66,14 @@ class CoordinatorMetrics:
         self._lock = threading.Lock()
         self._per_job = (self.step, self.loss, self.samples_per_second, self.step_seconds,
                          self.predicted, self.bubble, self.version_lag, self.migrations,
-                         self.migrated_bytes_total, self.restarts)
+                         self.migrated_bytes_total, self.migration_seconds, self.restarts)
 
     def job_started(self, job: str) -> None:
         """Exports the job's counters (0 so far), its prediction (none yet) and the store's
         memory before any step."""
         self.migrations.labels(job)
         self.migrated_bytes_total.labels(job)
+        self.migration_seconds.labels(job)
         self.restarts.labels(job)
         self.predicted.labels(job).set(0.0)
         self.read_store()
@@ -78,9 +82,10 @@ class CoordinatorMetrics:
         """Counts one migration of the job's layers."""
         self.migrations.labels(job).inc()
 
-    def migrated_bytes(self, job: str, count: int) -> None:
-        """Adds the bytes one migration moved."""
+    def migration_done(self, job: str, count: int, seconds: float) -> None:
+        """Adds the bytes one migration moved and the seconds it took."""
         self.migrated_bytes_total.labels(job).inc(count)
+        self.migration_seconds.labels(job).inc(seconds)
 
     def restarted(self, job: str) -> None:
         """Counts one restart of the job (a failed attempt replayed)."""

@@ -33,6 +33,7 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "pipefb_workers_alive": ("gauge", ()),
     "pipefb_migrations_total": ("counter", ("job",)),
     "pipefb_migrated_bytes_total": ("counter", ("job",)),
+    "pipefb_migration_seconds_total": ("counter", ("job",)),
     "pipefb_restarts_total": ("counter", ("job",)),
     "pipefb_store_used_memory_bytes": ("gauge", ()),
     "pipefb_grpc_server_handled_total": ("counter", _GRPC),

@@ -208,6 +208,7 @@ def test_prometheus_has_coordinator_and_grpc_series(scraped: Scraped) -> None:
     assert prom.value("pipefb_store_used_memory_bytes") > 0
     assert prom.value(f'pipefb_migrations_total{{job="{job}"}}') == 0
     assert prom.value(f'pipefb_migrated_bytes_total{{job="{job}"}}') == 0
+    assert prom.value(f'pipefb_migration_seconds_total{{job="{job}"}}') == 0
     assert prom.value(f'pipefb_restarts_total{{job="{job}"}}') == 0
     assert prom.value(f'pipefb_job_predicted_step_seconds{{job="{job}"}}') == 0  # plan even
     assert prom.value(f'pipefb_job_weight_version_lag{{job="{job}"}}') == 1  # sync
