@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import groups_doc, planner_doc, replan, sim_accuracy
+from bench import groups_doc, planner_doc, replan, sim_accuracy, store
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 
@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "pipeline_throughput": ("pipeline_throughput", []),
     "pipeline_throughput_b64": ("pipeline_throughput", ["--batch", "64", "--models", "gpt"]),
     "stream_vs_tcp": ("stream_vs_tcp", []),
+    "store": ("store", []),
     "backward_worker": ("backward_worker", []),
     "schedules": ("schedules", []),
     "schedules_cuda": ("schedules", ["--device", "cuda", "--threads", "2", "--repeats", "2",
@@ -242,6 +243,9 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
     lines += pipeline_section(*results["pipeline_throughput_b64"], os.path.relpath(
         out / "pipeline_throughput_b64" / "throughput.png", doc.parent))
     lines += stream_section(*results["stream_vs_tcp"])
+    if "store" in results:
+        lines += store.doc_section(*results["store"], os.path.relpath(
+            out / "store" / "store.png", doc.parent))
     lines += backward_section(*results["backward_worker"])
     lines += schedules_section(*results["schedules"], os.path.relpath(
         out / "schedules" / "schedules.png", doc.parent))

@@ -175,3 +175,18 @@ def test_replan_quick(tmp_path: Path) -> None:
     for r in meas["recovery"].values():
         assert_summary(r)
     assert "## Online re-planning" in "\n".join(doc_section("cmd", res, "replan.png"))
+
+
+def test_store_quick(tmp_path: Path) -> None:
+    from bench.store import PATHS, doc_section
+
+    res = run_quick("store", tmp_path)
+    assert (tmp_path / "store.png").stat().st_size > 0
+    meas = res["measured"]
+    assert meas["bytes"] == 56 * 4 * (65536 + 131072) // 2 // 8 and meas["rounds"] == 3
+    for p in PATHS:
+        assert_summary(meas["mb_per_second"][p])
+    for r in meas["ratios"].values():
+        assert_summary(r)
+    assert "## Offload store against plain redis-py" in "\n".join(
+        doc_section("cmd", res, "store.png"))
