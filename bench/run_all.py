@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import groups_doc, planner_doc, replan, sim_accuracy, store
+from bench import groups_doc, planner_doc, replan, scaling, sim_accuracy, store
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 
@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "schedules": ("schedules", []),
     "schedules_cuda": ("schedules", ["--device", "cuda", "--threads", "2", "--repeats", "2",
                                      "--steps", "6"]),
+    "scaling": ("scaling", []),
     "planner": ("planner", []),
     "sim_accuracy": ("sim_accuracy", []),
     "groups": ("groups", []),
@@ -253,6 +254,9 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
         lines += schedules_section(*results["schedules_cuda"], os.path.relpath(
             out / "schedules_cuda" / "schedules.png", doc.parent))
         lines += GPU_READING
+    if "scaling" in results:
+        lines += scaling.doc_section(*results["scaling"], os.path.relpath(
+            out / "scaling" / "scaling.png", doc.parent))
     lines += planner_section(*results["planner"], os.path.relpath(
         out / "planner" / "planner.png", doc.parent))
     lines += sim_accuracy.doc_section(*results["sim_accuracy"], os.path.relpath(

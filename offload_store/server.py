@@ -21,8 +21,10 @@ from pipefb.local import die_with_parent
 
 STARTUP_TIMEOUT_S = 10.0  # how long start() waits for the first PING
 STOP_GRACE_S = 5.0  # how long stop() waits after SIGTERM before SIGKILL
-BIND_ATTEMPTS = 5  # fresh ports tried when another process takes the chosen one first
+BIND_ATTEMPTS = 5  # fresh ports tried when another process takes the chosen one first, or
+# the server died of a signal while starting
 LOG_TAIL_LINES = 20  # server log lines quoted in a startup error
+STDERR_FILE = "redis.stderr"  # beside the log: what the server says before it opens the log
 ACL_FILE = "users.acl"  # in the server's private directory
 
 _MAXMEMORY = re.compile(r"\d+(b|k|kb|m|mb|g|gb)?", re.IGNORECASE)
@@ -149,7 +151,7 @@ class RedisServer:
             try:
                 self._launch(binary, self.port or _free_port())
                 return self
-            except _PortTaken:
+            except _Retryable:
                 if attempt == attempts:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
@@ -192,13 +194,14 @@ class RedisServer:
         if self.acl:  # in the server's private directory (0700), not on its command line
             (Path(workdir.name) / ACL_FILE).write_text(self.acl)
         try:
-            proc = subprocess.Popen(
-                self._command(binary, port, workdir.name, log),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,  # a killed `python -m offload_store` takes it along
-            )
+            with log.with_name(STDERR_FILE).open("wb") as stderr:  # what dies before the log
+                proc = subprocess.Popen(
+                    self._command(binary, port, workdir.name, log),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                    preexec_fn=die_with_parent,  # a killed `python -m offload_store` goes too
+                )
         except BaseException:
             workdir.cleanup()
             raise
@@ -222,8 +225,17 @@ class RedisServer:
         ]  # fmt: skip
 
 
-class _PortTaken(RuntimeError):
+class _Retryable(RuntimeError):
+    """A start that another try (on another port) may get past."""
+
+
+class _PortTaken(_Retryable):
     """The server exited because another process holds its port."""
+
+
+class _Crashed(_Retryable):
+    """The server died of a signal while starting (seen once in CI: SIGABRT before it
+    opened its log; its stderr is kept beside the log to say why)."""
 
 
 def _cleanup(proc: subprocess.Popen[bytes], workdir: tempfile.TemporaryDirectory[str]) -> None:
@@ -240,6 +252,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path,
 
     Raises:
         _PortTaken: the server exited with "Address already in use".
+        _Crashed: the server died of a signal before it answered.
         RuntimeError: it exited otherwise or did not answer within `STARTUP_TIMEOUT_S`.
     """
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -250,7 +263,8 @@ def _wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path,
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = _log_tail(log)
-                error = _PortTaken if "already in use" in tail else RuntimeError
+                error = (_PortTaken if "already in use" in tail
+                         else _Crashed if proc.returncode < 0 else RuntimeError)
                 raise error(f"redis-server exited with {proc.returncode} on port {port}:\n{tail}")
             try:
                 if int(client.info("server")["process_id"]) == proc.pid:
@@ -267,8 +281,14 @@ def _wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path,
 
 
 def _log_tail(log: Path) -> str:
-    """The last `LOG_TAIL_LINES` lines of the server log, or a note that there is none."""
+    """The last `LOG_TAIL_LINES` lines of the server log (or a note that there is none),
+    then whatever the server wrote to stderr."""
     try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
     except OSError:
-        return f"(no log at {log})"
+        tail = f"(no log at {log})"
+    try:
+        stderr = log.with_name(STDERR_FILE).read_text(errors="replace").strip()
+    except OSError:
+        stderr = ""
+    return f"{tail}\nstderr: {stderr[-2000:]}" if stderr else tail

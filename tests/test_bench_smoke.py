@@ -190,3 +190,19 @@ def test_store_quick(tmp_path: Path) -> None:
         assert_summary(r)
     assert "## Offload store against plain redis-py" in "\n".join(
         doc_section("cmd", res, "store.png"))
+
+
+@pytest.mark.timeout(200)
+def test_scaling_quick(tmp_path: Path) -> None:
+    from bench.scaling import doc_section
+
+    res = run_quick("scaling", tmp_path, timeout=180)
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    meas = res["measured"]
+    assert set(meas["step_seconds"]) == {"1f1b x1", "1f1b x2", "1f1b x4", "pipefb x2",
+                                         "pipefb x4", "depth 2", "depth 4", "depth 8"}
+    for s in meas["step_seconds"].values():
+        assert_summary(s)
+        assert s["n"] == 2  # 2 timed steps, 1 repeat
+    assert meas["speedup_over_1"]["1f1b x1"] == 1.0
+    assert "## Scaling" in "\n".join(doc_section("cmd", res, "scaling.png"))

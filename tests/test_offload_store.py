@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -475,3 +476,22 @@ def test_frames_reach_redis_byte_for_byte_as_pack_writes_them(client: redis.Redi
     assert torch.equal(got, tensor) and got.dtype == tensor.dtype
     client.set("plain", b"value")  # other commands still go through redis-py's own packing
     assert client.getdel("plain") == b"value"
+
+
+def test_a_server_that_dies_of_a_signal_while_starting_is_retried_and_quoted(
+        tmp_path: Path) -> None:
+    """A redis-server that aborts before opening its log (seen once in CI: SIGABRT) is
+    told apart from a bad configuration, so `start` tries another port, and the error
+    quotes what it wrote to stderr."""
+    from offload_store import server
+
+    log = tmp_path / "redis.log"
+    with (tmp_path / server.STDERR_FILE).open("wb") as stderr:
+        proc = subprocess.Popen(["sh", "-c", "echo 'assertion failed' >&2; kill -ABRT $$"],
+                                stderr=stderr)
+    proc.wait()
+    with pytest.raises(server._Crashed) as crashed:
+        server._wait_ready(proc, 1, log)
+    assert isinstance(crashed.value, server._Retryable)
+    assert f"exited with {-signal.SIGABRT}" in str(crashed.value)
+    assert "stderr: assertion failed" in str(crashed.value)
