@@ -259,6 +259,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
 
     def Migrate(self, request: worker_pb2.MigrateRequest, context: grpc.ServicerContext
                 ) -> Iterator[tensor_pb2.TensorChunk]:
+        current = self._assigned
+        if current is not None and current.runtime.role == "forward" and (
+                current.job_id, current.attempt) == (request.job_id, request.attempt):
+            # a forward rank owns nothing; keeping it as a source would take its next
+            # weight version out of its inbox
+            raise FailedPrecondition(f"rank {current.rank} is a forward rank; it owns no "
+                                     "layers to migrate")
         source = self._keep_source(request.job_id, request.attempt, request.step)
         if source is None:
             raise FailedPrecondition(f"attempt {request.attempt} of job {request.job_id!r} "
