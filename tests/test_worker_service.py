@@ -184,3 +184,45 @@ def test_calls_of_another_attempt_are_fenced_off(stub: worker_pb2_grpc.StageWork
         assert serving(worker)
     finally:
         assert stub.Drain(worker_pb2.DrainRequest(job_id="win", attempt=2), timeout=30).drained
+
+
+def test_migrate_serves_only_an_owner_s_paused_layers(stub: worker_pb2_grpc.StageWorkerStub
+                                                      ) -> None:
+    """`Migrate` streams layers a combined rank owns, at the step it is paused at; a layer
+    it does not own, another step or another attempt is refused; a forward rank refuses
+    outright (it owns nothing, and its next weight version must stay in its inbox)."""
+    stub.Assign(second_rank_assignment(), timeout=60)  # rank 1: combined, layers 2..4
+    request = worker_pb2.MigrateRequest(job_id="win", attempt=0, step=0, layers=[2],
+                                        optimizer_layers=[2])
+    _, tensors = wire.decode_stream(stub.Migrate(request, timeout=30))
+    assert sorted(tensors) == ["layers.2.0.bias", "layers.2.0.weight"]  # SGD: no state yet
+    for change, code in (({"layers": [0]}, grpc.StatusCode.INVALID_ARGUMENT),
+                         ({"step": 3}, grpc.StatusCode.FAILED_PRECONDITION),
+                         ({"attempt": 4}, grpc.StatusCode.FAILED_PRECONDITION)):
+        bad = worker_pb2.MigrateRequest()
+        bad.CopyFrom(request)
+        for field, value in change.items():
+            if isinstance(value, list):
+                del getattr(bad, field)[:]
+                getattr(bad, field).extend(value)
+            else:
+                setattr(bad, field, value)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Migrate(bad, timeout=30))
+            pytest.fail(f"{change} was served")
+        assert info.value.code() == code, info.value.details()
+    forward = second_rank_assignment()
+    forward.job.schedule = forward.plan.schedule = "pipefb"
+    forward.job.job_id = "fwd"
+    del forward.plan.assignment[:]
+    forward.plan.assignment.extend([job_pb2.WorkerAssignment(rank=0, role="forward"),
+                                    job_pb2.WorkerAssignment(rank=1, role="backward")])
+    forward.plan.forward_partition[:] = forward.plan.backward_partition[:] = [0, 5]
+    forward.plan.policy[:] = ["offload"] * 5
+    forward.rank = 0
+    stub.Assign(forward, timeout=60)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Migrate(worker_pb2.MigrateRequest(job_id="fwd", attempt=0, step=0,
+                                                    layers=[0]), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "forward rank; it owns no layers" in refused.value.details()

@@ -223,6 +223,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         migration's source ([Note: migration, worker side]); None if it ran none."""
         with self._lock:
             if self._source is not None and self._source.matches(job_id, attempt):
+                if self._source.step != step:
+                    raise FailedPrecondition(f"attempt {attempt} of job {job_id!r} paused "
+                                             f"at step {self._source.step}, not {step}")
                 return self._source
             current = self._assigned
         if current is None or (current.job_id, current.attempt) != (job_id, attempt):
