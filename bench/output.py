@@ -41,10 +41,12 @@ def args_json(args: argparse.Namespace) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
-def add_part_flags(p: argparse.ArgumentParser, quick_help: str) -> None:
-    """`--quick` and `--part` of a bench with a simulated and a measured part."""
+def add_part_flags(p: argparse.ArgumentParser, quick_help: str,
+                   parts: tuple[str, ...] = ("simulated", "measured")) -> None:
+    """`--quick` and `--part` of a bench with these parts (a simulated and a measured one
+    unless told)."""
     p.add_argument("--quick", action="store_true", help=quick_help)
-    p.add_argument("--part", choices=("all", "simulated", "measured"), default="all")
+    p.add_argument("--part", choices=("all", *parts), default="all")
 
 
 def run_parts(bench: str, args: argparse.Namespace, parts: dict[str, Callable[[], Any]],

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import run_interleaved
-from bench.output import add_run_flags, run_parts
+from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.pipeline_throughput import MODELS, QUICK_MODELS
 from bench.stats import fmt, summary
 from pipefb.config import JobConfig
@@ -179,10 +179,9 @@ def print_results(results: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a tiny run for CI")
-    p.add_argument("--part", choices=("all", "measured"), default="all")
+    add_part_flags(p, "a tiny run for CI", ("measured",))
     p.add_argument("--scenario", choices=("rank", "layer"), default="rank",
-                   help="slow rank 3, or layer 2 wherever it runs")
+                   help=f"slow rank {SLOWED_RANK}, or layer {SLOWED_LAYER} wherever it runs")
     p.add_argument("--factor", type=float, default=2.0, help="the slowdown")
     p.add_argument("--at", type=int, default=10, help="the step the slowdown starts")
     add_run_flags(p, repeats=3)

@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cluster import local_client, run_interleaved
-from bench.output import add_run_flags, run_parts
+from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.pipeline_throughput import MODELS, QUICK_MODELS
 from bench.stats import fmt, summary
 from pipefb.config import JobConfig
@@ -156,8 +156,7 @@ def print_results(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a tiny run for CI")
-    p.add_argument("--part", choices=("all", "measured"), default="all")
+    add_part_flags(p, "a tiny run for CI", ("measured",))
     add_run_flags(p, repeats=3)
     p.set_defaults(batch=16)
     args = p.parse_args(argv)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis
 import torch
 
-from bench.output import run_parts
+from bench.output import add_part_flags, run_parts
 from bench.stats import fmt, summary
 from offload_store import OffloadStore, connect
 from offload_store.server import RedisServer
@@ -149,8 +149,7 @@ def print_results(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a tiny run for CI")
-    p.add_argument("--part", choices=("all", "measured"), default="all")
+    add_part_flags(p, "a tiny run for CI", ("measured",))
     p.add_argument("--rounds", type=int, default=15, help="paired rounds of every path")
     p.add_argument("--out", type=Path, default=None, help="write results.json and a PNG here")
     args = p.parse_args(argv)

@@ -72,6 +72,21 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         os.close(directory)
 
 
+def layer_of(name: str) -> tuple[int, bool]:
+    """The layer a rank-file tensor belongs to, and whether it is optimizer state:
+    `layers.{i}.{param}` gives (i, False), `optimizer.{i}.{param}.{key}` (i, True).
+
+    Raises:
+        ConfigError: a name of neither form.
+    """
+    state = name.startswith(OPTIMIZER_PREFIX)
+    prefix = OPTIMIZER_PREFIX if state else "layers."
+    head = name.removeprefix(prefix).split(".", 1)[0]
+    if not name.startswith(prefix) or not head.isdigit():
+        raise ConfigError(f"tensor {name!r} is neither layers.I.* nor {OPTIMIZER_PREFIX}I.*")
+    return int(head), state
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]
                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The optimizer's state as named tensors and its param groups as metadata.
@@ -186,9 +201,15 @@ def load_rank(path: Path) -> Part:
             tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:
         raise ConfigError(f"cannot read checkpoint file {str(path)!r}: {error}") from None
+    return as_part(tensors, metadata)
+
+
+def as_part(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+            ) -> Part:
+    """Rank-file tensors (and metadata) as a `Part`: weights apart from optimizer state."""
     weights = {k: v for k, v in tensors.items() if not k.startswith(OPTIMIZER_PREFIX)}
     optim = {k: v for k, v in tensors.items() if k.startswith(OPTIMIZER_PREFIX)}
-    return weights, optim, metadata
+    return weights, optim, dict(metadata or {})
 
 
 def write_state(root: Path, step: int, state: dict[str, Any]) -> Path:

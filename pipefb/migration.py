@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from pipefb.checkpoint import OPTIMIZER_PREFIX
 from pipefb.errors import ConfigError
 from pipefb.plan import Plan, schedule_for
 
@@ -59,25 +58,11 @@ def holders(plan: Plan) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int
     return forward, owner
 
 
-def layer_sizes(saved: Mapping[int, Mapping[str, int]]) -> dict[int, tuple[int, int]]:
-    """Layer -> (weight bytes, optimizer state bytes) from rank files' tensor sizes
-    (`saved`: rank -> tensor name -> bytes, `pipefb.checkpoint.tensor_bytes`)."""
-    sizes: dict[int, tuple[int, int]] = {}
-    for tensors in saved.values():
-        for name, nbytes in tensors.items():
-            optim = name.startswith(OPTIMIZER_PREFIX)
-            layer = int(name.removeprefix(OPTIMIZER_PREFIX if optim else "layers.")
-                        .split(".", 1)[0])
-            weights, state = sizes.get(layer, (0, 0))
-            sizes[layer] = (weights, state + nbytes) if optim else (weights + nbytes, state)
-    return sizes
-
-
 def moved_bytes(old: Plan, new: Plan, sizes: Mapping[int, tuple[int, int]]) -> int:
     """Bytes a migration from `old` to `new` moves: the weights of each layer whose
     forward rank changes (when that rank is not its owner), and the weights and optimizer
     state of each layer whose owner changes, per group (`sizes`: layer -> (weight bytes,
-    optimizer state bytes), e.g. `layer_sizes`)."""
+    optimizer state bytes))."""
     (old_fwd, old_own), (new_fwd, new_own) = holders(old), holders(new)
     total = 0
     for key, owner in new_own.items():

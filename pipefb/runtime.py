@@ -20,8 +20,8 @@ import torch
 
 from pipefb.allreduce import Reducer
 from pipefb.checkpoint import (
-    OPTIMIZER_PREFIX,
     Part,
+    layer_of,
     load_optimizer,
     load_rank,
     optimizer_share,
@@ -422,6 +422,11 @@ class StageRuntime:
         step - staleness (at least 0), the version RECV_W installed."""
         if self.role == "combined":
             return self.flight.forward_version[(step, stage, m)]
+        return self._split_version(step)
+
+    def _split_version(self, step: int) -> int:
+        """The weight version a split rank's forward of `step` uses: step - staleness (at
+        least 0)."""
         return max(0, step - self.plan.staleness)
 
     def _params(self, version: int, layer: int) -> list[torch.Tensor] | None:
@@ -594,11 +599,10 @@ class StageRuntime:
 
     def _recv_weights(self, action: Action, step: int, it: _Iteration) -> None:
         """Installs the version step `step`'s forward uses: step - staleness (at least 0)."""
-        version = max(0, step - self.plan.staleness)
+        version = self._split_version(step)
         if version <= self.version:
             return  # version 0: initial weights, identical everywhere by construction
-        names = [f"{i}.{n}" for i in self.fwd_layers for n, _ in self.layers[i].named_parameters()]
-        got = self.transport.wait_weights(version, names)
+        got = self.transport.wait_weights(version, self._param_names(self.fwd_layers))
         with torch.no_grad():
             for i in self.fwd_layers:
                 for name, p in self.layers[i].named_parameters():
@@ -610,12 +614,21 @@ class StageRuntime:
 
     def owned_weights(self) -> dict[str, torch.Tensor]:
         """The weights this rank owns (its backward layers), named `layers.{i}.{param}`."""
+        return self._weights_of(self.bwd_layers)
+
+    def _weights_of(self, layers: Iterable[int]) -> dict[str, torch.Tensor]:
+        """The weights of `layers`, named `layers.{i}.{param}` as in rank files."""
         return {f"layers.{i}.{name}": p.detach()
-                for i in self.bwd_layers for name, p in self.layers[i].named_parameters()}
+                for i in layers for name, p in self.layers[i].named_parameters()}
+
+    def _param_names(self, layers: Iterable[int]) -> list[str]:
+        """`{layer}.{param}` of every parameter of `layers`, in order (for the owned
+        layers, the optimizer's order)."""
+        return [f"{i}.{n}" for i in layers for n, _ in self.layers[i].named_parameters()]
 
     def _owned_names(self) -> list[str]:
         """`{layer}.{param}` of every owned parameter, in the optimizer's order."""
-        return [f"{i}.{n}" for i in self.bwd_layers for n, _ in self.layers[i].named_parameters()]
+        return self._param_names(self.bwd_layers)
 
     def save_checkpoint(self, path: Path) -> None:
         """Writes the owned weights and optimizer state (`pipefb.checkpoint.save_rank`)."""
@@ -634,24 +647,20 @@ class StageRuntime:
         if foreign:
             raise ConfigError(f"layers {foreign} are not owned by rank {self.rank} "
                               f"(it owns {list(self.bwd_layers)})")
-        out = {f"layers.{i}.{n}": p.detach() for i in sorted(wanted)
-               for n, p in self.layers[i].named_parameters()}
+        out = self._weights_of(sorted(wanted))
         if self.optimizer is not None and optim:
             state, _ = optimizer_tensors(self.optimizer, self._owned_names())
-            out.update({k: v for k, v in state.items()
-                        if int(k[len(OPTIMIZER_PREFIX):].split(".", 1)[0]) in optim})
+            out.update({k: v for k, v in state.items() if layer_of(k)[0] in optim})
         return out
 
     def pending_weights(self, step: int) -> dict[str, torch.Tensor]:
         """A forward rank's weights of the version step `step` uses, `layers.i.p`: the
         pushed version waiting in its inbox, or the installed one if it is that version
         (a migration keeps a forward layer that stays on this rank from here)."""
-        version = max(0, step - self.plan.staleness)
-        names = [f"{i}.{n}" for i in self.fwd_layers for n, _ in self.layers[i].named_parameters()]
+        version = self._split_version(step)
         if version <= self.version:
-            return {f"layers.{i}.{n}": p.detach() for i in self.fwd_layers
-                    for n, p in self.layers[i].named_parameters()}
-        got = self.transport.wait_weights(version, names)
+            return self._weights_of(self.fwd_layers)
+        got = self.transport.wait_weights(version, self._param_names(self.fwd_layers))
         return {f"layers.{k}": v for k, v in got.items()}
 
     def restore(self, files: Mapping[int, Path], step: int) -> None:

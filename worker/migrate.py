@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from pipefb.checkpoint import OPTIMIZER_PREFIX, Part
-from pipefb.errors import CodecError, WorkerFailed
+from pipefb.checkpoint import Part, as_part, layer_of
+from pipefb.errors import CodecError, ConfigError, WorkerFailed
 from pipefb.migration import Takeover
 from pipefb.runtime import StageRuntime
 from protos import server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -63,12 +63,8 @@ def local_part(source: Source | None, plan: Takeover) -> Part:
         return {}, {}, {}
     if source is None:
         raise CodecError("this worker holds no state of the paused attempt (restarted?)")
-    state = source.runtime.layer_state(plan.owned, plan.owned)
-    weights = {k: v for k, v in state.items() if not k.startswith(OPTIMIZER_PREFIX)}
-    optim = {k: v for k, v in state.items() if k.startswith(OPTIMIZER_PREFIX)}
-    kept = {f"layers.{i}." for i in plan.kept}
-    weights.update({k: v for k, v in source.forward.items()
-                    if any(k.startswith(prefix) for prefix in kept)})
+    weights, optim, _ = as_part(source.runtime.layer_state(plan.owned, plan.owned))
+    weights.update({k: v for k, v in source.forward.items() if layer_of(k)[0] in plan.kept})
     return weights, optim, {}
 
 
@@ -105,13 +101,11 @@ def pull(peers: Sequence[str], job_id: str, attempt: int, step: int, plan: Takeo
 def _split(tensors: dict[str, torch.Tensor], layers: Sequence[int],
            optimizer_layers: Sequence[int], rank: int) -> Part:
     """A peer's answer as a Part, refusing any tensor of a layer it was not asked for."""
-    weights: dict[str, torch.Tensor] = {}
-    optim: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        is_state = name.startswith(OPTIMIZER_PREFIX)
-        rest = name.removeprefix(OPTIMIZER_PREFIX if is_state else "layers.")
-        head = rest.split(".", 1)[0]
-        if not head.isdigit() or int(head) not in (optimizer_layers if is_state else layers):
+    for name in tensors:
+        try:
+            layer, is_state = layer_of(name)
+        except ConfigError:
+            layer, is_state = -1, False
+        if layer not in (optimizer_layers if is_state else layers):
             raise CodecError(f"rank {rank} sent {name!r}, which was not asked for")
-        (optim if is_state else weights)[name] = tensor
-    return weights, optim, {}
+    return as_part(tensors)
