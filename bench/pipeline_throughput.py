@@ -92,7 +92,7 @@ def one_repeat(client: Any, job: JobConfig, boundary: int, args: argparse.Namesp
         seconds, losses, ranks = run_cluster(client, replace(job, schedule=schedule))
         out[f"pipefb-{schedule}"] = {"seconds": seconds, "losses": losses, "ranks": ranks}
     torch_run = torch_pipelining.run(job, boundary, "1f1b", args.threads)
-    out["torch-1f1b"] = torch_run
+    out["torch-1f1b"] = {k: torch_run[k] for k in ("seconds", "losses")}
     return out
 
 

@@ -1,7 +1,11 @@
 """Runs every bench once and writes docs/benchmarks.md from that run's results alone.
 
-Run: `python bench/run_all.py [--quick] [--out bench/results] [--doc docs/benchmarks.md]`.
-Each bench runs in its own process; their results.json files land in OUT/<bench>/.
+Run: `make bench`, or `python bench/run_all.py [--quick] [--out bench/results]
+[--doc docs/benchmarks.md]`. Each bench runs in its own process, one after the other, with
+its torch threads pinned (`--threads`, 1 unless an entry says otherwise); their
+results.json files land in OUT/<bench>/, and OUT/run.json records how long each took.
+On a machine with a CUDA device the GPU entries run too and write their own page
+(docs/benchmarks-gpu.md), so CPU and GPU tables never mix; without one the CPU page says so.
 """
 
 from __future__ import annotations
@@ -11,35 +15,41 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import groups_doc, planner_doc, replan, scaling, sim_accuracy, store
+from bench import groups_doc, matrix, planner_doc, replan, scaling, sim_accuracy, store
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Entries that need a CUDA device: on a machine without one, their saved results are used.
-NEEDS_CUDA = frozenset({"schedules_cuda"})
-#: result folder -> (bench script, extra arguments). The second throughput run uses 16
-#: samples per micro-batch, where compute rather than per-transfer latency dominates.
+#: Entries that need a CUDA device: they run only where one is, into the GPU page.
+NEEDS_CUDA = frozenset({"matrix_cuda", "schedules_cuda"})
+GPU_DOC = "benchmarks-gpu.md"  # beside the CPU page
+#: result folder -> (bench script, extra arguments). The matrix runs 4 samples per
+#: micro-batch (latency-bound); the second throughput run 16, where compute dominates.
+#: Sizes keep the whole run under 30 minutes on 2 cores.
 BENCHES: dict[str, tuple[str, list[str]]] = {
-    "pipeline_throughput": ("pipeline_throughput", []),
-    "pipeline_throughput_b64": ("pipeline_throughput", ["--batch", "64", "--models", "gpt"]),
+    "matrix": ("matrix", []),
+    "pipeline_throughput_b64": ("pipeline_throughput", ["--batch", "64", "--models", "gpt",
+                                                        "--steps", "12"]),
     "stream_vs_tcp": ("stream_vs_tcp", []),
     "store": ("store", []),
     "backward_worker": ("backward_worker", []),
-    "schedules": ("schedules", []),
-    "schedules_cuda": ("schedules", ["--device", "cuda", "--threads", "2", "--repeats", "2",
-                                     "--steps", "6"]),
+    "schedules": ("schedules", ["--workers", "4"]),
     "scaling": ("scaling", []),
     "planner": ("planner", []),
     "sim_accuracy": ("sim_accuracy", []),
     "groups": ("groups", []),
-    "replan": ("replan", []),
-    "replan_layer": ("replan", ["--scenario", "layer", "--factor", "4", "--batch", "64"]),
+    "replan": ("replan", ["--steps", "80"]),
+    "replan_layer": ("replan", ["--scenario", "layer", "--factor", "4", "--batch", "64",
+                                "--steps", "80", "--repeats", "2"]),
+    "matrix_cuda": ("matrix", ["--device", "cuda", "--threads", "2"]),
+    "schedules_cuda": ("schedules", ["--device", "cuda", "--threads", "2", "--repeats", "2",
+                                     "--steps", "6"]),
 }
 
 
@@ -50,12 +60,18 @@ def bench_argv(name: str, out: Path, quick: bool) -> list[str]:
             *(["--quick"] if quick else [])]
 
 
-def run_bench(name: str, out: Path, quick: bool) -> tuple[str, dict[str, Any]]:
-    """Runs one entry of BENCHES in a child; returns (command, results)."""
+def run_bench(name: str, out: Path, quick: bool, seconds: dict[str, float]
+              ) -> tuple[str, dict[str, Any]]:
+    """Runs one entry of BENCHES in a child; returns (command, results) and records its
+    wall time in `seconds`."""
     argv = bench_argv(name, out, quick)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    print(f"== {name}: {' '.join(argv)}", flush=True)
+    started = time.perf_counter()
     subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, check=True)
+    seconds[name] = time.perf_counter() - started
+    print(f"== {name}: {seconds[name]:.0f} s", flush=True)
     return "PYTHONPATH=. python " + " ".join(argv), json.loads(
         (out / name / "results.json").read_text())
 
@@ -225,90 +241,157 @@ READING = [
     "So both offloading systems pay for Redis in full and the ratio stays near 1; the "
     "comparison that this machine can make honestly is the memory column: offload keeps the "
     "first worker's activation peak at one micro-batch, `keep` grows with depth.",
+    "- Efficiency (the matrix) sets each pipeline against the best its own schedule and "
+    "partition allow: 2 workers each as fast as `single`, minus the bubble the simulator "
+    "finds on ideal workers. Here 2 workers, the coordinator, Redis and the client share 2 "
+    "cores, so even a perfect pipeline would measure about 0.5: read the column across "
+    "systems, not against 1.",
     "- gRPC vs TCP: the CPU pieces of the gRPC path (one copy into each chunk, protobuf "
     "serialise and parse, one copy into the tensor) add up to about a third of a transfer; "
     "the rest is gRPC Python's hand-offs between its threads.", ""]
 
 
-def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]]]) -> None:
-    """Writes the markdown page from one run's results."""
-    m = results["pipeline_throughput"][1]["machine"]
-    png = os.path.relpath(out / "pipeline_throughput" / "throughput.png", doc.parent)
-    lines = ["# Benchmarks", "", "Generated by `PYTHONPATH=. python bench/run_all.py`; every "
-             "figure below comes from that one run.", "",
-             f"- date: {m['date']}", f"- machine: {m['cpu']}, {m['cores']} cores "
-             "(shared and noisy: read medians and ranges, not single figures)",
-             f"- software: Python {m['python']}, torch {m['torch']}, grpcio {m['grpcio']}, "
-             f"{m['platform']}", ""]
-    lines += pipeline_section(*results["pipeline_throughput"], png)
-    lines += pipeline_section(*results["pipeline_throughput_b64"], os.path.relpath(
-        out / "pipeline_throughput_b64" / "throughput.png", doc.parent))
+def machine_lines(m: dict[str, Any]) -> list[str]:
+    """The date, machine and software lines of a page's header."""
+    return [f"- date: {m['date']}", f"- machine: {m['cpu']}, {m['cores']} cores "
+            "(shared and noisy: read medians and ranges, not single figures)"
+            + (f"; GPU: {m['gpu']}" if m.get("gpu") else ""),
+            f"- software: Python {m['python']}, torch {m['torch']}, grpcio {m['grpcio']}, "
+            f"{m['platform']}"]
+
+
+def run_lines(run: dict[str, Any]) -> list[str]:
+    """How long the run took, in all and per bench."""
+    if not run.get("seconds"):
+        return []
+    each = ", ".join(f"{k} {v:.0f}" for k, v in run["seconds"].items())
+    total = (f"{run['total_seconds'] / 60:.1f} minutes in all" if run.get("total_seconds")
+             else "a partial run")
+    return [f"- duration: {total} (seconds per bench: {each})"]
+
+
+def gpu_lines(results: dict[str, tuple[str, dict[str, Any]]], ran_cuda: bool) -> list[str]:
+    """Where the GPU tables are, and whether this run made them."""
+    gpu = [results[n][1]["machine"] for n in sorted(NEEDS_CUDA) if n in results]
+    if ran_cuda:
+        return [f"- GPU: this run also ran the GPU suite on {gpu[0]['gpu']}: "
+                f"[{GPU_DOC}]({GPU_DOC})"]
+    if gpu:
+        return [f"- GPU: this run had no CUDA device, so the GPU suite did not run; "
+                f"[{GPU_DOC}]({GPU_DOC}) holds the tables of the last run that had one "
+                f"({gpu[0]['date']}, {gpu[0]['gpu']})"]
+    return ["- GPU: this run had no CUDA device, and no GPU run has been recorded yet"]
+
+
+def rel(out: Path, doc: Path, name: str, png: str) -> str:
+    """The path of OUT/<name>/<png> as the page links it."""
+    return os.path.relpath(out / name / png, doc.parent)
+
+
+def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]]],
+              run: dict[str, Any], ran_cuda: bool) -> None:
+    """Writes the CPU page from one run's results."""
+    lines = ["# Benchmarks", "", "Generated by `make bench` (`PYTHONPATH=. python "
+             "bench/run_all.py`); every figure below comes from that one run.", "",
+             *machine_lines(results["matrix"][1]["machine"]), *run_lines(run),
+             *gpu_lines(results, ran_cuda), ""]
+    lines += matrix.doc_section(*results["matrix"], rel(out, doc, "matrix", "matrix.png"))
+    lines += pipeline_section(*results["pipeline_throughput_b64"], rel(
+        out, doc, "pipeline_throughput_b64", "throughput.png"))
     lines += stream_section(*results["stream_vs_tcp"])
-    if "store" in results:
-        lines += store.doc_section(*results["store"], os.path.relpath(
-            out / "store" / "store.png", doc.parent))
+    lines += store.doc_section(*results["store"], rel(out, doc, "store", "store.png"))
     lines += backward_section(*results["backward_worker"])
-    lines += schedules_section(*results["schedules"], os.path.relpath(
-        out / "schedules" / "schedules.png", doc.parent))
-    if "schedules_cuda" in results:
-        lines += schedules_section(*results["schedules_cuda"], os.path.relpath(
-            out / "schedules_cuda" / "schedules.png", doc.parent))
-        lines += GPU_READING
-    if "scaling" in results:
-        lines += scaling.doc_section(*results["scaling"], os.path.relpath(
-            out / "scaling" / "scaling.png", doc.parent))
-    lines += planner_section(*results["planner"], os.path.relpath(
-        out / "planner" / "planner.png", doc.parent))
-    lines += sim_accuracy.doc_section(*results["sim_accuracy"], os.path.relpath(
-        out / "sim_accuracy" / "sim_accuracy.png", doc.parent))
-    if "groups" in results:
-        lines += groups_doc.doc_section(*results["groups"], os.path.relpath(
-            out / "groups" / "groups.png", doc.parent))
+    lines += schedules_section(*results["schedules"], rel(out, doc, "schedules",
+                                                           "schedules.png"))
+    lines += scaling.doc_section(*results["scaling"], rel(out, doc, "scaling", "scaling.png"))
+    lines += planner_section(*results["planner"], rel(out, doc, "planner", "planner.png"))
+    lines += sim_accuracy.doc_section(*results["sim_accuracy"], rel(
+        out, doc, "sim_accuracy", "sim_accuracy.png"))
+    lines += groups_doc.doc_section(*results["groups"], rel(out, doc, "groups", "groups.png"))
     for name in ("replan", "replan_layer"):
-        if name in results:
-            lines += replan.doc_section(*results[name], os.path.relpath(
-                out / name / "replan.png", doc.parent))
+        lines += replan.doc_section(*results[name], rel(out, doc, name, "replan.png"))
     lines += READING
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))
 
 
-def runs_here(name: str, only: list[str] | None) -> bool:
-    """Whether this run measures entry `name`: asked for, and its device is here."""
-    import torch
-
-    if name in NEEDS_CUDA and not torch.cuda.is_available():
-        print(f"{name}: no CUDA device here; its saved results (if any) stay", flush=True)
-        return False
-    return not only or name in only
+def write_gpu_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]]]
+                  ) -> None:
+    """Writes the GPU page from the GPU entries' results (one run on a CUDA machine)."""
+    first = next(results[n][1] for n in BENCHES if n in NEEDS_CUDA and n in results)
+    lines = ["# Benchmarks on a GPU", "", "Generated by `make bench` on a machine with a CUDA "
+             "device: the GPU entries of `bench/run_all.py` (CPU tables: "
+             "[benchmarks.md](benchmarks.md)).", "", *machine_lines(first["machine"]), ""]
+    missing = [n for n in sorted(NEEDS_CUDA) if n not in results]
+    lines += [f"- not in this page yet: `{n}` (no GPU run of it recorded)" for n in missing]
+    lines += [""] if missing else []
+    if "matrix_cuda" in results:
+        lines += matrix.doc_section(*results["matrix_cuda"], rel(out, doc, "matrix_cuda",
+                                                                  "matrix.png"))
+    if "schedules_cuda" in results:
+        lines += schedules_section(*results["schedules_cuda"], rel(
+            out, doc, "schedules_cuda", "schedules.png"))
+    lines += GPU_READING
+    doc.write_text("\n".join(lines))
 
 
 def saved(name: str, out: Path) -> tuple[str, dict[str, Any]] | None:
-    """The saved results of entry `name` and their command; None if there are none and
-    the entry needs a device that is not here."""
+    """The saved results of entry `name` and their command; None if a GPU entry has none."""
     path = out / name / "results.json"
     if name in NEEDS_CUDA and not path.exists():
         return None
     return saved_command(name, out), json.loads(path.read_text())
 
 
+def record_run(out: Path, seconds: dict[str, float], complete: bool) -> dict[str, Any]:
+    """Merges this run's per-bench seconds into OUT/run.json; a complete run also sets
+    the total. Returns the record."""
+    path = out / "run.json"
+    run = json.loads(path.read_text()) if path.exists() else {}
+    if complete:
+        run = {"total_seconds": sum(seconds.values()), "seconds": {}}
+    run["seconds"] = {**run.get("seconds", {}), **{k: round(v, 1) for k, v in seconds.items()}}
+    if not complete:
+        run.pop("total_seconds", None)
+    if seconds:
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run, indent=1))
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Runs both benches and writes the doc."""
+    """Runs every bench this machine can (or those `--only` names) and writes the pages."""
+    import torch
+
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="CI sizes")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--doc-only", action="store_true",
-                   help="rewrite the page from the results already in OUT, running nothing")
+                   help="rewrite the pages from the results already in OUT, running nothing")
     p.add_argument("--only", nargs="+", choices=list(BENCHES), default=None,
                    help="run only these entries; the others come from OUT's saved results")
     args = p.parse_args(argv)
-    out = args.out.resolve()
-    results = {name: saved(name, out) if args.doc_only or not runs_here(name, args.only)
-               else run_bench(name, out, args.quick) for name in BENCHES}
-    results = {name: r for name, r in results.items() if r is not None}
-    write_doc(args.doc.resolve(), args.out.resolve(), results)
-    print(f"wrote {args.doc}")
+    out, doc = args.out.resolve(), args.doc.resolve()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        print(f"no CUDA device here: the GPU entries ({', '.join(sorted(NEEDS_CUDA))}) do "
+              "not run, and the CPU page says so", flush=True)
+    seconds: dict[str, float] = {}
+    results: dict[str, tuple[str, dict[str, Any]] | None] = {}
+    for name in BENCHES:
+        here = cuda or name not in NEEDS_CUDA
+        wanted = not args.doc_only and (not args.only or name in args.only)
+        results[name] = (run_bench(name, out, args.quick, seconds) if here and wanted
+                         else saved(name, out))
+    found = {name: r for name, r in results.items() if r is not None}
+    ran_cuda = any(name in NEEDS_CUDA for name in seconds)
+    run = record_run(out, seconds, complete=not args.doc_only and not args.only)
+    write_doc(doc, out, found, run, ran_cuda)
+    print(f"wrote {doc}")
+    if (ran_cuda or args.doc_only) and any(name in found for name in NEEDS_CUDA):
+        write_gpu_doc(doc.parent / GPU_DOC, out, found)
+        print(f"wrote {doc.parent / GPU_DOC}")
 
 
 if __name__ == "__main__":

@@ -62,9 +62,9 @@ def make_job(args: argparse.Namespace, name: str, workers: int) -> JobConfig:
                      **spec)
 
 
-def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
-    """Step seconds after warm-up and each rank's peaks of one job."""
-    reports = list(client.train(client.submit(job).job_id))
+def rank_peaks(reports: list[Any]) -> dict[str, dict[str, Any]]:
+    """Each rank's peaks over a job's step reports: its role, highest accounted peak (with
+    the kinds at it), activation peak and CUDA allocator peak."""
     ranks: dict[str, dict[str, Any]] = {}
     for r in reports:
         for w in r.workers:
@@ -76,8 +76,14 @@ def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
             entry["activation"] = max(entry["activation"], w.activation_peak_bytes)
             entry["device_peak"] = max(entry["device_peak"],
                                        w.device_memory_bytes.get("allocated_peak", 0))
+    return ranks
+
+
+def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
+    """Step seconds after warm-up and each rank's peaks of one job."""
+    reports = list(client.train(client.submit(job).job_id))
     return {"seconds": [r.seconds for r in reports[warmup:]], "losses": [r.loss for r in reports],
-            "ranks": ranks}
+            "ranks": rank_peaks(reports)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

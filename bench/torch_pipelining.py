@@ -3,7 +3,8 @@
 Each rank builds its stage from a slice of `build_layers(job)` at the boundary the balanced
 plan chooses; the loss layer (last) becomes the schedule's `loss_fn`. Same data (the step's
 micro-batches concatenated in order), same optimizer, same micro-batching; torch's
-`scale_grads` averages over micro-batches like the single-process reference.
+`scale_grads` averages over micro-batches like the single-process reference. Each rank
+also reports its peak memory counted as pipefb's ranks count theirs (`bench.saved_memory`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from bench.saved_memory import SavedTensorMeter
 from pipefb.config import JobConfig, build_layers
 from pipefb.data import build_dataset
-from pipefb.optim import build_optimizer
+from pipefb.memory import tensor_bytes
+from pipefb.optim import build_optimizer, optimizer_state_bytes
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 WORLD = 2  # two stages, one process each
@@ -64,29 +67,37 @@ def _rank_main(rank: int, job_dict: dict[str, Any], boundary: int, schedule: str
         params = list(module.parameters())
         opt = build_optimizer(job.optimizer, params, job.lr, job.optimizer_config)
         dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
-        times, losses = [], []
+        meter = SavedTensorMeter(exclude=params)
+        times, losses, peaks, saved = [], [], [], []
         for step in range(job.steps):
             dist.barrier()
             started = time.perf_counter()
+            meter.reset_peak()
             x, y = _batch(dataset, job, step)
             step_losses: list[torch.Tensor] = []
-            if rank == 0:
-                sched.step(x)
-            else:
-                sched.step(target=y, losses=step_losses)
+            with meter:
+                if rank == 0:
+                    sched.step(x)
+                else:
+                    sched.step(target=y, losses=step_losses)
+            held = tensor_bytes(params) + tensor_bytes(p.grad for p in params
+                                                       if p.grad is not None)
             opt.step()
             opt.zero_grad(set_to_none=True)
             dist.barrier()
             times.append(time.perf_counter() - started)
             losses.append(float(torch.stack(step_losses).detach().mean()) if step_losses else 0.0)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"seconds": times,
-                                                                  "losses": losses}))
+            peaks.append(held + optimizer_state_bytes(opt) + meter.peak)
+            saved.append(meter.peak)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+            "seconds": times, "losses": losses, "peak_memory_bytes": max(peaks),
+            "activation_peak_bytes": max(saved)}))
     finally:
         dist.destroy_process_group()
 
 
 def run(job: JobConfig, boundary: int, schedule: str = "1f1b", threads: int = 1
-        ) -> dict[str, list[float]]:
+        ) -> dict[str, Any]:
     """Runs the job on 2 spawned gloo ranks.
 
     Args:
@@ -97,13 +108,17 @@ def run(job: JobConfig, boundary: int, schedule: str = "1f1b", threads: int = 1
 
     Returns:
         `seconds`: per-step wall time (barrier to barrier, rank 0), `losses`: per-step mean
-        loss over micro-batches (from the last stage).
+        loss over micro-batches (from the last stage), `ranks`: per rank, its peak of
+        parameters + gradients + optimizer state + saved tensors (`peak`) and of saved
+        tensors alone (`activation`), in bytes.
     """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="torchpipe-") as out_dir:
         mp.start_processes(_rank_main, nprocs=WORLD, start_method="spawn",
                            args=(job.to_dict(), boundary, schedule, _free_port(), threads,
                                  out_dir))
-        first = json.loads(Path(out_dir, "rank0.json").read_text())
-        last = json.loads(Path(out_dir, f"rank{WORLD - 1}.json").read_text())
-    return {"seconds": first["seconds"], "losses": last["losses"]}
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return {"seconds": ranks[0]["seconds"], "losses": ranks[-1]["losses"],
+            "ranks": {str(r): {"role": f"C{r}", "peak": d["peak_memory_bytes"],
+                               "activation": d["activation_peak_bytes"]}
+                      for r, d in enumerate(ranks)}}

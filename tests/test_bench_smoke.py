@@ -1,5 +1,6 @@
-"""Smoke test of the benches at `--quick` size: they run, and their outputs are complete and
-sane. No timing assertions: the figures depend on the machine."""
+"""Smoke test of the bench suite at `--quick` size: `bench/run_all.py --quick` runs every
+entry once (as `make bench` does at full size) and writes the page; each bench's outputs
+are complete and sane. No timing assertions: the figures depend on the machine."""
 
 from __future__ import annotations
 
@@ -14,12 +15,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_quick(bench: str, out: Path, timeout: float = 120) -> dict:
+# the suite runs once, in the first test that asks for it: its time counts there
+pytestmark = pytest.mark.timeout(1500)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """OUT of one `run_all.py --quick` run; the page is OUT/docs/benchmarks.md."""
+    out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    subprocess.run([sys.executable, f"bench/{bench}.py", "--quick", "--out", str(out)],
-                   cwd=ROOT, env=env, check=True, timeout=timeout)
-    return json.loads((out / "results.json").read_text())
+    subprocess.run([sys.executable, "bench/run_all.py", "--quick", "--out", str(out),
+                    "--doc", str(out / "docs" / "benchmarks.md")],
+                   cwd=ROOT, env=env, check=True, timeout=1400)
+    return out
+
+
+def load(out: Path, name: str) -> dict:
+    return json.loads((out / name / "results.json").read_text())
 
 
 def assert_summary(s: dict) -> None:
@@ -27,12 +40,11 @@ def assert_summary(s: dict) -> None:
     assert 0 < s["min"] <= s["median"] <= s["max"] and s["n"] >= 1
 
 
-@pytest.mark.timeout(180)
-def test_pipeline_throughput_quick(tmp_path: Path) -> None:
+def test_pipeline_throughput_b64_quick(suite: Path) -> None:
     from bench.pipeline_throughput import RATIOS, SYSTEMS
 
-    res = run_quick("pipeline_throughput", tmp_path)
-    assert (tmp_path / "throughput.png").stat().st_size > 0
+    res = load(suite, "pipeline_throughput_b64")
+    assert (suite / "pipeline_throughput_b64" / "throughput.png").stat().st_size > 0
     assert {"machine", "args", "command", "models", "targets"} <= set(res)
     for model in res["models"].values():
         assert set(model["samples_per_second"]) == set(SYSTEMS)
@@ -44,9 +56,8 @@ def test_pipeline_throughput_quick(tmp_path: Path) -> None:
         assert 0 < model["boundary"] < model["layers"]
 
 
-@pytest.mark.timeout(120)
-def test_stream_vs_tcp_quick(tmp_path: Path) -> None:
-    res = run_quick("stream_vs_tcp", tmp_path)
+def test_stream_vs_tcp_quick(suite: Path) -> None:
+    res = load(suite, "stream_vs_tcp")
     assert res["tensor_bytes"] == 1 << 20
     assert set(res["mb_per_second"]) == {"grpc", "tcp", "grpc_call_per_transfer"}
     for s in (*res["mb_per_second"].values(), *res["seconds"].values(),
@@ -56,13 +67,12 @@ def test_stream_vs_tcp_quick(tmp_path: Path) -> None:
     assert res["ratio_grpc_call_per_transfer_over_tcp"]["median"] > 0
 
 
-@pytest.mark.timeout(240)
-def test_schedules_quick(tmp_path: Path) -> None:
+def test_schedules_quick(suite: Path) -> None:
     from bench.schedules import BASELINE, SYSTEMS
 
-    res = run_quick("schedules", tmp_path)
-    assert (tmp_path / "schedules.png").stat().st_size > 0
-    assert set(res["workers"]) == {"2", "4"}
+    res = load(suite, "schedules")
+    assert (suite / "schedules" / "schedules.png").stat().st_size > 0
+    assert set(res["workers"]) == {"4"}  # 2 workers: the matrix
     for n, r in res["workers"].items():
         assert set(r["step_seconds"]) == set(SYSTEMS)
         for s in SYSTEMS:
@@ -75,16 +85,15 @@ def test_schedules_quick(tmp_path: Path) -> None:
                 < r["ranks"]["pipedream-keep"]["0"]["activation"])
 
 
-@pytest.mark.timeout(330)
-def test_planner_quick(tmp_path: Path) -> None:
+def test_planner_quick(suite: Path) -> None:
     import math
 
     from bench.planner import RATIOS, SYSTEMS
     from bench.planner_sim import KIND_MODES
     from bench.planner_sim import RATIOS as SIM_RATIOS
 
-    res = run_quick("planner", tmp_path, timeout=300)
-    assert (tmp_path / "planner.png").stat().st_size > 0
+    res = load(suite, "planner")
+    assert (suite / "planner" / "planner.png").stat().st_size > 0
     sim = res["simulated"]
     kinds = [name for name, _, _ in KIND_MODES]
     assert set(sim["systems"]) == {
@@ -114,12 +123,11 @@ def test_planner_quick(tmp_path: Path) -> None:
     assert all(v["median"] > 0 for v in r["ratios"].values())
 
 
-@pytest.mark.timeout(300)
-def test_sim_accuracy_quick(tmp_path: Path) -> None:
+def test_sim_accuracy_quick(suite: Path) -> None:
     from bench.sim_accuracy import SCHEDULES, doc_section
 
-    res = run_quick("sim_accuracy", tmp_path, timeout=280)
-    assert (tmp_path / "sim_accuracy.png").stat().st_size > 0
+    res = load(suite, "sim_accuracy")
+    assert (suite / "sim_accuracy" / "sim_accuracy.png").stat().st_size > 0
     assert [(r["model"], r["schedule"], r["workers"]) for r in res["runs"]] == [
         ("mlp", s, 2) for s in SCHEDULES]
     for r in res["runs"]:
@@ -133,13 +141,12 @@ def test_sim_accuracy_quick(tmp_path: Path) -> None:
     assert len(doc_section("cmd", res, "x.png")) > len(SCHEDULES) + 4
 
 
-@pytest.mark.timeout(300)
-def test_groups_quick(tmp_path: Path) -> None:
+def test_groups_quick(suite: Path) -> None:
     from bench.groups import RATIOS, SYSTEMS
     from bench.groups_doc import doc_section
 
-    res = run_quick("groups", tmp_path, timeout=280)
-    assert (tmp_path / "groups.png").stat().st_size > 0
+    res = load(suite, "groups")
+    assert (suite / "groups" / "groups.png").stat().st_size > 0
     models = res["measured"]["models"]
     assert set(models) == {"mlp", "gpt"}
     for r in models.values():
@@ -163,12 +170,11 @@ def test_groups_quick(tmp_path: Path) -> None:
     assert len(doc_section("cmd", res, "x.png")) > 10
 
 
-@pytest.mark.timeout(280)
-def test_replan_quick(tmp_path: Path) -> None:
+def test_replan_quick(suite: Path) -> None:
     from bench.replan import SYSTEMS, doc_section
 
-    res = run_quick("replan", tmp_path, timeout=260)
-    assert (tmp_path / "replan.png").stat().st_size > 0
+    res = load(suite, "replan")
+    assert (suite / "replan" / "replan.png").stat().st_size > 0
     meas = res["measured"]
     assert set(meas["curves"]) == set(SYSTEMS)
     assert all(len(c) == res["args"]["steps"] for c in meas["curves"].values())
@@ -177,11 +183,11 @@ def test_replan_quick(tmp_path: Path) -> None:
     assert "## Online re-planning" in "\n".join(doc_section("cmd", res, "replan.png"))
 
 
-def test_store_quick(tmp_path: Path) -> None:
+def test_store_quick(suite: Path) -> None:
     from bench.store import PATHS, doc_section
 
-    res = run_quick("store", tmp_path)
-    assert (tmp_path / "store.png").stat().st_size > 0
+    res = load(suite, "store")
+    assert (suite / "store" / "store.png").stat().st_size > 0
     meas = res["measured"]
     assert meas["bytes"] == 56 * 4 * (65536 + 131072) // 2 // 8 and meas["rounds"] == 3
     for p in PATHS:
@@ -192,12 +198,11 @@ def test_store_quick(tmp_path: Path) -> None:
         doc_section("cmd", res, "store.png"))
 
 
-@pytest.mark.timeout(200)
-def test_scaling_quick(tmp_path: Path) -> None:
+def test_scaling_quick(suite: Path) -> None:
     from bench.scaling import doc_section
 
-    res = run_quick("scaling", tmp_path, timeout=180)
-    assert (tmp_path / "scaling.png").stat().st_size > 0
+    res = load(suite, "scaling")
+    assert (suite / "scaling" / "scaling.png").stat().st_size > 0
     meas = res["measured"]
     assert set(meas["step_seconds"]) == {"1f1b x1", "1f1b x2", "1f1b x4", "pipefb x2",
                                          "pipefb x4", "depth 2", "depth 4", "depth 8"}
@@ -206,3 +211,72 @@ def test_scaling_quick(tmp_path: Path) -> None:
         assert s["n"] == 2  # 2 timed steps, 1 repeat
     assert meas["speedup_over_1"]["1f1b x1"] == 1.0
     assert "## Scaling" in "\n".join(doc_section("cmd", res, "scaling.png"))
+
+
+def test_matrix_quick(suite: Path) -> None:
+    from bench.matrix import ASYNC, PIPEFB, RATIOS, SYSTEMS, TORCH
+
+    res = load(suite, "matrix")
+    assert (suite / "matrix" / "matrix.png").stat().st_size > 0
+    assert res["systems"] == list(SYSTEMS) and res["skipped"] == {}  # cpu: every system
+    assert set(res["models"]) == {"mlp", "convnet", "gpt"}
+    for name, m in res["models"].items():
+        assert set(m["samples_per_second"]) == set(SYSTEMS) == set(m["efficiency"])
+        for s in SYSTEMS:
+            assert_summary(m["samples_per_second"][s])
+            assert_summary(m["efficiency"][s])
+            assert 0.0 <= m["bubble"][s] < 1.0
+            ranks = m["ranks"][s]
+            assert len(ranks) == (1 if s == "single" else 2), (name, s)
+            # every rank holds parameters at least, and activations no more than its peak
+            assert all(0 < r["activation"] <= r["peak"] for r in ranks.values()), (name, s)
+        assert m["efficiency"]["single"]["median"] == pytest.approx(1.0)
+        assert m["bubble"]["single"] == 0.0
+        assert m["bubble"]["torch-1f1b"] == m["bubble"]["1f1b"]  # the same split and schedule
+        # 2 stages of 1F1B/GPipe leave a bubble; the sync systems train as one process does
+        assert m["bubble"]["1f1b"] > 0 and m["bubble"]["gpipe"] > 0
+        for s in SYSTEMS:
+            if s not in ASYNC and s != "auto":
+                bound = 1e-4 if s in TORCH else 0.0  # torch scales gradients its own way
+                assert m["max_loss_diff_vs_single"][s] <= bound, (name, s)
+        assert set(m["plans"]) == set(PIPEFB)
+        assert set(m["ratios"]) == {f"{a}/{b}" for a, b in RATIOS}
+        assert all(r["median"] > 0 for r in m["ratios"].values())
+
+
+def test_backward_worker_quick(suite: Path) -> None:
+    res = load(suite, "backward_worker")
+    for side in ("worker_backward", "eager_backward"):
+        ms = res[side]
+        assert 0 < ms["min_ms"] <= ms["median_ms"] <= ms["max_ms"] and ms["n"] >= 2, side
+    assert res["ratio_min"] <= res["ratio_median"] <= res["ratio_max"]
+    assert res["args"]["rounds"] == 2
+
+
+def test_replan_layer_quick(suite: Path) -> None:
+    from bench.replan import SYSTEMS
+
+    res = load(suite, "replan_layer")
+    assert res["args"]["scenario"] == "layer" and res["args"]["repeats"] == 1
+    assert set(res["measured"]["curves"]) == set(SYSTEMS)
+
+
+def test_the_page_has_every_section_and_says_where_the_gpu_tables_are(suite: Path) -> None:
+    import torch
+
+    page = (suite / "docs" / "benchmarks.md").read_text()
+    for heading in ("## Every system on every model (CPU", "### mlp", "### convnet", "### gpt",
+                    "## Pipeline throughput, 16 samples per micro-batch",
+                    "## gRPC tensor stream vs raw TCP", "## Offload store against plain",
+                    "## Backward-only worker", "## Schedules and activation policies",
+                    "## Scaling", "## Planner", "## Online re-planning"):
+        assert heading in page, heading
+    run = json.loads((suite / "run.json").read_text())
+    assert run["total_seconds"] == pytest.approx(sum(run["seconds"].values()), abs=1)
+    assert f"- duration: {run['total_seconds'] / 60:.1f} minutes in all" in page
+    if not torch.cuda.is_available():
+        assert "this run had no CUDA device, so the GPU suite did not run" in page or \
+            "this run had no CUDA device, and no GPU run has been recorded yet" in page
+        assert not (suite / "docs" / "benchmarks-gpu.md").exists()
+    for png in ("matrix/matrix.png", "scaling/scaling.png"):  # the page's links resolve
+        assert f"../{png}" in page and (suite / png).exists()

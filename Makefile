@@ -1,0 +1,11 @@
+# `make bench`: every benchmark in one run (about 25 minutes on 2 cores), then
+# docs/benchmarks.md (and, on a machine with a CUDA device, docs/benchmarks-gpu.md).
+# `make test`: what CI runs. Both set up .venv first.
+.PHONY: bench test
+
+bench:
+	bash scripts/setup.sh
+	PYTHONPATH=. .venv/bin/python bench/run_all.py
+
+test:
+	bash .ci/run
