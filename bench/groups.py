@@ -32,7 +32,7 @@ import torch
 from bench.cluster import local_client, run_interleaved
 from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.pipeline_throughput import MODELS, QUICK_MODELS
-from bench.stats import fmt, summary
+from bench.stats import error_bars, fmt, summary
 from pipefb.config import JobConfig
 
 WORKERS = 2
@@ -133,9 +133,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
 def _measured_panel(ax: Any, model: str, res: dict[str, Any]) -> None:
     names = list(res["samples_per_second"])
     s, p = res["samples_per_second"], res["predicted_samples_per_second"]
-    med = [s[k]["median"] for k in names]
-    err = [[m - s[k]["min"] for k, m in zip(names, med, strict=True)],
-           [s[k]["max"] - m for k, m in zip(names, med, strict=True)]]
+    med, err = error_bars(s, names)
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], med, 0.4, yerr=err, capsize=3, label="measured",
            color="#4C72B0")

@@ -48,7 +48,7 @@ from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
 from bench.pipeline_throughput import stage_boundary
 from bench.saved_memory import SavedTensorMeter
 from bench.schedules import GPU_MODEL, rank_peaks
-from bench.stats import fmt, summary
+from bench.stats import error_bars, fmt, summary
 from pipefb.config import JobConfig
 
 WORKERS = 2
@@ -227,9 +227,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
         res = results["models"][m]
         for ax, key, label in ((row[0], "samples_per_second", "samples/s (median, min-max)"),
                                (row[1], "efficiency", "measured / ideal (median, min-max)")):
-            med = [res[key][s]["median"] for s in names]
-            err = [[v - res[key][s]["min"] for s, v in zip(names, med, strict=True)],
-                   [res[key][s]["max"] - v for s, v in zip(names, med, strict=True)]]
+            med, err = error_bars(res[key], names)
             ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
             ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
             ax.set_ylabel(label)

@@ -23,7 +23,7 @@ import torch
 
 from bench import machine, torch_pipelining
 from bench.output import args_json, write_results
-from bench.stats import fmt, ratio, summary
+from bench.stats import error_bars, fmt, ratio, summary
 from pipefb.config import JobConfig, build_layers
 from pipefb.plan import balanced_plan, layer_costs
 from pipefb.reference import SingleProcess
@@ -128,9 +128,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, name in zip(axes[0], models, strict=True):
         tp = results["models"][name]["samples_per_second"]
-        med = [tp[s]["median"] for s in SYSTEMS]
-        err = [[m - tp[s]["min"] for s, m in zip(SYSTEMS, med, strict=True)],
-               [tp[s]["max"] - m for s, m in zip(SYSTEMS, med, strict=True)]]
+        med, err = error_bars(tp, SYSTEMS)
         ax.bar(range(len(SYSTEMS)), med, yerr=err, capsize=4,
                color=["#888888", "#1f77b4", "#2ca02c", "#d62728"])
         ax.set_xticks(range(len(SYSTEMS)), SYSTEMS, rotation=20)

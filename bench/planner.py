@@ -32,7 +32,7 @@ import torch
 
 from bench.cluster import local_client, run_interleaved
 from bench.output import add_part_flags, add_run_flags, run_parts
-from bench.stats import fmt, summary
+from bench.stats import error_bars, fmt, summary
 from pipefb.config import JobConfig
 
 FIXED = ("gpipe", "1f1b", "pipedream", "pipefb")
@@ -157,9 +157,7 @@ def _simulated_panel(ax: Any, sim: dict[str, Any]) -> None:
 def _measured_panel(ax: Any, n: str, res: dict[str, Any]) -> None:
     names = list(res["samples_per_second"])
     s = res["samples_per_second"]
-    med = [s[k]["median"] for k in names]
-    err = [[m - s[k]["min"] for k, m in zip(names, med, strict=True)],
-           [s[k]["max"] - m for k, m in zip(names, med, strict=True)]]
+    med, err = error_bars(s, names)
     colors = ["#55A868" if k.startswith("auto") else "#8172B2" for k in names]
     ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
     ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)

@@ -243,9 +243,11 @@ READING = [
     "first worker's activation peak at one micro-batch, `keep` grows with depth.",
     "- Efficiency (the matrix) sets each pipeline against the best its own schedule and "
     "partition allow: 2 workers each as fast as `single`, minus the bubble the simulator "
-    "finds on ideal workers. Here 2 workers, the coordinator, Redis and the client share 2 "
-    "cores, so even a perfect pipeline would measure about 0.5: read the column across "
-    "systems, not against 1.",
+    "finds on ideal workers. With one torch thread per process the 2 workers can have a "
+    "core each, but they share them with the coordinator, Redis and the client, and every "
+    "hop costs both ends CPU; so 1 is out of reach here, and torch-1f1b's figure on the "
+    "same row is the practical ceiling. On the small `mlp` and `convnet` a step lasts a few "
+    "milliseconds and per-transfer latency decides; on `gpt` compute does.",
     "- gRPC vs TCP: the CPU pieces of the gRPC path (one copy into each chunk, protobuf "
     "serialise and parse, one copy into the tensor) add up to about a third of a transfer; "
     "the rest is gRPC Python's hand-offs between its threads.", ""]
@@ -344,18 +346,20 @@ def saved(name: str, out: Path) -> tuple[str, dict[str, Any]] | None:
 
 
 def record_run(out: Path, seconds: dict[str, float], complete: bool) -> dict[str, Any]:
-    """Merges this run's per-bench seconds into OUT/run.json; a complete run also sets
-    the total. Returns the record."""
+    """OUT/run.json, how long each bench took: a complete run replaces it (with its total);
+    a partial one merges its benches in and drops the total; a run of nothing (`--doc-only`)
+    reads it as it is."""
     path = out / "run.json"
     run = json.loads(path.read_text()) if path.exists() else {}
+    if not seconds:
+        return run
     if complete:
         run = {"total_seconds": sum(seconds.values()), "seconds": {}}
-    run["seconds"] = {**run.get("seconds", {}), **{k: round(v, 1) for k, v in seconds.items()}}
-    if not complete:
+    else:
         run.pop("total_seconds", None)
-    if seconds:
-        out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(run, indent=1))
+    run["seconds"] = {**run.get("seconds", {}), **{k: round(v, 1) for k, v in seconds.items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run, indent=1))
     return run
 
 

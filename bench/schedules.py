@@ -25,7 +25,7 @@ import torch
 from bench import machine
 from bench.cluster import local_client, run_interleaved
 from bench.output import args_json, write_results
-from bench.stats import fmt, summary
+from bench.stats import error_bars, fmt, summary
 from pipefb.config import JobConfig
 
 # name -> (schedule, mode, policy); policy "" is the schedule's default (keep; pipefb offload)
@@ -131,9 +131,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     names = list(SYSTEMS)
     for row, n in zip(axes, counts, strict=True):
         res = results["workers"][n]
-        med = [res["step_seconds"][s]["median"] * 1e3 for s in names]
-        err = [[m - res["step_seconds"][s]["min"] * 1e3 for s, m in zip(names, med, strict=True)],
-               [res["step_seconds"][s]["max"] * 1e3 - m for s, m in zip(names, med, strict=True)]]
+        med, err = error_bars(res["step_seconds"], names, 1e3)
         row[0].bar(range(len(names)), med, yerr=err, capsize=3, color="#4C72B0")
         row[0].set_xticks(range(len(names)), names, rotation=25, ha="right")
         row[0].set_ylabel("ms per step (median, min-max)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:
@@ -29,3 +29,12 @@ def fmt(s: dict[str, float], scale: float = 1.0, digits: int = 1) -> str:
     """`median [min-max]` with `digits` decimals after multiplying by `scale`."""
     return (f"{s['median'] * scale:.{digits}f} "
             f"[{s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f}]")
+
+
+def error_bars(stats: Mapping[str, dict[str, float]], names: Sequence[str], scale: float = 1.0
+               ) -> tuple[list[float], list[list[float]]]:
+    """The medians of `stats[name]` for `names` and matplotlib's `yerr` reaching each one's
+    min and max, all times `scale`."""
+    medians = [stats[n]["median"] * scale for n in names]
+    return medians, [[m - stats[n]["min"] * scale for n, m in zip(names, medians, strict=True)],
+                     [stats[n]["max"] * scale - m for n, m in zip(names, medians, strict=True)]]

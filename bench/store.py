@@ -24,7 +24,7 @@ import redis
 import torch
 
 from bench.output import add_part_flags, run_parts
-from bench.stats import fmt, summary
+from bench.stats import error_bars, fmt, summary
 from offload_store import OffloadStore, connect
 from offload_store.server import RedisServer
 from pipefb.codec import pack
@@ -105,9 +105,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rates = results["measured"]["mb_per_second"]
-    medians = [rates[p]["median"] for p in PATHS]
-    errors = [[m - rates[p]["min"] for p, m in zip(PATHS, medians, strict=True)],
-              [rates[p]["max"] - m for p, m in zip(PATHS, medians, strict=True)]]
+    medians, errors = error_bars(rates, PATHS)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(PATHS, medians, yerr=errors, capsize=4,
            color=["tab:gray", "tab:blue", "tab:gray", "tab:blue"])
