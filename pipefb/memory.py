@@ -15,12 +15,27 @@ KINDS = ("parameters", "gradients", "optimizer_state", "weight_versions", "activ
          "stashed")
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = (),
-                 seen: set[int] | None = None) -> int:
-    """Bytes of the storage the tensors reach (a shared storage is counted once).
+#: (data pointer, bytes) of one storage: what the counting below dedupes and sums
+Storage = tuple[int, int]
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> list[Storage]:
+    """The storage each tensor reaches, in order, read once: a holder of many long-lived
+    tensors (the runtime's kept saved tensors) notes them when it takes them, so counting
+    after every action sums integers instead of asking every tensor again."""
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        out.append((storage.data_ptr(), storage.nbytes()))
+    return out
+
+
+def storage_bytes(found: Iterable[Storage], exclude: Iterable[int] = (),
+                  seen: set[int] | None = None) -> int:
+    """Bytes of the storages (a storage found twice is counted once).
 
     Args:
-        tensors: the tensors to count.
+        found: (data pointer, bytes) pairs, as `storages` gives them.
         exclude: storage data pointers already counted elsewhere (e.g. the parameters,
             which autograd also saves for backward).
         seen: if given, the storages counted so far, updated in place, so that one storage
@@ -30,14 +45,18 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = (),
         seen = set()
     seen.update(exclude)
     total = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
+    for key, nbytes in found:
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
     return total
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[int] = (),
+                 seen: set[int] | None = None) -> int:
+    """Bytes of the storage the tensors reach (a shared storage is counted once); `exclude`
+    and `seen` as in `storage_bytes`."""
+    return storage_bytes(storages(tensors), exclude, seen)
 
 
 ACTIVATION_KINDS = ("activations", "stashed")  # what activation policies trade

@@ -33,7 +33,14 @@ from pipefb.config import JobConfig, build_layers, job_device, slowdowns
 from pipefb.data import build_dataset
 from pipefb.errors import CodecError, ConfigError
 from pipefb.execs import AutogradExec, LayerExec, Saved, SplitExec
-from pipefb.memory import DeviceMemory, MemoryAccount, tensor_bytes
+from pipefb.memory import (
+    DeviceMemory,
+    MemoryAccount,
+    Storage,
+    storage_bytes,
+    storages,
+    tensor_bytes,
+)
 from pipefb.optim import build_optimizer, optimizer_state_bytes
 from pipefb.plan import Plan, recompute_runs, schedule_for
 from pipefb.schedule import Action, Kind, iteration
@@ -76,13 +83,33 @@ class StepResult:
 Key = tuple[int, int, int]
 
 
+class _Saved(dict[Key, dict[str, torch.Tensor]]):
+    """Saved tensors kept for a later backward, by (step, micro-batch, layer), with the
+    storages of each entry noted when it is stored (see `pipefb.memory.storages`).
+
+    Entries are only stored (`[key] = ...`) and taken (`pop`); a stored dict is not changed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[Key, list[Storage]] = {}
+
+    def __setitem__(self, key: Key, stash: dict[str, torch.Tensor]) -> None:
+        super().__setitem__(key, stash)
+        self.storages[key] = storages(stash.values())
+
+    def pop(self, key: Key) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        del self.storages[key]
+        return super().pop(key)
+
+
 @dataclass
 class _InFlight:
     """Tensors between actions; they outlive an iteration when an action leads (PipeDream)."""
 
     inputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
-    saved: dict[Key, dict[str, torch.Tensor]] = field(default_factory=dict)  # (step, mb, layer)
+    saved: _Saved = field(default_factory=_Saved)  # (step, mb, layer)
     grads: dict[Key, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -93,8 +120,8 @@ class _InFlight:
         return [*self.inputs.values(), *self.outputs.values(), *self.grads.values(),
                 *self.input_grads.values()]
 
-    def held(self) -> list[torch.Tensor]:
-        return [t for stash in self.saved.values() for t in stash.values()]
+    def held(self) -> list[Storage]:
+        return [found for stash in self.saved.storages.values() for found in stash]
 
 
 @dataclass
@@ -361,7 +388,7 @@ class StageRuntime:
 
     def _account(self) -> None:
         seen: set[int] = set()
-        stashed = tensor_bytes(self.flight.held(), exclude=self._param_storage, seen=seen)
+        stashed = storage_bytes(self.flight.held(), exclude=self._param_storage, seen=seen)
         self.memory.set({
             "parameters": self.param_bytes,
             "gradients": self._grad_bytes,

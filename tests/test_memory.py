@@ -1,0 +1,29 @@
+"""Counting a rank's memory: storages counted once, parameters left out, noted once."""
+
+from __future__ import annotations
+
+import torch
+
+from pipefb.memory import storage_bytes, storages, tensor_bytes
+
+
+def test_views_of_one_storage_count_once_and_excluded_or_seen_storages_not_at_all() -> None:
+    base = torch.zeros(64, dtype=torch.float32)  # 256 bytes
+    other = torch.zeros(10, dtype=torch.float64)  # 80 bytes
+    views = [base, base[:8], base.view(8, 8)[2], other, other[::2]]
+    assert tensor_bytes(views) == 256 + 80
+    assert tensor_bytes(views, exclude=[base.untyped_storage().data_ptr()]) == 80
+    seen: set[int] = set()
+    assert tensor_bytes([base], seen=seen) == 256
+    assert tensor_bytes(views, seen=seen) == 80  # base was counted by the first call
+    assert tensor_bytes([torch.empty(0), torch.empty(0)]) == 0
+
+
+def test_storages_noted_once_count_as_the_tensors_do() -> None:
+    base, other = torch.ones(3, 5), torch.ones(7, dtype=torch.int64)
+    tensors = [base, base.t(), other[1:], torch.ones(2, dtype=torch.bool)]
+    found = storages(tensors)
+    assert [n for _, n in found] == [60, 60, 56, 2]
+    assert storage_bytes(found) == tensor_bytes(tensors) == 60 + 56 + 2
+    keep = [other.untyped_storage().data_ptr()]
+    assert storage_bytes(found, exclude=keep) == tensor_bytes(tensors, exclude=keep) == 62
