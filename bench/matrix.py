@@ -38,18 +38,23 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
 
-from bench import torch_pipelining
+from bench import machine, torch_pipelining
 from bench.cluster import local_client
-from bench.output import add_run_flags, args_json, write_results
+from bench.output import add_run_flags, args_json, measured_main
 from bench.pipeline_throughput import MODELS as THROUGHPUT_MODELS
 from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
 from bench.pipeline_throughput import stage_boundary
 from bench.saved_memory import SavedTensorMeter
 from bench.schedules import GPU_MODEL, rank_peaks
 from bench.stats import error_bars, fmt, summary
+from pipefb.cluster import Cluster, Link
 from pipefb.config import JobConfig
+from pipefb.planner import Candidate
+from pipefb.profiler import measure_profile
+from pipefb.reference import SingleProcess
+from pipefb.simulate import simulate
+from protos.convert import plan_from_proto
 
 WORKERS = 2
 #: pipefb's systems: JobConfig fields over the bench job
@@ -88,8 +93,6 @@ def make_job(spec: dict[str, Any], args: argparse.Namespace) -> JobConfig:
 
 def run_single(job: JobConfig) -> dict[str, Any]:
     """The one-process reference: step seconds, losses and its memory as one 'rank'."""
-    from pipefb.reference import SingleProcess
-
     single = SingleProcess(replace(job, schedule="single"))
     with SavedTensorMeter(exclude=single.params) as meter:
         steps = list(single.run())
@@ -100,8 +103,6 @@ def run_single(job: JobConfig) -> dict[str, Any]:
 
 def run_pipefb(client: Any, job: JobConfig) -> dict[str, Any]:
     """One job on the local cluster: step gaps, losses, rank peaks and the plan it ran."""
-    from protos.convert import plan_from_proto
-
     job_id = client.submit(job).job_id
     reports = list(client.train(job_id))
     status = client.status(job_id)
@@ -112,9 +113,6 @@ def run_pipefb(client: Any, job: JobConfig) -> dict[str, Any]:
 def bubble(plan: Any, profile: Any) -> float:
     """The simulator's idle share of `plan` on ideal workers: the profile's layer costs,
     free transfers and store, one core each (see the module docstring)."""
-    from pipefb.cluster import Cluster, Link
-    from pipefb.simulate import simulate
-
     free = Link(bandwidth=1e18, latency=0.0)
     workers = len(plan.assignment)
     return simulate(plan, profile, Cluster.uniform(workers, network=free, store=free)
@@ -123,8 +121,6 @@ def bubble(plan: Any, profile: Any) -> float:
 
 def describe(plan: Any) -> str:
     """e.g. `1f1b x4, partition (0, 3, 7), 2 groups, policy keep`."""
-    from pipefb.planner import Candidate
-
     policy = ",".join(sorted(set(plan.policy)))
     groups = f", {plan.groups} groups" if plan.groups > 1 else ""
     back = (f" / {plan.backward_partition}" if plan.backward_partition != plan.forward_partition
@@ -180,8 +176,6 @@ def summarise(job: JobConfig, runs: dict[str, list[dict[str, Any]]], profile: An
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every system on every model, `repeats` times interleaved, on one local cluster."""
-    from pipefb.profiler import measure_profile
-
     specs = QUICK_MODELS if args.quick else {
         **MODELS, **({"gpt": GPU_MODEL} if args.device == "cuda" else {})}
     names = [m for m in args.models.split(",") if m]
@@ -200,8 +194,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"repeat {r + 1}/{args.repeats} {m} done "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
     profiles = {m: measure_profile(jobs[m], jobs[m].microbatch_size) for m in names}
-    from bench import machine
-
     return {"bench": "matrix", "machine": machine.describe(), "args": args_json(args),
             "workers": WORKERS, "systems": systems,
             "skipped": {s: "torch.distributed.pipelining on one GPU: gloo has no CUDA "
@@ -318,13 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the bench, prints it, and writes `results.json` + `matrix.png` to `--out`."""
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)  # `single`: the threads of every other process
-    results = run(args)
-    print_results(results)
-    write_results(args.out, results, chart, "matrix.png")
-    return results
+    return measured_main(parse_args(argv), run, print_results, chart, "matrix.png")
 
 
 if __name__ == "__main__":

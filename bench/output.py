@@ -36,6 +36,23 @@ def add_run_flags(p: argparse.ArgumentParser, *, repeats: int) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
 
 
+def measured_main(args: argparse.Namespace,
+                  run: Callable[[argparse.Namespace], dict[str, Any]],
+                  show: Callable[[dict[str, Any]], None],
+                  chart: Callable[[dict[str, Any], Path], None], png: str) -> dict[str, Any]:
+    """The main of a measured bench once its flags are parsed: gives this process (where
+    the one-process baselines run) `args.threads` torch threads, as every worker has, then
+    runs, prints and writes `results.json` and the chart to `args.out`."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = run(args)
+    show(results)
+    write_results(args.out, results, chart, png)
+    return results
+
+
 def args_json(args: argparse.Namespace) -> dict[str, Any]:
     """A bench's flags as JSON-able values (paths as strings), for its results."""
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench import machine, torch_pipelining
-from bench.output import args_json, write_results
+from bench.output import args_json, measured_main
 from bench.stats import error_bars, fmt, ratio, summary
 from pipefb.config import JobConfig, build_layers
 from pipefb.plan import balanced_plan, layer_costs
@@ -208,14 +208,8 @@ def print_results(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the bench, prints it, and writes `results.json` + `throughput.png` to `--out`."""
-    args = parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if args.threads:
-        torch.set_num_threads(args.threads)  # the single baseline: same threads per process
-    results = run(args)
-    print_results(results)
-    write_results(args.out, results, chart, "throughput.png")
-    return results
+    return measured_main(parse_args(argv), run, print_results, chart, "throughput.png")
 
 
 if __name__ == "__main__":

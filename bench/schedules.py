@@ -20,11 +20,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
 
 from bench import machine
 from bench.cluster import local_client, run_interleaved
-from bench.output import args_json, write_results
+from bench.output import args_json, measured_main
 from bench.stats import error_bars, fmt, summary
 from pipefb.config import JobConfig
 
@@ -186,12 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the bench, prints it, and writes `results.json` + `schedules.png` to `--out`."""
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    results = run(args)
-    print_results(results)
-    write_results(args.out, results, chart, "schedules.png")
-    return results
+    return measured_main(parse_args(argv), run, print_results, chart, "schedules.png")
 
 
 if __name__ == "__main__":
