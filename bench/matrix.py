@@ -46,7 +46,7 @@ from bench.pipeline_throughput import MODELS as THROUGHPUT_MODELS
 from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
 from bench.pipeline_throughput import stage_boundary
 from bench.saved_memory import SavedTensorMeter
-from bench.schedules import GPU_MODEL, rank_peaks
+from bench.schedules import GPU_MODEL, peak_bars, rank_peaks
 from bench.stats import error_bars, fmt, summary
 from pipefb.cluster import Cluster, Link
 from pipefb.config import JobConfig
@@ -224,16 +224,10 @@ def chart(results: dict[str, Any], path: Path) -> None:
             ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
             ax.set_ylabel(label)
             ax.set_title(f"{m}: {key.replace('_', ' ')}")
-        width = 0.8 / WORKERS
-        for k in range(WORKERS):
-            peaks = [res["ranks"][s].get(str(k), {}).get("peak", 0) / 2**20 for s in names]
-            row[2].bar([i + k * width for i in range(len(names))], peaks, width,
-                       label=f"worker {k}")
-        row[2].set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names,
-                          rotation=30, ha="right", fontsize=8)
+        peak_bars(row[2], res["ranks"], names, {str(k): f"worker {k}" for k in range(WORKERS)},
+                  {"rotation": 30, "ha": "right", "fontsize": 8})
         row[2].set_ylabel("peak MiB (accounted)")
         row[2].set_title(f"{m}: peak memory per worker")
-        row[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

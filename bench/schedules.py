@@ -136,19 +136,26 @@ def chart(results: dict[str, Any], path: Path) -> None:
         row[0].set_ylabel("ms per step (median, min-max)")
         row[0].set_title(f"{n} workers: step time")
         ranks = sorted({r for s in names for r in res["ranks"][s]}, key=int)
-        width = 0.8 / len(ranks)
-        for k, rank in enumerate(ranks):
-            peaks = [res["ranks"][s].get(rank, {}).get("peak", 0) / 2**20 for s in names]
-            row[1].bar([i + k * width for i in range(len(names))], peaks, width,
-                       label=f"rank {rank}")
-        row[1].set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=25,
-                          ha="right")
+        peak_bars(row[1], res["ranks"], names, {r: f"rank {r}" for r in ranks},
+                  {"rotation": 25, "ha": "right"})
         row[1].set_ylabel("peak accounted MiB")
         row[1].set_title(f"{n} workers: peak memory per rank")
-        row[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def peak_bars(ax: Any, by_system: dict[str, dict[str, Any]], names: list[str],
+              ranks: dict[str, str], ticks: dict[str, Any]) -> None:
+    """Grouped bars of each system's per-rank peak accounted MiB (`ranks`: rank -> legend
+    label; a system without the rank gets 0), the systems as x ticks (`ticks`: their
+    text options)."""
+    width = 0.8 / len(ranks)
+    for k, (rank, label) in enumerate(ranks.items()):
+        peaks = [by_system[s].get(rank, {}).get("peak", 0) / 2**20 for s in names]
+        ax.bar([i + k * width for i in range(len(names))], peaks, width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, **ticks)
+    ax.legend(fontsize=7)
 
 
 def print_results(results: dict[str, Any]) -> None:
