@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -11,6 +12,10 @@ from functorch.compile import aot_function, make_boxed_func
 from torch import fx
 
 from pipefb.shapes import TensorSpec, is_dense, spec_of
+
+# torch's tracing keeps process-wide state (torch.fx's patcher among it): two threads
+# tracing at once (a worker's Assign or Migrate beside another RPC) can trip its asserts
+_TRACING = threading.Lock()
 
 # [Note: captured graph conventions] (torch 2.13, aot_function, static shapes; checked at
 # capture time by `_saved_slots` and pinned in tests/test_split.py)
@@ -131,7 +136,7 @@ def capture(
 
     compiled = aot_function(fn, fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
     cuda = sorted({a.device for a in args if a.device.type == "cuda"}, key=str)
-    with torch.random.fork_rng(devices=cuda):  # tracing must not move the caller's RNG
+    with _TRACING, torch.random.fork_rng(devices=cuda):  # tracing must not move the RNG
         out = compiled(*args)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             torch.autograd.backward(out, torch.ones_like(out))
