@@ -80,17 +80,28 @@ def reading(sim: dict[str, Any]) -> list[str]:
     return [
         f"- The model's choice is within 5% of exhaustive search on {agree} of {len(sizes)} "
         "sizes (tests/test_groups_planner.py asserts it on random profiles for 4-64 workers).",
-        "- One pipeline over 32 or 64 GPUs has about two layers per stage, so the head (a "
-        "1024 x 50257 matrix) gets a stage of its own and the loss the next one; the logits "
-        "(4 bytes x tokens x 50257, hundreds of MB per micro-batch) then cross between them "
-        "and their gradient crosses back, and that transfer, not compute, sets the step: the "
-        "partitioner balances compute, not boundary bytes (a known weakness of the planner, "
-        "issue 4). Groups of 4-8 stages keep head and loss together.",
+        _single_pipeline_note(sim),
         "- Many groups lose to the all-reduce: each step moves 2(G-1)/G of every stage's "
         "gradients over the slowest hop of its ring (12 GB/s between hosts), and pure data "
         "parallelism moves the whole model's 3.6 GB. At 8 and 16 GPUs that costs less than "
         "any pipeline's bubble, so pure data parallelism is the choice; from 32 GPUs 8-16 "
         "groups win.", ""]
+
+
+def _single_pipeline_note(sim: dict[str, Any]) -> str:
+    """Whether one pipeline over the most GPUs keeps head and loss on one stage (the
+    logits, hundreds of MB per micro-batch, then never cross a boundary)."""
+    n = max(sim["sizes"], key=int)
+    row = sim["sizes"][n]["rows"]["1"]
+    layers = sim["scenario"]["layers"]
+    together = bool(row.get("partition")) and row["partition"][-2] <= layers - 2
+    where = ("head and loss share it and the logits (4 bytes x tokens x 50257, hundreds of "
+             "MB per micro-batch) never cross a boundary, since the partitioner charges each "
+             "stage the bytes crossing its boundaries" if together else
+             "the loss has it alone and the logits cross from the head's stage")
+    return (f"- One pipeline over {n} GPUs spreads {layers} layers over {n} stages; its last "
+            f"stage is layers {row['partition'][-2]}-{layers - 1} (`{row['plan']}`): {where}. "
+            "What it loses to groups of 8-16 is its fill and drain over that many stages.")
 
 
 def measured_reading(meas: dict[str, Any]) -> list[str]:

@@ -58,6 +58,7 @@ def _row(c: GroupChoice, batch: int, n: int) -> dict[str, Any]:
     return {"groups": c.groups, "workers_per_group": n // c.groups,
             "plan": (f"{plan.schedule} {plan.mode} x{plan.microbatches} "
                      f"(micro-batch {plan.microbatch_size})" if plan else ""),
+            "partition": list(plan.forward_partition) if plan else [],
             "model_seconds": c.model_seconds,
             "step_seconds": c.step_seconds if fits else None,
             "samples_per_second": batch / c.step_seconds if fits else None,

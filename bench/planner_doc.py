@@ -150,7 +150,7 @@ def _weakness_notes(sim: dict[str, Any]) -> list[str]:
         return []
     return [f"- A planner weakness this run shows: `planner-gpipe` "
             f"({rows['planner-gpipe']['step_seconds'] * 1e3:,.0f} ms, "
-            f"`{rows['planner-gpipe']['policy']}`) is slower than GPipe recomputing every "
+            f"`{rows['planner-gpipe']['policy']}`) is no faster than GPipe recomputing every "
             f"layer ({rows['gpipe']['step_seconds'] * 1e3:,.0f} ms). To fit the cap the planner "
             "switches one layer at a time to whichever of offload or recompute frees more "
             "bytes per second; recomputing the loss alone frees nothing (its stash is its "

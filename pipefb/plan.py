@@ -195,12 +195,14 @@ def stage_counts(schedule: str, workers: int) -> tuple[int, int]:
     return workers, workers
 
 
-def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | None = None
-              ) -> tuple[int, ...]:
+def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | None = None,
+              cuts: Sequence[float] | None = None) -> tuple[int, ...]:
     """Splits `costs` into `stages` contiguous ranges minimising the largest range time.
 
     A range's time is its cost sum over its stage's speed (`speeds[k]`, default 1.0 each),
-    so a twice-as-fast worker gets about twice the work.
+    so a twice-as-fast worker gets about twice the work, plus the seconds of the cuts at
+    its two ends (`cuts[c]`: what a stage next to a boundary before layer c spends moving
+    the tensors that cross it, per micro-batch; the ends of the model cost nothing).
 
     Dynamic programming over (stages, prefix): `best[k][e]` is the smallest bottleneck of
     the first `e` layers in `k` stages. With non-negative costs, `best[k-1][c]` does not
@@ -210,21 +212,24 @@ def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | Non
     stages: about 100k state updates). Of the two cuts around the crossing, a tie goes to
     the earlier. With unequal speeds `best[k-1][c]` need not be monotone (a stage may not
     be empty, so one more layer can let a slow stage take a cheap layer), and each state
-    scans every cut: O(k * n^2).
+    scans every cut: O(k * n^2). Cut costs break the same monotonicity (a cheap cut may sit
+    next to a dear one), so with any cut cost > 0 every state scans every cut too, as one
+    n x n tensor operation per stage count (`_scan_rows`).
 
     Returns:
         Boundaries `(0, b1, ..., n)`.
 
     Raises:
-        ConfigError: `stages` outside 1..n, a negative cost or a speed that is not > 0.
+        ConfigError: `stages` outside 1..n, a negative cost, a speed that is not > 0, or
+            cut costs that are negative or not n + 1 of them.
     """
     if speeds is not None and len(speeds) != stages:
         raise ConfigError(f"need {stages} stage speeds > 0, got {speeds}")
-    return partitions(costs, stages, speeds)[stages - 1]
+    return partitions(costs, stages, speeds, cuts)[stages - 1]
 
 
-def partitions(costs: Sequence[float], stages: int, speeds: Sequence[float] | None = None
-               ) -> list[tuple[int, ...]]:
+def partitions(costs: Sequence[float], stages: int, speeds: Sequence[float] | None = None,
+               cuts: Sequence[float] | None = None) -> list[tuple[int, ...]]:
     """`partition` for every stage count 1..`stages` from one dynamic program: the rows
     for k stages use the first k speeds, so with equal speeds each entry is optimal."""
     n = len(costs)
@@ -235,27 +240,65 @@ def partitions(costs: Sequence[float], stages: int, speeds: Sequence[float] | No
     speed = [1.0] * stages if speeds is None else [float(x) for x in speeds]
     if len(speed) < stages or not all(x > 0 for x in speed):
         raise ConfigError(f"need {stages} stage speeds > 0, got {speeds}")
-    uniform = len(set(speed[:stages])) == 1
+    edge = _cut_costs(cuts, n)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    best = [[p / speed[0] for p in prefix]]  # one stage: the whole prefix
-    cuts: list[list[int]] = [[0] * (n + 1)]
-    for k in range(2, stages + 1):
-        row, where = [float("inf")] * (n + 1), [0] * (n + 1)
-        for end in range(k, n + 1):
-            row[end], where[end] = (_best_cut(best[-1], prefix, k - 1, end, speed[k - 1])
-                                    if uniform else
-                                    _scan_cut(best[-1], prefix, k - 1, end, speed[k - 1]))
-        best.append(row)
-        cuts.append(where)
+    where = (_scan_rows(prefix, speed[:stages], edge) if any(edge) else
+             _search_rows(prefix, speed[:stages]))
     out = []
     for total in range(1, stages + 1):
         bounds = [n]
         for k in range(total, 1, -1):
-            bounds.append(cuts[k - 1][bounds[-1]])
+            bounds.append(where[k - 1][bounds[-1]])
         out.append((0, *reversed(bounds)))
     return out
+
+
+def _cut_costs(cuts: Sequence[float] | None, n: int) -> list[float]:
+    """The n + 1 cut costs with both ends zero (no cut there); all zero when None."""
+    if cuts is None:
+        return [0.0] * (n + 1)
+    if len(cuts) != n + 1 or any(not c >= 0 for c in cuts):
+        raise ConfigError(f"need {n + 1} cut costs >= 0 for {n} layers, got {list(cuts)}")
+    return [0.0, *(float(c) for c in cuts[1:n]), 0.0]
+
+
+def _search_rows(prefix: list[float], speed: list[float]) -> list[list[int]]:
+    """The dynamic program without cut costs: `where[k-1][e]` is the last cut of the best
+    k-stage split of the first e layers (a binary search per state when speeds are equal)."""
+    n, uniform = len(prefix) - 1, len(set(speed)) == 1
+    best = [p / speed[0] for p in prefix]  # one stage: the whole prefix
+    where: list[list[int]] = [[0] * (n + 1)]
+    for k in range(2, len(speed) + 1):
+        row, cut = [float("inf")] * (n + 1), [0] * (n + 1)
+        for end in range(k, n + 1):
+            row[end], cut[end] = (_best_cut(best, prefix, k - 1, end, speed[k - 1]) if uniform
+                                  else _scan_cut(best, prefix, k - 1, end, speed[k - 1]))
+        best = row
+        where.append(cut)
+    return where
+
+
+def _scan_rows(prefix: list[float], speed: list[float], edge: list[float]
+               ) -> list[list[int]]:
+    """The dynamic program with cut costs, every cut of every state tried at once:
+    time(c, e) = (prefix[e] - prefix[c]) / speed + edge[c] + edge[e]; a tie goes to the
+    earlier cut (`min` returns the first)."""
+    n = len(prefix) - 1
+    p = torch.tensor(prefix, dtype=torch.float64)
+    e = torch.tensor(edge, dtype=torch.float64)
+    index = torch.arange(n + 1)
+    before = index[:, None] < index[None, :]  # [c, end]: c < end
+    best = p / speed[0] + e  # one stage: the whole prefix and the cut at its end
+    where: list[list[int]] = [[0] * (n + 1)]
+    for k in range(2, len(speed) + 1):
+        span = (p[None, :] - p[:, None]) / speed[k - 1] + e[:, None] + e[None, :]
+        times = torch.maximum(best[:, None], span)
+        allowed = before & (index[:, None] >= k - 1)  # k - 1 stages need k - 1 layers
+        best, cut = times.masked_fill(~allowed, float("inf")).min(dim=0)
+        where.append([int(c) for c in cut])
+    return where
 
 
 def _scan_cut(left: list[float], prefix: list[float], lo: int, end: int, speed: float

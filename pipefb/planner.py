@@ -10,7 +10,10 @@ batch size), and for PipeFB every split of the workers into forward and backward
 1. partition: `plan.partitions` balances each pass's per-layer time (at the profile's
    micro-batch size, one table for every stage count) over its workers' speeds (forward
    + backward on combined kinds; PipeFB's forward stages by forward time plus the stash
-   put, its backward stages by backward time plus the fetch);
+   put, its backward stages by backward time plus the fetch), each stage also paying the
+   bytes that cross its two boundaries over the pass's slowest link (`cut_seconds`: the
+   activation forward, its gradient backward, both on combined kinds), so a cut avoids a
+   layer with a large output (a head's logits) when a cheaper one balances as well;
 2. policy: combined kinds keep everything; PipeFB offloads each layer unless re-running
    its forward is cheaper than moving its saved tensors through the store; while a worker's
    simulated peak exceeds its cap, its layers switch to offload or recompute, whichever
@@ -24,12 +27,15 @@ batch size), and for PipeFB every split of the workers into forward and backward
 A candidate whose simulation deadlocks, or which cannot fit a cap, is refused with the
 reason.
 
-Cost: partitions are O(k n log n) each (n layers, k stages) and cached per (pass, stage
-count); 200 layers on 64 workers plan in about a second.
+Cost: partitions are O(k n^2) each with boundary costs (n layers, k stages; one n x n
+tensor operation per stage count, about 15 ms for 200 layers on 64 stages) and cached per
+(pass, stage speeds, boundary costs); 200 layers on 64 workers plan in under 2 seconds,
+nearly all of it simulation.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -158,16 +164,35 @@ class _Planner:
         return pass_times(self.space.profile.at(microbatch), self.space.cluster.store,
                           policy, which)
 
-    def split_partition(self, times: list[float], ranks: Sequence[int]) -> tuple[int, ...]:
-        """Balanced stages of `times` over the workers `ranks`; one dynamic program serves
-        every stage count when the workers are equally fast."""
+    def split_partition(self, times: list[float], ranks: Sequence[int], which: str
+                        ) -> tuple[int, ...]:
+        """Balanced stages of `times`, and of the `which` pass's boundary transfers, over
+        the workers `ranks`; one dynamic program serves every stage count when the workers
+        are equally fast."""
         speeds = [self.space.cluster.workers[r].speed for r in ranks]
+        cuts = self.cut_seconds(which, ranks)
         uniform = len(set(speeds)) == 1
-        key = (tuple(times), speeds[0] if uniform else tuple(speeds))
+        key = (tuple(times), tuple(cuts), speeds[0] if uniform else tuple(speeds))
         if key not in self.partitions:
             n = min(len(times), self.space.cluster.size) if uniform else len(speeds)
-            self.partitions[key] = partitions(times, n, speeds[:1] * n if uniform else speeds)
+            self.partitions[key] = partitions(times, n, speeds[:1] * n if uniform else speeds,
+                                              cuts)
         return self.partitions[key][len(ranks) - 1]
+
+    def cut_seconds(self, which: str, ranks: Sequence[int]) -> list[float]:
+        """Per boundary before layer c (c = 0..n), the seconds a stage next to it spends per
+        micro-batch (at the profile's size) moving what crosses it over the slowest link
+        between consecutive `ranks`: the activation in the forward pass, its gradient in
+        the backward, both on combined kinds; nothing crosses the model's ends."""
+        per = 2 if which == "combined" else 1
+        bandwidth = self.bandwidth(ranks)
+        layers = self.space.profile.layers
+        return [0.0, *(per * x.output_bytes / bandwidth for x in layers[:-1]), 0.0]
+
+    def bandwidth(self, ranks: Sequence[int]) -> float:
+        """Bytes per second of the slowest link between consecutive `ranks` (inf: one)."""
+        return min((self.space.cluster.link(a, b).bandwidth
+                    for a, b in itertools.pairwise(ranks)), default=math.inf)
 
     def build(self, kind: str, mode: str, microbatches: int, n_fwd: int,
               policy: Sequence[str]) -> Plan:
@@ -177,12 +202,15 @@ class _Planner:
         ref = self.space.profile.microbatch_size  # one partition table for every count
         if kind == "pipefb":
             fwd_ranks, bwd_ranks = range(n_fwd), range(n_fwd, n)
-            fwd = self.split_partition(self.layer_times("forward", policy, ref), fwd_ranks)
-            bwd = self.split_partition(self.layer_times("backward", policy, ref), bwd_ranks)
+            fwd = self.split_partition(self.layer_times("forward", policy, ref), fwd_ranks,
+                                       "forward")
+            bwd = self.split_partition(self.layer_times("backward", policy, ref), bwd_ranks,
+                                       "backward")
             assignment = tuple(WorkerAssignment(r, "forward", r) for r in fwd_ranks) + tuple(
                 WorkerAssignment(r, "backward", s) for s, r in enumerate(bwd_ranks))
         else:
-            fwd = bwd = self.split_partition(self.layer_times("combined", policy, ref), range(n))
+            fwd = bwd = self.split_partition(self.layer_times("combined", policy, ref), range(n),
+                                             "combined")
             assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(n))
         staleness = self.space.staleness if kind == "pipefb" and mode == "async" else 0
         return Plan(schedule=kind, microbatches=microbatches, microbatch_size=mb,
@@ -303,19 +331,24 @@ class _Planner:
         speed = [w.speed for w in c.workers]
         policy = plan.policy
 
+        fwd_link = self.bandwidth(t.forward_workers)
+        bwd_link = self.bandwidth(t.backward_workers)
+
         def f_time(s: int) -> float:
             layers = t.layers_of_forward(s)
             moved = sum(kept_bytes(prof.layers[i], policy[i]) for i in layers)
             store = c.store.seconds(moved) if t.is_split else 0.0
-            return (prof.forward_seconds(layers) + store) / speed[t.forward_workers[s]]
+            return ((prof.forward_seconds(layers) + store) / speed[t.forward_workers[s]]
+                    + _boundary_bytes(prof, layers) / fwd_link)
 
         def b_time(s: int) -> float:
             layers = t.layers_of_backward(s)
             rec = [i for i in layers if policy[i] == "recompute"]
             moved = sum(kept_bytes(prof.layers[i], policy[i]) for i in layers)
             store = c.store.seconds(moved) if t.is_split or "offload" in policy else 0.0
-            return (prof.backward_seconds(layers) + prof.forward_seconds(rec) + store
-                    ) / speed[t.backward_workers[s]]
+            return ((prof.backward_seconds(layers) + prof.forward_seconds(rec) + store
+                     ) / speed[t.backward_workers[s]]
+                    + _boundary_bytes(prof, layers) / bwd_link)
 
         fs = [f_time(s) for s in range(t.n_forward_stages)]
         bs = [b_time(s) for s in range(t.n_backward_stages)]
@@ -381,6 +414,15 @@ def pass_times(profile: Profile, store: Link, policy: Sequence[str], which: str
         else:
             out.append(x.backward_seconds + recompute + moved / store.bandwidth)
     return out
+
+
+def _boundary_bytes(profile: Profile, layers: Sequence[int]) -> int:
+    """Bytes crossing the two boundaries of a stage of contiguous `layers` per micro-batch
+    and pass: its input from the stage before and its output to the one after (an
+    activation forward, its gradient backward)."""
+    first, last = layers[0], layers[-1]
+    return ((profile.layers[first - 1].output_bytes if first > 0 else 0)
+            + (profile.layers[last].output_bytes if last < profile.n_layers - 1 else 0))
 
 
 def _held_bytes(plan: Plan, policy: list[str], layers: list[int], prof: Profile) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -97,6 +98,39 @@ def test_partition_with_speeds_equals_brute_force(costs, data):
     best = min(bottleneck((0, *cuts, len(costs)))
                for cuts in itertools.combinations(range(1, len(costs)), k - 1))
     assert bottleneck(got) == pytest.approx(best)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=2, max_size=9), st.data())
+def test_partition_with_cut_costs_equals_brute_force(costs, data):
+    """A stage also pays the transfers at its two boundaries (none at the model's ends)."""
+    n = len(costs)
+    k = data.draw(st.integers(1, n))
+    speeds = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=k, max_size=k))
+    cut = data.draw(st.lists(st.sampled_from([0, 0, 3, 10, 40]), min_size=n + 1,
+                             max_size=n + 1))
+    got = partition(costs, k, speeds, cut)
+
+    def bottleneck(bounds):
+        return max(sum(costs[a:b]) / s + (cut[a] if 0 < a else 0) + (cut[b] if b < n else 0)
+                   for (a, b), s in zip(itertools.pairwise(bounds), speeds, strict=True))
+
+    best = min(bottleneck((0, *cuts, n))
+               for cuts in itertools.combinations(range(1, n), k - 1))
+    assert bottleneck(got) == pytest.approx(best)
+
+
+def test_a_dear_boundary_moves_the_cut_and_bad_cut_costs_are_refused():
+    costs = [1.0, 1.0, 1.0, 1.0]
+    assert partition(costs, 2) == (0, 2, 4)
+    # what crosses after layer 2 is dear: the cut moves to the cheapest one that still
+    # balances, though the halves are then uneven (3 + 0.2 against 1 + 0.2; after layer 1:
+    # 1 + 0.5 against 3 + 0.5)
+    assert partition(costs, 2, cuts=[0, 0.5, 5.0, 0.2, 0]) == (0, 3, 4)
+    with pytest.raises(ConfigError, match="cut costs"):
+        partition(costs, 2, cuts=[0, 1, 2])
+    with pytest.raises(ConfigError, match="cut costs"):
+        partition(costs, 2, cuts=[0, -1, 0, 0, 0])
 
 
 def _exhaustive(profile: Profile, cluster: Cluster, batch: int, mode: str) -> float:
@@ -214,3 +248,21 @@ def test_head_and_loss_are_recomputed_as_one_run():
     assert plan.forward_partition == (0, 2, 5)
     relieved = planner.relieve(plan, {1: 1})
     assert relieved == ["keep"] * 3 + ["recompute"] * 2  # frees the logits for 0.11 ms
+
+
+def test_the_partition_keeps_a_huge_activation_inside_a_stage():
+    """Layer 1's output takes 0.4 s per direction over the 1 GB/s link, layers take 0.3 s:
+    the compute-balanced cut after layer 1 would put 0.8 s of transfers on both stages."""
+    layers = tuple(LayerProfile(f"l{i}", 0.1, 0.2, 1000, 400_000_000 if i == 1 else 1000, 0,
+                                1000) for i in range(4))
+    profile = Profile(4, layers, optimizer_seconds_per_byte=0.0, optimizer_state_ratio=0.0)
+    cluster = Cluster.uniform(2, network=Link(1e9, 1e-4))
+    planner = _Planner(_Space(profile, cluster, 16, 1))
+    plan = planner.build("1f1b", "sync", 4, 2, ["keep"] * 4)
+    assert plan.forward_partition in ((0, 1, 4), (0, 3, 4))  # not (0, 2, 4)
+    even = replace(plan, forward_partition=(0, 2, 4), backward_partition=(0, 2, 4))
+    assert simulate(plan, profile, cluster).step_seconds < simulate(
+        even, profile, cluster).step_seconds
+    four = _Planner(_Space(profile, Cluster.uniform(4, network=Link(1e9, 1e-4)), 16, 1))
+    pipefb = four.build("pipefb", "sync", 4, 2, ["offload"] * 4)  # 2 forward, 2 backward
+    assert (0, 2, 4) not in (pipefb.forward_partition, pipefb.backward_partition)
