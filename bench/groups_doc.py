@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from bench.stats import fmt
+from pipefb.groups import MODEL_SLACK, TOP_BY_MODEL
 
 
 def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
@@ -55,8 +56,9 @@ def simulated(sim: dict[str, Any]) -> list[str]:
              f"{sc['batch_size']} sequences. For each G the planner's full search "
              "(schedule, micro-batches, partition, policy under the cap) for one group, "
              "simulated over all N with the ring all-reduce in each optimizer step. `GHP` is "
-             "the planner's choice (model ranks every G, best three simulated), `exhaustive` "
-             "the best G with every G simulated.", "",
+             f"the planner's choice (model ranks every G; the best {TOP_BY_MODEL} and any "
+             f"within {MODEL_SLACK:.0%} of the best are simulated), `exhaustive` the best G "
+             "with every G simulated.", "",
              "| GPUs | GHP G | exhaustive G | GHP samples/s | vs single pipeline (G=1) | "
              "vs pure DP (G=N) | GHP / exhaustive |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for n, r in sorted(sim["sizes"].items(), key=lambda x: int(x[0])):

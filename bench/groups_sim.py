@@ -15,8 +15,9 @@
   under the 40 GiB cap) for a fixed G, simulated over the whole cluster:
   `single pipeline` G = 1 (one pipeline over all N GPUs), `pure DP` G = N (each GPU a
   whole model), `GHP` the planner's choice (its training-time model ranks every G, the
-  best three are searched and simulated), and `exhaustive` the best simulated G (every G
-  searched): how far the model's choice is from the best.
+  best three and any within 10% of the best are searched and simulated), and
+  `exhaustive` the best simulated G (every G searched): how far the model's choice is
+  from the best.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from pipefb.cluster import Cluster, Link
 from pipefb.costs import LayerProfile, Profile
 from pipefb.errors import ConfigError
-from pipefb.groups import group_counts, grouped, search_groups
+from pipefb.groups import group_counts, grouped, search_groups, shortlist
 from pipefb.plan import balanced_plan
 from pipefb.schedule import Kind
 from pipefb.simulate import Simulation, simulate
@@ -120,3 +120,10 @@ def test_ring_moves_at_its_slowest_hop() -> None:
     assert ring_link(replace(one_host, links={
         frozenset((a.name, b.name)): Link(20e9, 1e-5) for i, a in enumerate(one_host.workers)
         for b in one_host.workers[i + 1:]}), 1, 2) == Link(20e9, 1e-5)
+
+
+def test_the_shortlist_keeps_every_near_tie_of_the_model() -> None:
+    """The model's best three, and past them only counts within 10% of its best."""
+    assert shortlist({1: 1.0, 2: 1.01, 4: 1.02, 8: 1.05, 16: 1.2, 32: 1.11}) == [1, 2, 4, 8]
+    assert shortlist({1: 2.0, 2: 1.0, 4: 1.5, 8: 1.6}) == [2, 4, 8]
+    assert shortlist({4: 1.0}) == [4]
