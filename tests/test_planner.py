@@ -266,3 +266,19 @@ def test_the_partition_keeps_a_huge_activation_inside_a_stage():
     four = _Planner(_Space(profile, Cluster.uniform(4, network=Link(1e9, 1e-4)), 16, 1))
     pipefb = four.build("pipefb", "sync", 4, 2, ["offload"] * 4)  # 2 forward, 2 backward
     assert (0, 2, 4) not in (pipefb.forward_partition, pipefb.backward_partition)
+
+
+@pytest.mark.parametrize("schedules", [("gpipe", "1f1b"), ("1f1b", "gpipe")])
+def test_of_two_equally_fast_plans_the_one_with_less_peak_memory_wins(schedules):
+    """GPipe and 1F1B take the same (M + S - 1)(F + B) on a uniform pipeline; 1F1B's last
+    stage holds one micro-batch where GPipe's holds all of them, so 1F1B is chosen, and
+    GPipe's row says why it lost."""
+    profile = uniform_profile(8, activation=1000, params=1000)
+    result = search(profile, FAST, 8, schedules=schedules, microbatches=[4])
+    by_kind = {c.plan.schedule: c for c in result.candidates}
+    assert by_kind["gpipe"].step_seconds == pytest.approx(result.best.step_seconds, rel=1e-3)
+    gpipe, best = by_kind["gpipe"].peak_memory, result.best.peak_memory
+    assert max(gpipe.values()) == max(best.values())  # stage 0 holds 4 in both
+    assert sum(gpipe.values()) > sum(best.values())
+    assert result.plan.schedule == "1f1b"
+    assert by_kind["gpipe"].note.startswith("as fast within 1%")
