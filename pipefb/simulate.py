@@ -57,6 +57,7 @@ from pipefb.memory import KINDS
 from pipefb.plan import Plan, lowered_schedule, recompute_runs, schedule_for
 from pipefb.schedule import Action, Kind, Schedule, Topology, iteration
 from pipefb.schedule.deps import requirements
+from pipefb.schedule.ir import STAGE_KINDS
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
 SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L})
@@ -233,6 +234,7 @@ class _Memory:
         self.now["parameters"] = costs.profile.param_bytes(sorted(held | set(owned)))
         self.now["optimizer_state"] = round(costs.profile.optimizer_state_ratio
                                             * self.owned_bytes)
+        self.total = sum(self.now.values())  # kept equal to it by `_set` and `apply`
         self.peak, self.at_peak = 0, dict(self.now)
         self.version = 0
         self.forward_versions: dict[tuple[int, int], int] = {}
@@ -269,21 +271,25 @@ class _Memory:
             out.append(("activations", -c.send_bytes(a)))
         return tuple(out)
 
+    def _set(self, kind: str, nbytes: int) -> None:
+        self.total += nbytes - self.now[kind]
+        self.now[kind] = nbytes
+
     def _note(self) -> None:
-        self.now["weight_versions"] = len(self.kept) * self.owned_bytes
-        total = sum(self.now.values())
-        if total > self.peak:
-            self.peak, self.at_peak = total, dict(self.now)
+        self._set("weight_versions", len(self.kept) * self.owned_bytes)
+        if self.total > self.peak:
+            self.peak, self.at_peak = self.total, dict(self.now)
 
     def apply(self, step: int, op: _Op) -> None:
         """Runs the memory effect of one action of training step `step`."""
         for kind, delta in op.deltas:
             self.now[kind] += delta
+            self.total += delta
         a = op.action
         if a.kind is Kind.F and self.combined:
             self.forward_versions[(step, op.microbatch)] = self.version
         elif a.kind is Kind.B:
-            self.now["gradients"] = self.owned_bytes
+            self._set("gradients", self.owned_bytes)
             if self.combined:
                 self.forward_versions.pop((step, op.microbatch), None)
                 self.kept &= set(self.forward_versions.values())
@@ -301,7 +307,7 @@ class _Memory:
             self.kept.add(self.version)
         self.version += 1
         self.kept &= needed
-        self.now["gradients"] = 0
+        self._set("gradients", 0)
 
 
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:
@@ -343,6 +349,7 @@ class _Program:
         self.costs, self.topology = costs, costs.topology
         self.keys: dict[tuple[Any, ...], int] = {}
         self.shapes: dict[tuple[Kind, int], tuple[float, tuple[tuple[str, int], ...]]] = {}
+        self.needs: dict[tuple[Kind, int], list[tuple[int, Kind, int]]] = {}
         self.ops = {r: [self._op(r, a, memory[r], staleness) for a in actions]
                     for r, actions in schedule.items()}
         self.index = {r: {a.base: i for i, a in enumerate(actions)}
@@ -350,6 +357,16 @@ class _Program:
 
     def key(self, *what: Any) -> int:
         return self.keys.setdefault(what, len(self.keys))
+
+    def _needs(self, shape: tuple[Kind, int], a: Action, staleness: int
+               ) -> list[tuple[int, Kind, int]]:
+        """(step offset, kind, stage) of what `a` waits for: the same for every micro-batch
+        of its kind and stage (a need's micro-batch is `a`'s, or none for per-stage kinds),
+        so `requirements` runs once per shape."""
+        if shape not in self.needs:
+            self.needs[shape] = [(offset, need.kind, need.stage)
+                                 for offset, need in requirements(a, self.topology, staleness)]
+        return self.needs[shape]
 
     def _op(self, r: int, a: Action, memory: _Memory, staleness: int) -> _Op:
         c, t, base = self.costs, self.topology, a.base
@@ -363,11 +380,12 @@ class _Program:
             self.shapes[shape] = (seconds, memory.deltas(a))
         seconds, deltas = self.shapes[shape]
         needs = []
-        for offset, need in requirements(a, t, staleness):
-            if need.kind is Kind.PUSH_W:
-                needs.append((offset, self.key(need.stage, "push", r)))
+        for offset, kind, stage in self._needs(shape, a, staleness):
+            if kind is Kind.PUSH_W:
+                needs.append((offset, self.key(stage, "push", r)))
             else:  # local needs too: an unvalidated list may put them after (a deadlock)
-                needs.append((offset, self.key(need.kind, need.stage, need.microbatch)))
+                needs.append((offset, self.key(kind, stage, a.microbatch if kind not in
+                                                 STAGE_KINDS else None)))
         sends: list[tuple[int, int, int]] = []
         if a.kind in SENDS:
             sends.append((_destination(t, a), c.send_bytes(a),
