@@ -45,6 +45,10 @@ class LayerExec(Protocol):
         """Drops anything derived from the weights (called after every in-place update)."""
         ...
 
+    def prepare(self) -> None:
+        """Derives ahead what the backward needs from the current weights alone."""
+        ...
+
 
 class AutogradExec:
     """Eager autograd; the saved tensors are the autograd graph's own (counted, not moved)."""
@@ -84,6 +88,9 @@ class AutogradExec:
     def weights_changed(self) -> None:
         """Autograd derives nothing ahead of time."""
 
+    def prepare(self) -> None:
+        """Nothing to derive: autograd's backward reads the weights themselves."""
+
 
 class SplitExec:
     """The explicit forward/backward split; the stash may travel through the offload store."""
@@ -110,6 +117,10 @@ class SplitExec:
     def weights_changed(self) -> None:
         """Forgets the weight-derived tensors of the old version."""
         self.split.weights_changed()
+
+    def prepare(self) -> None:
+        """Derives the current version's weight-derived tensors now."""
+        self.split.derive()
 
     def _accumulate(self, param_grads: list[torch.Tensor]) -> None:
         with torch.no_grad():

@@ -623,6 +623,9 @@ class StageRuntime:
                 continue  # those layers hold no parameters: their forward never waits for one
             self.transport.push_weights(self.topology.forward_workers[fwd_stage], self.version,
                                         tensors)
+        if self.plan.mode == "sync":  # the next backward runs with these weights: derive
+            for i in self.bwd_layers:  # now, while the forward ranks compute its stash
+                self.execs[i].prepare()
 
     def _recv_weights(self, action: Action, step: int, it: _Iteration) -> None:
         """Installs the version step `step`'s forward uses: step - staleness (at least 0)."""

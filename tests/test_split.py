@@ -280,6 +280,26 @@ def test_new_weight_version_rederives() -> None:
     assert_same(second[0], 2.0 * first[0])
 
 
+def test_derive_ahead_serves_the_next_backward() -> None:
+    """`derive` after a weight update runs the derive graph once; the backward with those
+    weights reuses its tensors and gives the same gradients as deriving on demand."""
+    layer, inputs, split = build(CASES[0])
+    _, stash = split.forward(inputs)
+    grad = grad_for(split)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    split.weights_changed()
+    on_demand, _ = split.backward(stash, grad)
+    split.weights_changed()
+    calls = []
+    graph = split.derive_graph
+    split.derive_graph = lambda *w: calls.append(1) or graph(*w)  # type: ignore[method-assign]
+    split.derive()
+    ahead, _ = split.backward(stash, grad)
+    assert calls == [1]
+    assert_same(ahead[0], on_demand[0])
+
+
 def test_explicit_params_are_used() -> None:
     layer, inputs, split = build(CASES[0])
     new = [p.detach() * 3.0 for p in layer.parameters()]
