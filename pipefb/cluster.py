@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -316,11 +316,19 @@ def group_view(cluster: Cluster, groups: int) -> Cluster:
                    loopback_hosts=cluster.loopback_hosts & set(cores))
 
 
+def slowest_hop(cluster: Cluster, hops: Iterable[tuple[int, int]]) -> Link:
+    """The lowest bandwidth and highest latency over the links of `hops` (rank pairs): the
+    pace of traffic that crosses all of them; no hops: an infinitely fast link."""
+    links = [cluster.link(a, b) for a, b in hops]
+    if not links:
+        return Link(math.inf)
+    return Link(min(x.bandwidth for x in links), max(x.latency for x in links))
+
+
 def ring_link(cluster: Cluster, rank: int, groups: int) -> Link:
     """The slowest hop of the all-reduce ring through `rank` and the same stage's rank in
     every other group (ranks rank, rank + width, ...): a ring moves at its slowest hop's
     pace, so a ring that leaves a host pays the network even if some hops stay inside."""
     width = cluster.size // groups
     ring = [rank % width + g * width for g in range(groups)]
-    hops = [cluster.link(a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)]
-    return Link(min(x.bandwidth for x in hops), max(x.latency for x in hops))
+    return slowest_hop(cluster, zip(ring, ring[1:] + ring[:1], strict=True))

@@ -292,9 +292,12 @@ def _scan_rows(prefix: list[float], speed: list[float], edge: list[float]
     before = index[:, None] < index[None, :]  # [c, end]: c < end
     best = p / speed[0] + e  # one stage: the whole prefix and the cut at its end
     where: list[list[int]] = [[0] * (n + 1)]
+    spans: dict[float, torch.Tensor] = {}  # [c, end] time of a stage, per stage speed
     for k in range(2, len(speed) + 1):
-        span = (p[None, :] - p[:, None]) / speed[k - 1] + e[:, None] + e[None, :]
-        times = torch.maximum(best[:, None], span)
+        if speed[k - 1] not in spans:
+            spans[speed[k - 1]] = ((p[None, :] - p[:, None]) / speed[k - 1]
+                                   + e[:, None] + e[None, :])
+        times = torch.maximum(best[:, None], spans[speed[k - 1]])
         allowed = before & (index[:, None] >= k - 1)  # k - 1 stages need k - 1 layers
         best, cut = times.masked_fill(~allowed, float("inf")).min(dim=0)
         where.append([int(c) for c in cut])

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pipefb.cluster import Cluster, Link
+from pipefb.cluster import Cluster, Link, slowest_hop
 from pipefb.config import SCHEDULE_MODES
 from pipefb.costs import Profile, kept_bytes
 from pipefb.errors import ConfigError, ScheduleError
@@ -198,8 +198,7 @@ class _Planner:
 
     def bandwidth(self, ranks: Sequence[int]) -> float:
         """Bytes per second of the slowest link between consecutive `ranks` (inf: one)."""
-        return min((self.space.cluster.link(a, b).bandwidth
-                    for a, b in itertools.pairwise(ranks)), default=math.inf)
+        return slowest_hop(self.space.cluster, itertools.pairwise(ranks)).bandwidth
 
     def build(self, kind: str, mode: str, microbatches: int, n_fwd: int,
               policy: Sequence[str]) -> Plan:
