@@ -65,6 +65,9 @@ class Profile:
         optimizer_seconds_per_byte: optimizer step time per parameter byte it updates.
         optimizer_state_ratio: optimizer state bytes per parameter byte (AdamW: 2).
         source: "measured" or "analytic".
+        data_seconds: loading one micro-batch (inputs and targets), which the forward of
+            the first stage and of the loss's stage each pay; `at` keeps it (loading costs
+            mostly per call).
     """
 
     microbatch_size: int
@@ -72,6 +75,7 @@ class Profile:
     optimizer_seconds_per_byte: float = 0.0
     optimizer_state_ratio: float = 0.0
     source: str = "measured"
+    data_seconds: float = 0.0
     _scaled: dict[int, Profile] = field(default_factory=dict, init=False, repr=False,
                                         compare=False)
 
@@ -80,6 +84,8 @@ class Profile:
             raise ConfigError(f"profile micro-batch size {self.microbatch_size} must be >= 1")
         if not self.layers:
             raise ConfigError("a profile needs at least one layer")
+        if not self.data_seconds >= 0:
+            raise ConfigError(f"profile data_seconds = {self.data_seconds!r} must be >= 0")
 
     def at(self, microbatch_size: int) -> Profile:
         """The same layers at another micro-batch size (see the module docstring)."""
@@ -128,7 +134,8 @@ class Profile:
         return {"microbatch_size": self.microbatch_size,
                 "layers": [asdict(x) for x in self.layers],
                 "optimizer_seconds_per_byte": self.optimizer_seconds_per_byte,
-                "optimizer_state_ratio": self.optimizer_state_ratio, "source": self.source}
+                "optimizer_state_ratio": self.optimizer_state_ratio, "source": self.source,
+                "data_seconds": self.data_seconds}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:

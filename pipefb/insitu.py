@@ -108,8 +108,9 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
                            backward_seconds=x.backward_seconds * b,
                            backward_fixed_seconds=x.backward_fixed_seconds * b)
                    for x in profile.layers)
-    profile = replace(profile, layers=layers, optimizer_seconds_per_byte=(
-        profile.optimizer_seconds_per_byte * factors.get("OPT", 1.0)))
+    profile = replace(profile, layers=layers, data_seconds=profile.data_seconds * f,
+                      optimizer_seconds_per_byte=(profile.optimizer_seconds_per_byte
+                                                  * factors.get("OPT", 1.0)))
     store = Link(cluster.store.bandwidth / factors.get("STASH", 1.0), cluster.store.latency)
     hop = factors.get(LATENCY, 1.0)
 

@@ -2,7 +2,8 @@
 
 `measure_profile` times every layer of a job's layer sequence (the loss layer last) in
 this process, with the executor a split rank runs (`pipefb.execs.SplitExec`: the captured
-forward and backward graphs), on the job's own data, and one step of the job's optimizer.
+forward and backward graphs), on the job's own data, loading that data, and steps of the
+job's optimizer.
 `analytic_profile` derives the same table for a device that is not here, from FLOPs
 counted on fake tensors (`torch.utils.flop_counter.FlopCounterMode`) and bytes. Both return
 a `pipefb.costs.Profile`; the worker's Profile RPC wraps `measure_profile`.
@@ -19,6 +20,21 @@ layer still runs its forward once on the micro-batch, for its `saved_bytes` and 
 inputs of the layers after it; a layer outside `layers` reports zero times. The fixed
 parts are timed on a micro-batch of `FIXED_SIZE` samples, through layers 0 .. the last
 timed one.
+
+[Note: timed as a pipeline runs]
+A step's time is the sum of its actions' times, so the profile holds means, not medians:
+the occasional slow call (a page fault, the allocator growing, the scheduler) is part of
+what a pipeline pays. The calls are timed as a pipeline makes them, not one layer over
+and over on one input: each round loads `IN_FLIGHT` fresh micro-batches (timed: the
+profile's `data_seconds`), runs each through every layer, keeping what the backwards
+need, then runs the backwards, last layer first. So a layer meets its weights and inputs
+after the other layers have run, and its outputs are new allocations while earlier
+micro-batches' stashes are alive, as on a worker; a layer timed alone in a loop runs
+from warm caches and reused memory, 10-40% faster than inside a run on this machine's
+CPU. The optimizer's time is the runtime's OPT: the step, dropping the gradients and
+counting the state, each after `EVICT_BYTES` written and then fresh gradients, since on a
+worker the step's backwards ran in between, the last of them writing the gradients (a
+step over cached state runs about twice as fast as one over evicted state here).
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -47,8 +64,10 @@ from pipefb.runtime import _needs_grad  # the runtime's input-grad rule, shared 
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
 
-WARMUP = 2  # default untimed runs before the timed ones
-REPEATS = 5  # default timed runs per time (their median)
+WARMUP = 2  # default untimed rounds before the timed ones
+REPEATS = 5  # default timed rounds (times are their mean)
+IN_FLIGHT = 2  # micro-batches a round forwards before their backwards
+EVICT_BYTES = 64 << 20  # written before each timed optimizer step (beyond a CPU's caches)
 MAX_RUNS = 100  # warm-up or timed runs a request may ask for (bounds a Profile call)
 FIXED_SIZE = 1  # samples of the micro-batch whose times are the fixed (per-call) part
 DATA_STEP = 0  # the profiler runs the data of training step 0, micro-batch 0
@@ -90,35 +109,51 @@ def _sequence(layers: list[nn.Module], dataset: Dataset, size: int) -> _Sequence
 
 @dataclass(frozen=True)
 class _Run:
-    """One layer's median forward and backward seconds (0 when untimed) and stash bytes."""
+    """One layer's mean forward and backward seconds (0 when untimed) and stash bytes."""
 
     forward: float
     backward: float
     saved_bytes: int
 
 
+@dataclass
+class _Samples:
+    """Seconds sampled per layer while timing micro-batches as a pipeline runs them."""
+
+    forward: dict[int, list[float]]
+    backward: dict[int, list[float]]
+    data: list[float]
+    saved_bytes: dict[int, int]
+
+    def runs(self, stop: int) -> list[_Run]:
+        """Layer 0 .. stop-1's runs: mean times (0 untimed) and stash bytes."""
+        return [_Run(_mean(self.forward.get(i)), _mean(self.backward.get(i)),
+                     self.saved_bytes[i]) for i in range(stop)]
+
+
 def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None = None,
                     warmup: int = WARMUP, repeats: int = REPEATS) -> Profile:
-    """Times every layer of `job` on this process (see [Note: profiled layers]).
+    """Times every layer of `job` on this process (see [Note: profiled layers] and
+    [Note: timed as a pipeline runs]).
 
-    Layer i runs on what layers 0 .. i-1 computed from the job's micro-batch of step 0,
-    through `SplitExec` as a split rank runs it (random ops seeded as the runtime seeds
-    them), on the job's device. Each time is the median of `repeats` runs after `warmup`
-    untimed ones (on CUDA each run waits for its kernels); the fixed
-    parts are the same timed at `FIXED_SIZE` samples (at most the full time). The torch
-    thread count is the caller's; the caller's random generator state is left unchanged.
+    Layer i runs on what layers 0 .. i-1 computed from the job's data, through `SplitExec`
+    as a split rank runs it (random ops seeded as the runtime seeds them), on the job's
+    device. Each time is the mean over `repeats` rounds of `IN_FLIGHT` micro-batches, after
+    `warmup` untimed rounds (on CUDA each call waits for its kernels); the fixed parts are
+    the same timed at `FIXED_SIZE` samples (at most the full time). The torch thread count
+    is the caller's; the caller's random generator state is left unchanged.
 
     Args:
         job: the job whose layers, data, seed and optimizer to profile.
         microbatch_size: samples per micro-batch, >= 1.
         layers: which layers to time, a non-empty range of step 1; None: all of them.
-        warmup: untimed runs before the timed ones, >= 0.
-        repeats: timed runs per time, >= 1.
+        warmup: untimed rounds before the timed ones, >= 0.
+        repeats: timed rounds, >= 1.
 
     Returns:
-        A measured profile: one `LayerProfile` per layer, the loss layer last, and the
-        optimizer's seconds per byte and state ratio over the timed layers' parameters
-        (all layers' when those have none).
+        A measured profile: one `LayerProfile` per layer, the loss layer last, the seconds
+        of loading one micro-batch, and the optimizer's seconds per byte and state ratio
+        over the timed layers' parameters (all layers' when those have none).
 
     Raises:
         ConfigError: a bad argument or job value, naming it.
@@ -132,70 +167,93 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
         seq = _sequence([layer.to(device) for layer in build_layers(job)], dataset,
                         microbatch_size)
         timed = _timed_layers(layers, len(seq.layers))
-        full = _chain(seq, timed, len(seq.layers), job.seed, warmup, repeats)
+        full = _pipeline(seq, dataset, microbatch_size, timed, len(seq.layers), job.seed,
+                         warmup, repeats)
         small = (full if microbatch_size == FIXED_SIZE else
-                 _chain(_sequence(seq.layers, dataset, FIXED_SIZE), timed, timed.stop,
-                        job.seed, warmup, repeats))
+                 _pipeline(_sequence(seq.layers, dataset, FIXED_SIZE), dataset, FIXED_SIZE,
+                           timed, timed.stop, job.seed, warmup, repeats))
         params = _params([seq.layers[i] for i in timed]) or _params(seq.layers)
         per_byte, ratio = _optimizer_costs(job, params, warmup, repeats)
-    rows = (_measured_layer(seq, i, out, full[i], small[i] if i in timed else None)
+    runs, fixed = full.runs(len(seq.layers)), small.runs(timed.stop)
+    rows = (_measured_layer(seq, i, out, runs[i], fixed[i] if i in timed else None)
             for i, out in enumerate(seq.output_specs()))
     return Profile(microbatch_size, tuple(rows), optimizer_seconds_per_byte=per_byte,
-                   optimizer_state_ratio=ratio, source="measured")
+                   optimizer_state_ratio=ratio, source="measured",
+                   data_seconds=_mean(full.data))
 
 
-def _chain(seq: _Sequence, timed: range, stop: int, seed: int, warmup: int, repeats: int
-           ) -> list[_Run]:
-    """Runs layers 0 .. stop-1 one after another on the micro-batch, timing those in `timed`."""
-    runs: list[_Run] = []
-    x = seq.inputs
-    for i in range(stop):
-        x, run = _run_layer(seq, i, x, derive_seed(seed, DATA_STEP, 0, i), warmup,
-                            repeats if i in timed else 0)
-        runs.append(run)
-    return runs
+def _pipeline(seq: _Sequence, dataset: Dataset, size: int, timed: range, stop: int, seed: int,
+              warmup: int, repeats: int) -> _Samples:
+    """Rounds of `IN_FLIGHT` micro-batches of `size` samples (each round's data fresh):
+    every micro-batch's forward through layers 0 .. stop-1, then every one's backward of
+    the layers in `timed`, last layer first; times from the rounds after `warmup`."""
+    device = seq.inputs.device
+    executors = [SplitExec(seq.layers[i], seq.specs[i], _needs_grad(i, seq.specs[i]), device)
+                 for i in range(stop)]
+    samples = _Samples({}, {}, [], {})
+    for r in range(warmup + repeats):
+        record = r >= warmup
+        flight = [_forwards(seq, dataset, executors, timed, size, DATA_STEP + r, m, seed,
+                            samples, record) for m in range(IN_FLIGHT)]
+        for kept in flight:
+            for i, saved, out in reversed(kept):
+                grad = torch.ones_like(out)  # the values do not change the work
+                seconds, _ = _timed(partial(executors[i].backward, saved, grad))
+                if record:
+                    samples.backward.setdefault(i, []).append(seconds)
+    return samples
 
 
-def _run_layer(seq: _Sequence, i: int, x: torch.Tensor, seed: int, warmup: int, repeats: int
-               ) -> tuple[torch.Tensor, _Run]:
-    """Layer i's forward (and, when `repeats` > 0, timed forward and backward) on input x.
+def _forwards(seq: _Sequence, dataset: Dataset, executors: list[SplitExec], timed: range,
+              size: int, step: int, m: int, seed: int, samples: _Samples, record: bool
+              ) -> list[tuple[int, Saved, torch.Tensor]]:
+    """Micro-batch m of `step`: loads it (timed) and runs every executor's forward (the
+    timed layers' timed); returns what the timed layers' backwards need."""
+    seconds, (x, y) = _timed(lambda: dataset.microbatch(step, m, size))
+    x, y = x.to(seq.inputs.device), y.to(seq.inputs.device)
+    kept: list[tuple[int, Saved, torch.Tensor]] = []
+    for i, executor in enumerate(executors):
+        inputs = [x, y] if i == seq.last else [x]
 
-    Returns:
-        The layer's output and its run; untimed (repeats 0): one forward, zero times.
-    """
-    layer, specs = seq.layers[i], seq.specs[i]
-    executor = SplitExec(layer, specs, _needs_grad(i, specs), seq.inputs.device)
-    inputs = seq.layer_inputs(i, x)
+        def forward(i: int = i, executor: SplitExec = executor,
+                    inputs: list[torch.Tensor] = inputs) -> tuple[torch.Tensor, Saved]:
+            if executor.has_random_ops:
+                seed_random_ops(derive_seed(seed, step, m, i))  # as the runtime's F does
+            return executor.forward(inputs)
 
-    def forward() -> tuple[torch.Tensor, Saved]:
-        if executor.has_random_ops:
-            seed_random_ops(seed)  # as the runtime's F does, inside the timed call
-        return executor.forward(inputs)
-
-    if not repeats:
-        out, saved = forward()
-        return out, _Run(0.0, 0.0, _stash_bytes(layer, saved))
-    forward_seconds, (out, saved) = _median_seconds(forward, warmup, repeats)
-    grad = torch.ones_like(out)  # the values do not change the work
-    backward_seconds, _ = _median_seconds(lambda: executor.backward(saved, grad), warmup,
-                                          repeats)
-    return out, _Run(forward_seconds, backward_seconds, _stash_bytes(layer, saved))
+        forward_seconds, (x, saved) = _timed(forward)
+        samples.saved_bytes.setdefault(i, _stash_bytes(seq.layers[i], saved))
+        if i in timed:
+            kept.append((i, saved, x))
+            if record:
+                samples.forward.setdefault(i, []).append(forward_seconds)
+    if record:
+        samples.data.append(seconds)
+    return kept
 
 
-def _median_seconds(fn: Callable[[], T], warmup: int, repeats: int) -> tuple[float, T]:
-    """Runs `fn` `warmup` times untimed, then `repeats` (>= 1) times timed.
+def _evict_caches(device: torch.device) -> None:
+    """Writes `EVICT_BYTES` on `device`: what was cached before is gone, as it is for the
+    optimizer after a step's backwards."""
+    torch.ones(EVICT_BYTES, dtype=torch.uint8, device=device)
 
-    Returns:
-        The median seconds of the timed runs and the last run's result.
-    """
-    for _ in range(warmup):
-        fn()
-    seconds, result = _timed(fn)
-    times = [seconds]
-    for _ in range(repeats - 1):
-        seconds, result = _timed(fn)
-        times.append(seconds)
-    return statistics.median(times), result
+
+def _mean(samples: list[float] | None) -> float:
+    """The mean of the samples, 0 when there are none."""
+    return statistics.fmean(samples) if samples else 0.0
+
+
+def _mean_seconds(fn: Callable[[], object], warmup: int, repeats: int,
+                  before: Callable[[], object] = lambda: None) -> float:
+    """Runs `before` (untimed) and then `fn`, `warmup` times untimed and `repeats` (>= 1)
+    times timed; returns the mean seconds of the timed calls of `fn`."""
+    times = []
+    for k in range(warmup + repeats):
+        before()
+        seconds, _ = _timed(fn)
+        if k >= warmup:
+            times.append(seconds)
+    return statistics.fmean(times)
 
 
 def _timed(fn: Callable[[], T]) -> tuple[float, T]:
@@ -218,22 +276,33 @@ def _params(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
 
 def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, repeats: int
                      ) -> tuple[float, float]:
-    """One step of the job's optimizer over `params`, with gradients set.
+    """A step of the job's optimizer over `params` as the runtime's OPT takes it: the step,
+    then the gradients dropped (`zero_grad(set_to_none=True)`) and the state counted; fresh
+    gradients are set before each, untimed.
 
     The first step allocates the optimizer state, so at least one untimed step runs first.
 
     Returns:
-        (median step seconds per parameter byte, state bytes per parameter byte); zeros
+        (mean step seconds per parameter byte, state bytes per parameter byte); zeros
         when there are no parameters.
     """
     nbytes = tensor_bytes(params)
     if not nbytes:
         return 0.0, 0.0
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
     optimizer = build_optimizer(job.optimizer, params, job.lr, job.optimizer_config)
-    seconds, _ = _median_seconds(lambda: optimizer.step(), max(warmup, 1), repeats)
+
+    def set_grads() -> None:
+        _evict_caches(params[0].device)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        optimizer_state_bytes(optimizer)
+
+    seconds = _mean_seconds(step, max(warmup, 1), repeats, set_grads)
+    set_grads()
     return seconds / nbytes, optimizer_state_bytes(optimizer) / nbytes
 
 
@@ -375,7 +444,8 @@ _BYTES = ("input_bytes", "output_bytes", "saved_bytes", "param_bytes")
 def median_profile(profiles: Sequence[Profile]) -> Profile:
     """The per-layer median of profiles of the same job measured on several workers.
 
-    Every time field and both optimizer fields are medians; the bytes must agree.
+    Every time field, both optimizer fields and the data time are medians; the bytes must
+    agree.
 
     Raises:
         ConfigError: no profiles, or profiles of different layers, sizes or bytes.
@@ -389,7 +459,8 @@ def median_profile(profiles: Sequence[Profile]) -> Profile:
                    optimizer_seconds_per_byte=statistics.median(
                        p.optimizer_seconds_per_byte for p in profiles),
                    optimizer_state_ratio=statistics.median(
-                       p.optimizer_state_ratio for p in profiles))
+                       p.optimizer_state_ratio for p in profiles),
+                   data_seconds=statistics.median(p.data_seconds for p in profiles))
 
 
 def _median_layer(rows: list[LayerProfile]) -> LayerProfile:

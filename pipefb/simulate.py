@@ -7,7 +7,8 @@ the bubble fraction and each worker's peak memory as the runtime accounts it.
 
 [Note: cost model]
 - F, B, OPT run on the worker's host (see [Note: shared hosts]); their time is the
-  profiled layer time over the worker's speed: F sums the stage's forwards, B its
+  profiled layer time over the worker's speed: F sums the stage's forwards (plus loading
+  the micro-batch on the first stage and the loss's, `Profile.data_seconds`), B its
   backwards plus the forwards of its recomputed layers, OPT is optimizer seconds per byte
   times the bytes it updates.
 - SEND_F, SEND_B, SEND_L and PUSH_W cost the sender only the action overhead; the bytes
@@ -25,9 +26,12 @@ A host with fewer cores than workers, or a loopback host (`Cluster.loopback_host
 machine whose workers talk over loopback gRPC and a local store), is simulated with
 processor sharing, as an OS schedules threads: every busy action of its workers is a job,
 and n jobs each progress at min(1, cores / n). On a loopback host a transfer between two
-of its workers is a job too (bytes over the link bandwidth, then the latency), since
-copying and (de)serialising bytes is what loopback costs. Events then run in time order;
-otherwise every rank runs ahead as far as its inputs allow (same times, faster).
+of its workers is a job too, the link's whole time (latency plus bytes over bandwidth):
+copying and (de)serialising the bytes, and waking the threads that hand them on, all
+need a core, so a hop on a busy host takes longer (measured here: an echo's one-way
+0.35 ms idle, about 1 ms with two other processes half busy on the 2 cores). Events
+then run in time order; otherwise every rank runs ahead as far as its inputs allow (same
+times, faster).
 
 [Note: simulated memory]
 After every action the simulator sums, per worker, the same kinds the runtime accounts
@@ -183,7 +187,10 @@ class _Costs:
     def _compute_seconds(self, rank: int, a: Action) -> float:
         t = self.topology
         if a.kind is Kind.F:
-            return self.profile.forward_seconds(t.layers_of_forward(a.stage))
+            layers = t.layers_of_forward(a.stage)
+            loads = layers.start == 0 or layers.stop == self.profile.n_layers
+            return (self.profile.forward_seconds(layers)
+                    + (self.profile.data_seconds if loads else 0.0))
         if a.kind is Kind.B:
             layers = t.layers_of_backward(a.stage)
             recomputed = [i for i in layers if self.plan.policy[i] == "recompute"]
@@ -641,17 +648,14 @@ class _Engine:
 
     def _loopback_transfer(self, src: int, dst: int, nbytes: int, slot: int, sent: float
                            ) -> None:
-        """Bytes between ranks of a loopback host: CPU work (bytes over the link's
-        bandwidth) on the host's cores, then the link's latency."""
-        latency = self._link(src, dst).latency
-
+        """Bytes between ranks of a loopback host: CPU work on the host's cores, the
+        link's latency plus the bytes over its bandwidth (see [Note: shared hosts])."""
         def arrived(end: float) -> None:
-            self.avail[slot] = end + latency
+            self.avail[slot] = end
             for waiter in self.waiting.pop(slot, []):
                 self._schedule(waiter)
 
-        self._start_job(self.host[src][0], sent, nbytes / self._link(src, dst).bandwidth,
-                        arrived)
+        self._start_job(self.host[src][0], sent, self._link(src, dst).seconds(nbytes), arrived)
 
     def _deadlock(self, stuck: dict[int, tuple[int, int, int]]) -> ScheduleError:
         names = {v: k for k, v in self.program.keys.items()}

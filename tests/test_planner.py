@@ -282,3 +282,11 @@ def test_of_two_equally_fast_plans_the_one_with_less_peak_memory_wins(schedules)
     assert sum(gpipe.values()) > sum(best.values())
     assert result.plan.schedule == "1f1b"
     assert by_kind["gpipe"].note.startswith("as fast within 1%")
+
+
+def test_loading_a_micro_batch_costs_the_first_and_the_loss_stage_forward():
+    profile = replace(uniform_profile(8, forward=1e-3, backward=2e-3, params=0),
+                      data_seconds=1e-3)  # 2 samples per mb: 4 ms per stage forward
+    sim = simulate(balanced_plan("gpipe", 4, [1.0] * 8, 8, 4), profile, FAST)
+    forwards = {s.action.stage: s.end - s.start for s in sim.spans if s.action.kind is Kind.F}
+    assert forwards == pytest.approx({0: 5e-3, 1: 4e-3, 2: 4e-3, 3: 5e-3})

@@ -134,6 +134,7 @@ def test_times_are_positive_and_fixed_parts_at_most_the_total(which: str, mlp_pr
         assert 0 < x.backward_fixed_seconds <= x.backward_seconds, x
     assert profile.optimizer_seconds_per_byte > 0
     assert profile.optimizer_state_ratio == pytest.approx(2.0, abs=0.01)  # adamw: 2 moments
+    assert profile.data_seconds > 0  # loading the micro-batch was timed
 
 
 def test_restricted_layers_are_timed_alone_and_leave_the_rng_alone(mlp_profile: Profile) -> None:
