@@ -16,8 +16,8 @@ the runtime counts `stashed` memory (a storage two stash tensors share counts on
 stash may alias the layer's input or output).
 
 [Note: profiled layers] `measure_profile(layers=...)` times only the given layers. Every
-layer still runs its forward once on the micro-batch, for its `saved_bytes` and for the
-inputs of the layers after it; a layer outside `layers` reports zero times. The fixed
+layer still runs its forward on each micro-batch, for its `saved_bytes` and for the inputs
+of the layers after it; a layer outside `layers` reports zero times and runs no backward. The fixed
 parts are timed on a micro-batch of `FIXED_SIZE` samples, through layers 0 .. the last
 timed one.
 
@@ -70,7 +70,7 @@ IN_FLIGHT = 2  # micro-batches a round forwards before their backwards
 EVICT_BYTES = 64 << 20  # written before each timed optimizer step (beyond a CPU's caches)
 MAX_RUNS = 100  # warm-up or timed runs a request may ask for (bounds a Profile call)
 FIXED_SIZE = 1  # samples of the micro-batch whose times are the fixed (per-call) part
-DATA_STEP = 0  # the profiler runs the data of training step 0, micro-batch 0
+DATA_STEP = 0  # shapes come from step 0's micro-batch 0; round r runs step DATA_STEP + r
 _EXAMPLE_SEED = 0  # seeds the example inputs of the analytic stash (never the global RNG)
 
 T = TypeVar("T")

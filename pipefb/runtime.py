@@ -161,6 +161,10 @@ class StageRuntime:
             raise ConfigError(f"rank {rank} has no stage in the plan "
                               f"(ranks {sorted(self.topology.workers())})")
         self.actions: list[Action] = schedule_for(plan)[rank]
+        #: forward stages whose outputs an action of this rank sends (SEND_F, SEND_L); a
+        #: combined last stage's output (the loss) goes nowhere, so it is not kept
+        self._sent_outputs = {a.stage for a in self.actions
+                              if a.kind in (Kind.SEND_F, Kind.SEND_L)}
         self.fwd_stage = _stage_of(self.topology.forward_workers, rank)
         self.bwd_stage = _stage_of(self.topology.backward_workers, rank)
         self.fwd_layers = (self.topology.layers_of_forward(self.fwd_stage)
@@ -418,7 +422,8 @@ class StageRuntime:
                 self.flight.saved[(step, m, i)] = stash
         if self.fwd_layers and self.fwd_layers[-1] == self.n_layers - 1:
             self.flight.losses[(step, m)] = float(x)
-        self.flight.outputs[(step, action.stage, m)] = x
+        if action.stage in self._sent_outputs:
+            self.flight.outputs[(step, action.stage, m)] = x
         if self.role == "combined":
             self.flight.forward_version[(step, action.stage, m)] = self.version
         it.versions.append((str(action.base), step, self.version))
