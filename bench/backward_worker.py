@@ -49,8 +49,10 @@ def worker_rounds(job: JobConfig, warmup: int, rounds: int
     """Per round: the backward rank's B seconds per micro-batch in one short job, then the
     same layers' eager backward in this process; alternating cancels the machine's drift."""
     from coordinator.client import CoordinatorClient
+    from pipefb.allocator import keep_freed_memory
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # the eager baseline runs here: the workers' allocator settings
     pairs = []
     with tempfile.TemporaryDirectory() as logs, \
             LocalCluster(job.workers, Path(logs), threads=1) as cluster, \

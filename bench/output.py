@@ -41,12 +41,16 @@ def measured_main(args: argparse.Namespace,
                   show: Callable[[dict[str, Any]], None],
                   chart: Callable[[dict[str, Any], Path], None], png: str) -> dict[str, Any]:
     """The main of a measured bench once its flags are parsed: gives this process (where
-    the one-process baselines run) `args.threads` torch threads, as every worker has, then
-    runs, prints and writes `results.json` and the chart to `args.out`."""
+    the one-process baselines run) `args.threads` torch threads and the allocator settings
+    every worker has, then runs, prints and writes `results.json` and the chart to
+    `args.out`."""
     import torch
+
+    from pipefb.allocator import keep_freed_memory
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     results = run(args)
     show(results)
     write_results(args.out, results, chart, png)

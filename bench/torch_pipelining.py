@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from bench.saved_memory import SavedTensorMeter
+from pipefb.allocator import keep_freed_memory
 from pipefb.config import JobConfig, build_layers
 from pipefb.data import build_dataset
 from pipefb.memory import tensor_bytes
@@ -57,6 +58,7 @@ def _rank_main(rank: int, job_dict: dict[str, Any], boundary: int, schedule: str
     """One rank: trains `job.steps` steps, writes its step times (and losses) as JSON."""
     if threads:
         torch.set_num_threads(threads)
+    keep_freed_memory()  # as every pipefb worker does: like for like
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
     try:

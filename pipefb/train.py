@@ -24,6 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from pipefb.allocator import keep_freed_memory
 from pipefb.config import JobConfig
 from pipefb.evaluate import evaluate
 from pipefb.local import LocalCluster, default_threads
@@ -130,7 +131,9 @@ def memory_table(peaks: dict[str, dict[str, int]], last_step: dict[str, Any],
 
 
 def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
-    """The reference: every micro-batch in this process."""
+    """The reference: every micro-batch in this process, with the workers' allocator
+    settings."""
+    keep_freed_memory()
     single = SingleProcess(job)
     report = base_report(job, 1)
     peak = 0

@@ -12,6 +12,7 @@ import time
 import grpc
 import torch
 
+from pipefb.allocator import keep_freed_memory
 from pipefb.checkpoint import add_root_flag
 from protos import coordinator_pb2, coordinator_pb2_grpc, metrics, server, worker_pb2_grpc
 from worker.metrics import WorkerMetrics
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     # gRPC's threads hand received tensors to the compute thread; with Python's default
     # 5 ms GIL switch interval each hand-off can wait that long behind Python-level work.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    keep_freed_memory()  # a step reuses the last step's freed memory (pipefb.allocator)
     interceptors, url = metrics.start_from_args(args)
     servicer = StageWorkerServicer(WorkerMetrics(args.name) if url else None,
                                    checkpoint_root=args.checkpoint_root)
