@@ -5,10 +5,11 @@ glibc's malloc serves a large block (beyond `M_MMAP_THRESHOLD`) with its own `mm
 gives it back on free, and trims the top of its heap once more than `M_TRIM_THRESHOLD` is
 free there. Torch's CPU tensors are malloc'd, and a training step allocates and frees the
 same large activations again and again, so with glibc's defaults every step pays page
-faults to zero fresh pages: a one-rank tiny-GPT step (8 MiB logits per micro-batch)
-took about 26,000 minor faults and 170 ms; with the thresholds below, about 70 faults and
-130 ms. The cost is memory: up to `TRIM_THRESHOLD_BYTES` of freed heap stays in the
-process, and blocks up to `MMAP_THRESHOLD_BYTES` come from the heap.
+faults to zero fresh pages: a one-rank tiny-GPT step (8 MiB logits per micro-batch) took
+about 26,000 minor faults and 170 ms; with the thresholds below, about 70 faults and
+120-130 ms (a 32 MiB trim threshold gave nothing: a step frees more). The cost is memory:
+up to `TRIM_THRESHOLD_BYTES` of freed heap stays in the process, and blocks up to
+`MMAP_THRESHOLD_BYTES` come from the heap.
 
 Workers call `keep_freed_memory` at start; benchmarks call it in their baselines' processes
 too, so comparisons stay like for like. Elsewhere (not glibc) it does nothing.
@@ -21,7 +22,7 @@ import ctypes.util
 import platform
 
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: blocks up to this come from the heap
-TRIM_THRESHOLD_BYTES = 256 << 20  # freed heap kept before trimming
+TRIM_THRESHOLD_BYTES = 64 << 20  # freed heap kept before trimming
 _M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 

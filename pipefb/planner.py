@@ -404,9 +404,14 @@ class _Planner:
 def pass_times(profile: Profile, store: Link, policy: Sequence[str], which: str
                ) -> list[float]:
     """Per-layer time of one pass (combined, forward or backward) that partitions balance
-    (see [Note: search], step 1): compute, recompute, and store traffic."""
+    (see [Note: search], step 1): compute, recompute, store traffic, and loading the
+    micro-batch, which the forward of the first layer's and the loss layer's stages pays
+    (as simulated; once when one stage holds both)."""
     out = []
+    last = profile.n_layers - 1
     for i, x in enumerate(profile.layers):
+        loads = which != "backward" and (i == 0 or (i == last and last > 0))
+        data = profile.data_seconds if loads else 0.0
         recompute = x.forward_seconds if policy[i] == "recompute" else 0.0
         # inside a run of recomputed layers nothing moves (stage cuts, unknown here,
         # start a run too: one input per stage is left out)
@@ -414,9 +419,9 @@ def pass_times(profile: Profile, store: Link, policy: Sequence[str], which: str
         moved = kept_bytes(x, policy[i], starts)
         if which == "combined":
             offload = 2 * store.seconds(moved) if policy[i] == "offload" else 0.0
-            out.append(x.forward_seconds + x.backward_seconds + recompute + offload)
+            out.append(data + x.forward_seconds + x.backward_seconds + recompute + offload)
         elif which == "forward":
-            out.append(x.forward_seconds + moved / store.bandwidth)
+            out.append(data + x.forward_seconds + moved / store.bandwidth)
         else:
             out.append(x.backward_seconds + recompute + moved / store.bandwidth)
     return out

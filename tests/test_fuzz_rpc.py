@@ -2,7 +2,8 @@
 random messages (tests/fuzz_messages.py), FUZZ_CASES per entry point. Each call gets OK
 or one of the documented status codes, never INTERNAL or UNKNOWN; the server stays
 SERVING; and its resident memory rises by less than MEMORY_RISE_BYTES from the end of a
-short warm-up (first use loads torch's kernels and the datasets) to the last case."""
+short warm-up (first use loads torch's kernels and the datasets) to the last case, beyond
+the freed heap a worker keeps by design (`pipefb.allocator.TRIM_THRESHOLD_BYTES`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipefb.allocator import TRIM_THRESHOLD_BYTES
 from pipefb.local import Process
 from protos import (
     coordinator_pb2,
@@ -107,7 +109,8 @@ def fuzz(target: Target, strategy: st.SearchStrategy[Any], call: Callable[[Any],
     assert serving(target.address)
     rise = rss(target.proc.pid) - baseline[0]
     print(f"{cases[0]} cases; resident memory {rise / 2**20:+.1f} MiB after the warm-up")
-    assert rise < MEMORY_RISE_BYTES, f"resident memory rose {rise / 2**20:.1f} MiB"
+    assert rise < MEMORY_RISE_BYTES + TRIM_THRESHOLD_BYTES, (
+        f"resident memory rose {rise / 2**20:.1f} MiB")
 
 
 def unary(name: str) -> Callable[[Target], Callable[[Any], Any]]:

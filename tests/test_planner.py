@@ -17,7 +17,15 @@ from pipefb.cluster import Cluster, Link
 from pipefb.costs import LayerProfile, Profile, uniform_profile
 from pipefb.errors import ConfigError, ScheduleError
 from pipefb.plan import Plan, WorkerAssignment, balanced_plan, partition, schedule_for
-from pipefb.planner import EVENT_BUDGET, _events, _Planner, _Space, microbatch_choices, search
+from pipefb.planner import (
+    EVENT_BUDGET,
+    _events,
+    _Planner,
+    _Space,
+    microbatch_choices,
+    pass_times,
+    search,
+)
 from pipefb.schedule import Action, Kind
 from pipefb.simulate import simulate
 
@@ -290,3 +298,18 @@ def test_loading_a_micro_batch_costs_the_first_and_the_loss_stage_forward():
     sim = simulate(balanced_plan("gpipe", 4, [1.0] * 8, 8, 4), profile, FAST)
     forwards = {s.action.stage: s.end - s.start for s in sim.spans if s.action.kind is Kind.F}
     assert forwards == pytest.approx({0: 5e-3, 1: 4e-3, 2: 4e-3, 3: 5e-3})
+
+
+def test_partitions_balance_loading_on_the_first_and_the_loss_layer():
+    profile = replace(uniform_profile(4, forward=1e-3, backward=2e-3, params=0),
+                      data_seconds=5e-3)
+    store = Link(1e12, 0.0)
+    keep = ["keep"] * 4
+    combined = pass_times(profile, store, keep, "combined")
+    assert combined == pytest.approx([8e-3, 3e-3, 3e-3, 8e-3])  # 1 + 2 ms, + 5 at the ends
+    # split passes also move the stash through the store: 0.1 us here
+    assert pass_times(profile, store, keep, "forward") == pytest.approx(
+        [6e-3, 1e-3, 1e-3, 6e-3], rel=1e-3)
+    assert pass_times(profile, store, keep, "backward") == pytest.approx([2e-3] * 4, rel=1e-3)
+    one = replace(uniform_profile(1, forward=1e-3, backward=2e-3, params=0), data_seconds=5e-3)
+    assert pass_times(one, store, ["keep"], "combined") == pytest.approx([8e-3])  # once
