@@ -30,8 +30,8 @@ def profile_workers(stubs: Sequence[worker_pb2_grpc.StageWorkerStub], job: JobCo
         job: the job whose layers to time.
         microbatch_size: samples per micro-batch.
         layers: which layers to time; None: all.
-        warmup: untimed runs before the timed ones.
-        repeats: timed runs per time (their median).
+        warmup: untimed rounds before the timed ones.
+        repeats: timed rounds (each time is their mean).
         timeout: seconds one worker may take.
 
     Returns:

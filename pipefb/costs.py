@@ -125,6 +125,11 @@ class Profile:
         """Backward time of some layers, summed."""
         return sum(self.layers[i].backward_seconds for i in layers)
 
+    def load_seconds(self, layers: range) -> float:
+        """Loading a micro-batch, which a forward over `layers` pays when they start the
+        model (inputs) or end it (targets for the loss); once when both."""
+        return self.data_seconds if layers.start == 0 or layers.stop == self.n_layers else 0.0
+
     def param_bytes(self, layers: Sequence[int] | range) -> int:
         """Parameter bytes of some layers, summed."""
         return sum(self.layers[i].param_bytes for i in layers)

@@ -408,10 +408,8 @@ def pass_times(profile: Profile, store: Link, policy: Sequence[str], which: str
     micro-batch, which the forward of the first layer's and the loss layer's stages pays
     (as simulated; once when one stage holds both)."""
     out = []
-    last = profile.n_layers - 1
     for i, x in enumerate(profile.layers):
-        loads = which != "backward" and (i == 0 or (i == last and last > 0))
-        data = profile.data_seconds if loads else 0.0
+        data = profile.load_seconds(range(i, i + 1)) if which != "backward" else 0.0
         recompute = x.forward_seconds if policy[i] == "recompute" else 0.0
         # inside a run of recomputed layers nothing moves (stage cuts, unknown here,
         # start a run too: one input per stage is left out)

@@ -188,9 +188,7 @@ class _Costs:
         t = self.topology
         if a.kind is Kind.F:
             layers = t.layers_of_forward(a.stage)
-            loads = layers.start == 0 or layers.stop == self.profile.n_layers
-            return (self.profile.forward_seconds(layers)
-                    + (self.profile.data_seconds if loads else 0.0))
+            return self.profile.forward_seconds(layers) + self.profile.load_seconds(layers)
         if a.kind is Kind.B:
             layers = t.layers_of_backward(a.stage)
             recomputed = [i for i in layers if self.plan.policy[i] == "recompute"]
