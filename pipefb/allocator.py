@@ -15,7 +15,7 @@ Threads: glibc gives threads their own arenas, whose heaps it creates and delete
 come and go (gRPC's event engine starts and ends threads while a worker trains), so their
 blocks were fresh pages again: a 2-worker gpt job's first worker took about 1,200 faults a
 step with the thresholds alone, about 25 with one arena (`ARENAS`). A worker computes on
-one thread at a time, so one arena costs it no lock contention worth measuring.
+one thread at a time; the job's steps got faster with one arena, not slower.
 
 Workers call `keep_freed_memory` at start; benchmarks call it in their baselines' processes
 too, so comparisons stay like for like. Elsewhere (not glibc) it does nothing.
