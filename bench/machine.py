@@ -33,5 +33,10 @@ def describe() -> dict[str, Any]:
         "grpcio": grpc.__version__,
         "platform": platform.platform(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": now(),
     }
+
+
+def now() -> str:
+    """The date and time a bench ran, in UTC, as the pages print it."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -280,3 +280,18 @@ def test_the_page_has_every_section_and_says_where_the_gpu_tables_are(suite: Pat
         assert not (suite / "docs" / "benchmarks-gpu.md").exists()
     for png in ("matrix/matrix.png", "scaling/scaling.png"):  # the page's links resolve
         assert f"../{png}" in page and (suite / png).exists()
+
+
+def test_a_partial_rerun_dates_its_entries_and_a_whole_run_clears_them(tmp_path: Path) -> None:
+    from bench.run_all import provenance, record_run
+
+    whole = record_run(tmp_path, {"matrix": 10.0, "store": 2.0}, complete=True)
+    assert whole["total_seconds"] == 12.0 and provenance(whole).startswith("every figure")
+    partial = record_run(tmp_path, {"store": 3.0}, complete=False)
+    assert "total_seconds" not in partial and set(partial["rerun"]) == {"store"}
+    assert partial["seconds"] == {"matrix": 10.0, "store": 3.0}
+    text = provenance(partial)
+    assert f"store ({partial['rerun']['store']})" in text and "matrix" not in text
+    again = record_run(tmp_path, {"matrix": 11.0}, complete=False)
+    assert set(again["rerun"]) == {"store", "matrix"}  # reruns add up until a whole run
+    assert "rerun" not in record_run(tmp_path, {"matrix": 9.0, "store": 1.0}, complete=True)
