@@ -302,7 +302,6 @@ def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, re
         optimizer_state_bytes(optimizer)
 
     seconds = _mean_seconds(step, max(warmup, 1), repeats, set_grads)
-    set_grads()
     return seconds / nbytes, optimizer_state_bytes(optimizer) / nbytes
 
 
