@@ -6,8 +6,8 @@ calibrated cluster (`coordinator.calibrate`) and trains it. Two predictions are 
 with the measured step time of the steps after warm-up (their wall time over their count:
 steps overlap, so single gaps come in bursts; error: simulated / measured - 1): the
 planner's, from the profile measured on idle workers, and the in-situ one, the same plan
-simulated with costs fitted to the action times of steps 1-3 (`pipefb.insitu`); the
-timed steps come after those. Run: `python bench/sim_accuracy.py [--quick] [--out DIR]`.
+simulated with costs fitted to the action times of steps 1-8 (`pipefb.insitu.STEPS`);
+the timed steps come after those. Run: `python bench/sim_accuracy.py [--quick] [--out DIR]`.
 Target: |error| <= 15% for every run.
 """
 
@@ -30,6 +30,7 @@ from bench.pipeline_throughput import MODELS
 from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
 from bench.stats import summary
 from pipefb.config import JobConfig
+from pipefb.insitu import STEPS as IN_SITU
 from pipefb.insitu import median_action_seconds
 
 TARGET = 0.15  # |simulated / measured - 1|
@@ -179,8 +180,9 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
              "range is of single step gaps, bursty since steps overlap); error = simulated / "
              "measured - 1. *Profile*: the "
              "planner's prediction from layers profiled on idle workers. *In situ*: the same "
-             "plan simulated with per-kind costs and a link-latency factor fitted to the busy and "
-             "waiting times of steps 1-3 (`pipefb.insitu`; the step time is not fitted).", "",
+             "plan simulated with per-kind costs and a link-latency factor fitted to the busy "
+             f"and waiting times of steps {IN_SITU.start}-{IN_SITU.stop - 1} (`pipefb.insitu`; "
+             "the step time is not fitted).", "",
              "| model | schedule | workers | plan | measured ms [gaps] | profile ms (error) "
              "| in situ ms (error) | in-situ factors F / B / OPT / store / latency |",
              "|---|---|---|---|---|---|---|---|"]
@@ -210,13 +212,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", default="2,3,4", help="comma-separated worker counts")
     p.add_argument("--batch", type=int, default=32, help="samples per step")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=4,
-                   help="untimed steps first (the in-situ fit uses steps 1-3)")
+    p.add_argument("--steps", type=int, default=16, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=IN_SITU.stop,
+                   help=f"untimed steps first (the in-situ fit uses steps {IN_SITU.start}-"
+                        f"{IN_SITU.stop - 1}; default {IN_SITU.stop})")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.batch, args.workers, args.models = 2, 4, 8, "2", "mlp"
+        args.steps, args.batch, args.workers, args.models = 2, 8, "2", "mlp"
     return args
 
 

@@ -48,6 +48,7 @@ from pipefb.config import AUTO, JobConfig, layer_policies
 from pipefb.costs import Profile
 from pipefb.errors import Aborted, ConfigError, ScheduleError, WorkerFailed
 from pipefb.evaluate import evaluate
+from pipefb.insitu import STEPS as IN_SITU_STEPS
 from pipefb.insitu import fit, median_action_seconds
 from pipefb.migration import repartitioned
 from pipefb.plan import Plan, balanced_plan, schedule_for
@@ -64,7 +65,6 @@ RECOVERABLE = (WorkerFailed, grpc.RpcError)  # an attempt that failed so may be 
 # job fields a resumed job may set otherwise than the checkpointed one
 RESUME_MAY_CHANGE = frozenset({"steps", "resume", "job_id", "checkpoint_every", "eval_every",
                                "max_restarts", "slowdown"})
-IN_SITU_STEPS = range(1, 4)  # plan "auto": the steps whose action times the fit uses
 DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
 STORE_TIMEOUT_SECONDS = 2.0  # the store's INFO during a run (the liveness check)
 STORE_CHECK_SECONDS = 0.5  # at most this often (poll runs after every step)
@@ -710,7 +710,7 @@ class Driver:
         self._record(job)
 
     def _fit_in_situ(self, job: Job) -> None:
-        """Fits the plan's costs to the action times of steps 1-3 (pipefb.insitu; fewer
+        """Fits the plan's costs to the action times of steps 1-8 (pipefb.insitu; fewer
         if the job had fewer); the factors and refined step time go into the planner
         summary. It runs after the last step: on a shared machine, simulating mid-run
         would take cores from the workers and disturb the steps it explains."""
