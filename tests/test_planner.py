@@ -27,7 +27,7 @@ from pipefb.planner import (
     search,
 )
 from pipefb.schedule import Action, Kind
-from pipefb.simulate import simulate
+from pipefb.simulate import Span, simulate
 
 FAST = Cluster.uniform(4, network=Link(1e12, 0.0), store=Link(1e12, 0.0))
 
@@ -313,3 +313,31 @@ def test_partitions_balance_loading_on_the_first_and_the_loss_layer():
     assert pass_times(profile, store, keep, "backward") == pytest.approx([2e-3] * 4, rel=1e-3)
     one = replace(uniform_profile(1, forward=1e-3, backward=2e-3, params=0), data_seconds=5e-3)
     assert pass_times(one, store, ["keep"], "combined") == pytest.approx([8e-3])  # once
+
+
+@pytest.mark.parametrize("loopback", [False, True])
+def test_a_step_starts_after_its_weight_push_has_arrived(loopback):
+    """The runtime flushes its sends at the end of each step, so a backward-only worker
+    whose step ends with PUSH_W starts its next step once the new weights have arrived
+    (the forward worker's RECV_W ends then), not when PUSH_W returns ([Note: flush])."""
+    profile = uniform_profile(4, params=1 << 24)  # 64 MiB of weights: 67 ms at 1 GB/s
+    plan = balanced_plan("pipefb", 2, [1.0] * 4, 2, 1)
+    hosts = ({"host_cores": {"box": 2}, "loopback_hosts": frozenset({"box"})} if loopback
+             else {})
+    cluster = Cluster(tuple(w.__class__(w.name, host="box" if loopback else "")
+                            for w in FAST.workers[:2]),
+                      Link(bandwidth=1e9, latency=1e-4), FAST.store, **hosts)
+    sim = simulate(plan, profile, cluster, iterations=3)
+    backward = next(a.rank for a in plan.assignment if a.role == "backward")
+    forward = 1 - backward
+
+    def spans(rank: int, kind: Kind | None, iteration: int) -> list[Span]:
+        return [s for s in sim.spans if s.rank == rank and s.iteration == iteration
+                and (kind is None or s.action.kind is kind)]
+
+    for k in (0, 1):
+        push = spans(backward, Kind.PUSH_W, k)[-1]
+        arrived = spans(forward, Kind.RECV_W, k + 1)[0].end
+        assert arrived > push.end + 0.06  # the bytes take 67 ms
+        next_step = min(s.start for s in spans(backward, None, k + 1))
+        assert next_step >= arrived - 1e-9
