@@ -24,7 +24,9 @@ the bubble fraction and each worker's peak memory as the runtime accounts it.
 [Note: flush]
 A rank ends each step by waiting until every transfer it sent has left
 (`Transport.flush`: the caller may reuse those tensors after it), so its next iteration
-starts no earlier than the arrival of its last transfer. This binds where a step ends
+starts no earlier than that: on a link, when its last byte is sent (latency not
+included); on a loopback host, when the transfer's CPU job ends (the hand-off is work of
+both processes, so it leaves as it arrives). This binds where a step ends
 with a send: a backward-only worker's PUSH_W of the new weights after its OPT (measured
 on a 2-worker `mlp` pipefb run here: 2.75 ms between its steps against 0.2-0.6 ms on
 ranks whose steps end in OPT).
@@ -483,7 +485,7 @@ class _Engine:
         self.host = {r: self.cluster.cores_of(r) for r in self.runs}
         self.hosts = {name: _Host(n) for name, n in self.host.values()}
         self.waiting: dict[int, list[int]] = defaultdict(list)
-        # [Note: flush]: a rank's transfers still on their way, and when the last arrived
+        # [Note: flush]: a rank's transfers still on their way, and when the last left
         self.sending: dict[int, int] = defaultdict(int)
         self.flushed: dict[int, float] = defaultdict(float)
         self.flushing: set[int] = set()  # ranks whose next step waits for those transfers
@@ -635,8 +637,8 @@ class _Engine:
             if self.cluster.on_loopback(r, dst):
                 self._loopback_transfer(r, dst, nbytes, base + key, end)
                 continue
-            self.avail[base + key] = arrival = self._transfer(r, dst, nbytes, end)
-            self.flushed[r] = max(self.flushed[r], arrival)
+            self.avail[base + key] = self._transfer(r, dst, nbytes, end)
+            self.flushed[r] = max(self.flushed[r], self.links[(r, dst)])  # last byte sent
             woken += self.waiting.pop(base + key, [])
         if op.key >= 0:
             self.avail[base + op.key] = end

@@ -318,15 +318,17 @@ def test_partitions_balance_loading_on_the_first_and_the_loss_layer():
 @pytest.mark.parametrize("loopback", [False, True])
 def test_a_step_starts_after_its_weight_push_has_arrived(loopback):
     """The runtime flushes its sends at the end of each step, so a backward-only worker
-    whose step ends with PUSH_W starts its next step once the new weights have arrived
-    (the forward worker's RECV_W ends then), not when PUSH_W returns ([Note: flush])."""
+    whose step ends with PUSH_W starts its next step once the new weights have left (the
+    forward worker's RECV_W ends a link's latency later), not when PUSH_W returns
+    ([Note: flush])."""
     profile = uniform_profile(4, params=1 << 24)  # 64 MiB of weights: 67 ms at 1 GB/s
     plan = balanced_plan("pipefb", 2, [1.0] * 4, 2, 1)
     hosts = ({"host_cores": {"box": 2}, "loopback_hosts": frozenset({"box"})} if loopback
              else {})
+    link = Link(bandwidth=1e9, latency=1e-4)
     cluster = Cluster(tuple(w.__class__(w.name, host="box" if loopback else "")
-                            for w in FAST.workers[:2]),
-                      Link(bandwidth=1e9, latency=1e-4), FAST.store, **hosts)
+                            for w in FAST.workers[:2]), link, FAST.store, **hosts)
+    left = 0.0 if loopback else link.latency  # a loopback transfer leaves as it arrives
     sim = simulate(plan, profile, cluster, iterations=3)
     backward = next(a.rank for a in plan.assignment if a.role == "backward")
     forward = 1 - backward
@@ -340,4 +342,4 @@ def test_a_step_starts_after_its_weight_push_has_arrived(loopback):
         arrived = spans(forward, Kind.RECV_W, k + 1)[0].end
         assert arrived > push.end + 0.06  # the bytes take 67 ms
         next_step = min(s.start for s in spans(backward, None, k + 1))
-        assert next_step >= arrived - 1e-9
+        assert next_step == pytest.approx(arrived - left, abs=1e-6)
