@@ -26,10 +26,10 @@ A rank ends each step by waiting until every transfer it sent has left
 (`Transport.flush`: the caller may reuse those tensors after it), so its next iteration
 starts no earlier than that: on a link, when its last byte is sent (latency not
 included); on a loopback host, when the transfer's CPU job ends (the hand-off is work of
-both processes, so it leaves as it arrives). This binds where a step ends
-with a send: a backward-only worker's PUSH_W of the new weights after its OPT (measured
-on a 2-worker `mlp` pipefb run here: 2.75 ms between its steps against 0.2-0.6 ms on
-ranks whose steps end in OPT).
+both processes, so it leaves as it arrives). This binds where a step ends with a send:
+a backward-only worker's PUSH_W of the new weights after its OPT (measured on a 2-worker
+`mlp` pipefb run here: 2.75 ms between its steps against 0.2-0.7 ms on ranks whose steps
+end in OPT).
 
 [Note: shared hosts]
 A host with fewer cores than workers, or a loopback host (`Cluster.loopback_hosts`: one
@@ -516,7 +516,6 @@ class _Engine:
         carry one sender's transfers in that sender's order: every rank may run ahead as
         far as its inputs allow, in any order, and the times come out the same."""
         ops, runs = self.program.ops, self.runs
-        overhead = self.cluster.step_overhead
         ready_ranks = list(self.runs)
         while ready_ranks:
             r = ready_ranks.pop()
@@ -529,10 +528,7 @@ class _Engine:
                 if missing >= 0:
                     self.waiting[missing].append(r)
                     break
-                first = p == 0 or run[p - 1][0] != k
-                self.reached[r] = (max(self.free[r], self.flushed[r]) + overhead if first
-                                   else self.free[r])
-                start = max(self.reached[r], ready)
+                start = max(self._reach(r, p == 0 or run[p - 1][0] != k), ready)
                 ready_ranks += self._execute(r, k, step, op, start, schedule=False)
 
     def _run_in_time_order(self) -> None:
@@ -608,9 +604,15 @@ class _Engine:
         if first and self.sending[r]:
             self.flushing.add(r)  # the step's flush: the last arrival schedules it again
             return
-        self.reached[r] = (max(self.free[r], self.flushed[r]) + self.cluster.step_overhead
-                           if first else self.free[r])
-        self._push(max(self.reached[r], ready), r)
+        self._push(max(self._reach(r, first), ready), r)
+
+    def _reach(self, r: int, first: bool) -> float:
+        """When rank `r` gets to its next action: when it is free, or, for an iteration's
+        first, its step overhead after its transfers have left ([Note: flush])."""
+        free = self.free[r]
+        self.reached[r] = (max(free, self.flushed[r]) + self.cluster.step_overhead if first
+                           else free)
+        return self.reached[r]
 
     def _execute(self, r: int, k: int, step: int, op: _Op, start: float,
                  schedule: bool = True) -> list[int]:

@@ -316,7 +316,7 @@ def test_partitions_balance_loading_on_the_first_and_the_loss_layer():
 
 
 @pytest.mark.parametrize("loopback", [False, True])
-def test_a_step_starts_after_its_weight_push_has_arrived(loopback):
+def test_a_step_starts_after_its_weight_push_has_left(loopback):
     """The runtime flushes its sends at the end of each step, so a backward-only worker
     whose step ends with PUSH_W starts its next step once the new weights have left (the
     forward worker's RECV_W ends a link's latency later), not when PUSH_W returns
