@@ -134,3 +134,14 @@ def test_local_train_writes_the_report_and_matches_single(tmp_path: Path) -> Non
                                rtol=1e-5, atol=0)
     for name in names:
         torch.testing.assert_close(weights[name], single_weights[name], rtol=1e-5, atol=1e-7)
+
+
+def test_plain_progress_lines_are_written_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipefb.train import StepProgress
+
+    held_out = {f"metric_{k}": k / 8 for k in range(8)}  # a line longer than a console
+    StepProgress(None, None).update(
+        {"step": 4, "loss": 0.5, "samples_per_second": 1234.5, "eval": held_out}, 10)
+    want = ", ".join(f"metric_{k} {k / 8:.4f}" for k in range(8))
+    assert capsys.readouterr().err == (f"step 5/10 loss 0.5000 1234.5 samples/s\n"
+                                       f"step 5: held-out {want}\n")
