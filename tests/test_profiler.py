@@ -1,6 +1,6 @@
 """The layer profiler: exact bytes, stash bytes equal to a real split forward, FLOPs of
-linear layers, time scaling; the worker's Profile RPC and `profile_workers` on real
-worker processes over loopback."""
+linear layers, time scaling, every timed call from overwritten caches; the worker's
+Profile RPC and `profile_workers` on real worker processes over loopback."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from coordinator.profiling import profile_workers
+from pipefb import profiler
 from pipefb.config import JobConfig, build_layers
 from pipefb.costs import Profile, uniform_profile
 from pipefb.data import build_dataset
@@ -160,6 +161,35 @@ def test_at_scales_bytes_by_samples_and_times_beyond_the_fixed_part(
         fixed = x.forward_fixed_seconds
         assert y.forward_seconds == pytest.approx(fixed + 3 * (x.forward_seconds - fixed))
         assert y.forward_fixed_seconds == fixed
+
+
+def test_every_timed_call_starts_from_overwritten_caches(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    events: list[str] = []
+    written: list[int] = []
+    real_evict, real_timed = profiler._Caches.evict, profiler._timed
+
+    def evict(self: profiler._Caches) -> None:
+        real_evict(self)
+        written.append(int(self.buffer[-1]))
+        events.append("evict")
+
+    def timed(fn: object) -> object:
+        events.append("timed")
+        return real_timed(fn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profiler._Caches, "evict", evict)
+    monkeypatch.setattr(profiler, "_timed", timed)
+    with worker_threads():
+        measure_profile(MLP, MB, warmup=1, repeats=2)
+    timed_calls = [k for k, e in enumerate(events) if e == "timed"]
+    evicted = [k for k in timed_calls if k > 0 and events[k - 1] == "evict"]
+    # the warm-up round's calls are untimed: each timed round's are all cold
+    n_layers = len(WIDTHS)  # 4 linear layers and the loss
+    per_round = profiler.IN_FLIGHT * (1 + 2 * n_layers)  # load, forwards, backwards
+    assert len(evicted) == 2 * 2 * per_round + 3  # full and fixed-size runs, 1 + 2 OPT steps
+    assert len(written) == len(evicted) and len(set(written)) > 1  # new bytes each time
+    assert profiler.EVICT_BYTES >= 64 << 20
 
 
 def test_analytic_flops_of_linear_layers_are_two_per_multiply_add() -> None:
