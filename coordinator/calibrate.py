@@ -10,15 +10,21 @@ Every figure comes from the parts a local run uses:
   it from its inbox and sends it back; half the round trip is one delivery, send call to
   `recv` return. Small tensors give the latency, large ones the bandwidth.
 - **store**: a Redis started as `LocalCluster` starts it (`python -m offload_store`) and
-  `OffloadStore.put` / `take`, the worker's stash and fetch; a link's time is the mean of
-  one put and one take.
+  `OffloadStore.put` / `take`, the worker's stash and fetch, of stashes shaped as a
+  stage's: `STASH_TENSORS` fresh tensors over `STASH_LAYERS` layers, `STASH_DEPTH`
+  stashes put before the first is taken (micro-batches in flight); a link's time is the
+  mean of one put and one take. Here one tensor put and taken back at once gave 3.9 GB/s
+  and 0.10 ms; stashes so shaped give 2.2-2.9 GB/s and 0.38 ms, closer to what the
+  pipefb runs' STASH and FETCH actions take (the simulated sync pipefb steps of the
+  simulator-accuracy bench moved from 9-38% under the measured ones to 3-32% under).
 - **overheads**: `action` is the median gap between consecutive actions of a real
   `StageRuntime` step (clocks, span label, memory accounting); `step` is a unary RPC round
   trip to the peer's server plus what `run_step` spends outside its actions (flush, report).
 
 The cache is YAML in the `Cluster.to_dict` form under a comment header, one file per host
 in `$PIPEFB_CACHE_DIR` (default `~/.cache/pipefb/`); the links are reused for any worker
-count. Run `python -m coordinator.calibrate [--workers N] [--refresh] [--out FILE]`.
+count. A cache whose header lacks this code's `probe version` was measured by older probes
+and is measured again. Run `python -m coordinator.calibrate [--workers N] [--refresh] [--out FILE]`.
 """
 
 from __future__ import annotations
@@ -58,7 +64,11 @@ from worker.transport import GrpcTransport, inbox_key, nbytes
 
 JOB = "calibrate"  # job id of every probe transfer and stash key
 HOST = "local"  # the one host of the local cluster
-STORE_MAXMEMORY = "256mb"  # the probe Redis holds one value at a time
+STORE_MAXMEMORY = "256mb"  # the probe Redis holds `STASH_DEPTH` stashes at a time
+STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several per layer
+STASH_LAYERS = 4  # layers a probe stash spreads them over
+STASH_DEPTH = 2  # probe stashes in the store before the first is taken
+PROBE_VERSION = 2  # bumped when a probe measures differently: older caches are re-measured
 PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -212,19 +222,33 @@ def _rpc_round_trip(address: str, repeats: int) -> float:
 # -- the store probe ------------------------------------------------------------------------
 
 
-def _store_op(store: OffloadStore, step: int, tensor: torch.Tensor) -> float:
-    """Seconds of one put and one take of `tensor`, averaged."""
+def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
+    """A fresh stash of about `size` bytes: `STASH_TENSORS` float32 tensors over
+    `STASH_LAYERS` layers."""
+    numel = max(1, size // (4 * STASH_TENSORS))
+    per_layer = STASH_TENSORS // STASH_LAYERS
+    return {layer: {f"t{k}": torch.ones(numel) for k in range(per_layer)}
+            for layer in range(STASH_LAYERS)}
+
+
+def _store_round(store: OffloadStore, first_step: int, size: int) -> float:
+    """Seconds of one put or take (their mean) of `STASH_DEPTH` fresh stashes, all put
+    before the first is taken."""
+    stashes = [_probe_stash(size) for _ in range(STASH_DEPTH)]
+    names = {layer: list(tensors) for layer, tensors in stashes[0].items()}
     started = time.perf_counter()
-    store.put(step, 0, 0, {0: {"x": tensor}})
-    store.take(step, 0, 0, {0: ["x"]})
-    return (time.perf_counter() - started) / 2
+    for k, stash in enumerate(stashes):
+        store.put(first_step + k, 0, 0, stash)
+    for k in range(STASH_DEPTH):
+        store.take(first_step + k, 0, 0, names)
+    return (time.perf_counter() - started) / (2 * STASH_DEPTH)
 
 
 def _store_seconds(store: OffloadStore, size: int, repeats: int, warmup: int,
                    first_step: int) -> float:
-    """Median seconds of one stash or fetch of a `size`-byte tensor."""
-    tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
-    times = [_store_op(store, first_step + i, tensor) for i in range(warmup + repeats)]
+    """Median seconds of one stash or fetch of `size` bytes (see `_store_round`)."""
+    times = [_store_round(store, first_step + i * STASH_DEPTH, size)
+             for i in range(warmup + repeats)]
     return statistics.median(times[warmup:])
 
 
@@ -237,7 +261,8 @@ def _store(address: str, settings: Settings) -> Link:
         small = _store_seconds(store, settings.small_bytes, settings.small_repeats,
                                settings.warmup, 0)
         large = _store_seconds(store, settings.large_bytes, settings.large_repeats,
-                               settings.warmup, settings.warmup + settings.small_repeats)
+                               settings.warmup,
+                               (settings.warmup + settings.small_repeats) * STASH_DEPTH)
         store.clear_job()
     finally:
         store.close()
@@ -404,7 +429,7 @@ def header() -> str:
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return (f"# pipefb local cluster, measured {when} on {socket.gethostname()}\n"
             f"# python {platform.python_version()}, torch {torch.__version__}, "
-            f"grpc {grpc.__version__}\n"
+            f"grpc {grpc.__version__}, probe version {PROBE_VERSION}\n"
             f"# re-measure: python -m coordinator.calibrate --refresh\n")
 
 
@@ -454,7 +479,10 @@ def calibrated(workers: int, *, cache_dir: Path | None = None, refresh: bool = F
     if not refresh and path.exists():
         try:
             measured, head = read_cache(path)
-            return build_cluster(workers, measured), head
+            if f"probe version {PROBE_VERSION}\n" in head:
+                return build_cluster(workers, measured), head
+            print(f"cached cluster {path} was measured by older probes; measuring again",
+                  file=sys.stderr)
         except ConfigError as error:
             print(f"warning: cached cluster {path} is unusable ({error}); measuring again",
                   file=sys.stderr)

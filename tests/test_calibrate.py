@@ -144,6 +144,30 @@ def test_corrupt_cache_is_measured_again_with_a_warning(
     assert err[1].startswith("measuring loopback gRPC and Redis once")
 
 
+def test_cache_of_older_probes_is_measured_again(
+        measured: tuple[Path, Cluster], spy: list[Settings], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    path = copy_cache(measured, tmp_path)
+    tag = f", probe version {calibrate.PROBE_VERSION}\n"
+    assert tag in path.read_text()
+    path.write_text(path.read_text().replace(tag, "\n"))  # as a cache from before the tag
+    cluster = calibrate.local_cluster(2, cache_dir=tmp_path)
+    assert len(spy) == 1 and cluster.store == OTHER.store
+    assert tag in path.read_text()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"cached cluster {path} was measured by older probes; measuring again"
+
+
+def test_probe_stashes_are_shaped_as_a_stage_s() -> None:
+    stash = calibrate._probe_stash(16 << 20)
+    tensors = [t for layer in stash.values() for t in layer.values()]
+    assert len(stash) == calibrate.STASH_LAYERS and len(tensors) == calibrate.STASH_TENSORS
+    assert sum(t.nbytes for t in tensors) == 16 << 20
+    assert len({t.data_ptr() for t in tensors}) == len(tensors)  # fresh, not one reused
+    again = calibrate._probe_stash(16 << 20)
+    assert again[0]["t0"].data_ptr() != stash[0]["t0"].data_ptr()
+
+
 def test_fit_link_from_two_points() -> None:
     link = calibrate.fit_link("x", 1_000, 0.001, 1_001_000, 0.002)
     assert link.bandwidth == pytest.approx(1e9)
