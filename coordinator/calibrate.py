@@ -24,7 +24,8 @@ Every figure comes from the parts a local run uses:
 The cache is YAML in the `Cluster.to_dict` form under a comment header, one file per host
 in `$PIPEFB_CACHE_DIR` (default `~/.cache/pipefb/`); the links are reused for any worker
 count. A cache whose header lacks this code's `probe version` was measured by older probes
-and is measured again. Run `python -m coordinator.calibrate [--workers N] [--refresh] [--out FILE]`.
+and is measured again. Run
+`python -m coordinator.calibrate [--workers N] [--refresh] [--out FILE]`.
 """
 
 from __future__ import annotations

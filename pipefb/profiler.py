@@ -220,9 +220,9 @@ def _pipeline(seq: _Sequence, dataset: Dataset, size: int, timed: range, stop: i
 def _forwards(seq: _Sequence, dataset: Dataset, executors: list[SplitExec], timed: range,
               size: int, step: int, m: int, seed: int, samples: _Samples,
               caches: _Caches | None) -> list[tuple[int, Saved, torch.Tensor]]:
-    """Micro-batch m of `step`: loads it and runs every executor's forward; with `caches`
-    (a timed round), times both from cold caches, the timed layers' forwards; returns what
-    the timed layers' backwards need."""
+    """Micro-batch m of `step`: loads it and runs every executor's forward; in a timed
+    round (`caches` given) times the load and the timed layers' forwards, each from cold
+    caches; returns what the timed layers' backwards need."""
     record = caches is not None
     if caches is not None:
         caches.evict()
