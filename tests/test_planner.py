@@ -326,7 +326,7 @@ def test_a_step_starts_after_its_weight_push_has_left(loopback):
     hosts = ({"host_cores": {"box": 2}, "loopback_hosts": frozenset({"box"})} if loopback
              else {})
     link = Link(bandwidth=1e9, latency=1e-4)
-    cluster = Cluster(tuple(w.__class__(w.name, host="box" if loopback else "")
+    cluster = Cluster(tuple(replace(w, host="box" if loopback else w.host)
                             for w in FAST.workers[:2]), link, FAST.store, **hosts)
     left = 0.0 if loopback else link.latency  # a loopback transfer leaves as it arrives
     sim = simulate(plan, profile, cluster, iterations=3)
