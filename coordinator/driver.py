@@ -64,7 +64,7 @@ TERMINAL = ("DONE", "FAILED", "STOPPED")
 RECOVERABLE = (WorkerFailed, grpc.RpcError)  # an attempt that failed so may be replayed
 # job fields a resumed job may set otherwise than the checkpointed one
 RESUME_MAY_CHANGE = frozenset({"steps", "resume", "job_id", "checkpoint_every", "eval_every",
-                               "max_restarts", "slowdown"})
+                               "max_restarts", "slowdown", "check_groups_every"})
 DRAIN_TIMEOUT_SECONDS = 30.0  # a worker's Drain waits up to 10 s for its running step
 STORE_TIMEOUT_SECONDS = 2.0  # the store's INFO during a run (the liveness check)
 STORE_CHECK_SECONDS = 0.5  # at most this often (poll runs after every step)
@@ -510,7 +510,7 @@ class Driver:
     def _run_steps(self, job: Job, ranks: Ranks) -> None:
         def on_step(step: int, replies: list[worker_pb2.StepReply], seconds: float) -> None:
             report = _report(job, step, seconds, replies, ranks)
-            _check_groups_agree(report)
+            check_groups_agree(report)
             if step < job.step:  # a replay ([Note: restarts]): reported before
                 _compare_replay(job, report)
                 return
@@ -927,7 +927,7 @@ def migration_proto(move: dict[str, Any]) -> coordinator_pb2.Migration:
     return coordinator_pb2.Migration(**{k: v for k, v in move.items() if not k.startswith("_")})
 
 
-def _check_groups_agree(report: coordinator_pb2.StepReport) -> None:
+def check_groups_agree(report: coordinator_pb2.StepReport) -> None:
     """Every group's copy of each backward stage holds the same weights after the step.
 
     Raises:

@@ -273,6 +273,7 @@ def add_root_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def due(step: int, every: int, steps: int) -> bool:
-    """Whether the checkpoint cadence `every` takes one after step `step` (0-based): after
-    every `every` steps and after the last."""
+    """Whether a cadence of `every` steps falls after step `step` (0-based): after every
+    `every` steps and after the last; never when `every` is 0. Checkpoints and the groups'
+    weight check (`JobConfig.check_groups_every`) keep it."""
     return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)

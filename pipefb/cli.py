@@ -68,6 +68,9 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                         "device; several workers may share one GPU)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="checkpoint every K steps and after the last (0: never)")
+    p.add_argument("--check-groups-every", type=int, default=d.check_groups_every,
+                   help="with several groups: compare each stage's weights across the groups "
+                        "(a digest) every K steps and after the last (0: never)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="checkpoint directory inside the services' checkpoint root (local "
                         "train: the --out directory); default: checkpoints")
@@ -177,7 +180,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
                  "policy", "eval_every", "plan", "job_id", "device", "checkpoint_every",
-                 "resume", "max_restarts", "slowdown", "replan"):
+                 "resume", "max_restarts", "slowdown", "replan", "check_groups_every"):
         values.setdefault(name, getattr(args, name))
     if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
         wanted = values.get("checkpoint_every") or values.get("resume")

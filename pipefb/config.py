@@ -70,6 +70,8 @@ class JobConfig:
     device: str = "cpu"  # where workers hold layers, activations and optimizer state
     groups: int = 1  # pipeline groups, data-parallel across groups; 0 with plan auto: it picks
     checkpoint_every: int = 0  # checkpoint after every K steps and the last; 0: never
+    check_groups_every: int = 10  # several groups: compare each stage's weight digests
+    # across groups after every K steps and the last; 0: never (see `weights_digest`)
     checkpoint_dir: str = ""  # where (inside the services' checkpoint root)
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir
     max_restarts: int = 0  # failed attempts replayed (newest checkpoint, or step 0); 0: none
@@ -138,6 +140,9 @@ class JobConfig:
         every = self.checkpoint_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ConfigError(f"checkpoint_every {every!r} must be an integer >= 0")
+        check = self.check_groups_every
+        if isinstance(check, bool) or not isinstance(check, int) or check < 0:
+            raise ConfigError(f"check_groups_every {check!r} must be an integer >= 0")
         restarts = self.max_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or not (
                 0 <= restarts <= MAX_RESTARTS):

@@ -8,8 +8,8 @@ optimizer (backward and combined ranks) and the current weight version.
 
 from __future__ import annotations
 
-import hashlib
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +21,7 @@ import torch
 from pipefb.allreduce import Reducer
 from pipefb.checkpoint import (
     Part,
+    due,
     layer_of,
     load_optimizer,
     load_rank,
@@ -138,6 +139,19 @@ class _Iteration:
     samples: int = 0
     phases: list[tuple[str, float]] = field(default_factory=list)
     recompute: float = 0.0  # seconds re-running forwards inside B actions so far
+
+
+def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
+    """CRC-32 of the tensors' names and bytes in name order: equal across groups when their
+    copies of a stage are bit-identical.
+
+    A consistency check, not a security one: it runs on the step's critical path, and
+    CRC-32 takes 0.5 ms over the 3.4 MB of a 512-wide `mlp` here, BLAKE2b 2.4 ms (checked
+    every step, BLAKE2b cost a fifth of that model's 2-group step)."""
+    crc = 0
+    for name, tensor in sorted(weights.items()):
+        crc = zlib.crc32(raw_view(tensor)[2], zlib.crc32(name.encode(), crc))
+    return f"{crc:08x}"
 
 
 class StageRuntime:
@@ -374,7 +388,7 @@ class StageRuntime:
             device_memory_bytes=self.device_memory.snapshot(),
             samples=it.samples,
             phase_seconds=it.phases,
-            weights_digest=self.weights_digest() if self.reducer is not None else "",
+            weights_digest=self.weights_digest() if self._check_groups(step) else "",
             layer_seconds=dict(self._layer_seconds),
         )
 
@@ -742,14 +756,15 @@ class StageRuntime:
         self.version = step
         self._account()
 
+    def _check_groups(self, step: int) -> bool:
+        """Whether this step's reply carries `weights_digest`: with several groups, on the
+        job's `check_groups_every` cadence."""
+        return self.reducer is not None and due(step, self.job.check_groups_every,
+                                                self.job.steps)
+
     def weights_digest(self) -> str:
-        """BLAKE2b of the owned weights' bytes in name order: equal across groups exactly
-        when their copies of this stage are bit-identical (the coordinator checks it)."""
-        digest = hashlib.blake2b(digest_size=16)
-        for name, tensor in sorted(self.owned_weights().items()):
-            digest.update(name.encode())
-            digest.update(raw_view(tensor)[2])
-        return digest.hexdigest()
+        """`weights_digest` of the owned weights (the coordinator compares the groups')."""
+        return weights_digest(self.owned_weights())
 
     def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:
         """The owned weights of `version`, kept after its OPT for evaluation (`eval_every`).

@@ -27,7 +27,7 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         plan=job.plan, memory_cap=job.memory_cap, device=job.device, groups=job.groups,
         checkpoint_every=job.checkpoint_every, checkpoint_dir=job.checkpoint_dir,
         resume=job.resume, max_restarts=job.max_restarts, slowdown=job.slowdown,
-        replan=job.replan,
+        replan=job.replan, check_groups_every=job.check_groups_every,
     )
 
 
@@ -47,7 +47,7 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         groups=spec.groups or (0 if spec.plan == "auto" else 1),
         checkpoint_every=spec.checkpoint_every, checkpoint_dir=spec.checkpoint_dir,
         resume=spec.resume, max_restarts=spec.max_restarts, slowdown=spec.slowdown,
-        replan=spec.replan,
+        replan=spec.replan, check_groups_every=spec.check_groups_every,
     )
 
 

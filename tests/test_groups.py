@@ -16,12 +16,15 @@ import pytest
 import torch
 
 from coordinator.client import CoordinatorClient
+from coordinator.driver import check_groups_agree
 from pipefb.cli import main
 from pipefb.config import JobConfig
-from pipefb.errors import ConfigError
+from pipefb.errors import ConfigError, WorkerFailed
 from pipefb.local import LocalCluster
 from pipefb.plan import balanced_plan, schedule_for
 from pipefb.reference import SingleProcess
+from pipefb.runtime import weights_digest
+from protos import coordinator_pb2
 from tests.conftest import worker_threads
 from tests.test_async import assert_store_and_versions_empty
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
@@ -45,6 +48,8 @@ def test_groups_replicate_the_pipeline_on_consecutive_ranks() -> None:
     ({"groups": 3, "workers": 4}, "groups 3 does not divide workers 4"),
     ({"groups": 2, "workers": 4, "microbatches": 3, "batch_size": 6},
      "groups 2 does not divide microbatches 3"),
+    ({"check_groups_every": -2}, "check_groups_every -2 must be an integer >= 0"),
+    ({"check_groups_every": True}, "check_groups_every True must be an integer >= 0"),
 ])
 def test_bad_group_counts_are_refused_by_name(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -67,7 +72,7 @@ SYNC_RUNS = [("gpt", "sgd", "1f1b", 4, 2), ("mlp", "adamw", "pipefb", 4, 2),
 def test_sync_groups_equal_one_process_on_the_full_batch(
         client: Any, cluster: Any, model: str, optimizer: str, schedule: str, workers: int,
         groups: int) -> None:
-    job = make_job(model, schedule, workers, optimizer, groups=groups)
+    job = make_job(model, schedule, workers, optimizer, groups=groups, check_groups_every=1)
     reports, weights = run_on_cluster(client, job)
     assert_same_training(job, reports, weights, atol=1e-6 if optimizer == "adamw" else 1e-7)
     # each group ran half of the micro-batches; both report their losses
@@ -77,12 +82,14 @@ def test_sync_groups_equal_one_process_on_the_full_batch(
 
 
 @pytest.mark.parametrize("schedule", ["pipefb", "pipedream"])
-def test_async_groups_keep_identical_weights_after_every_step(client: Any, cluster: Any,
-                                                              schedule: str) -> None:
-    job = make_job("mlp", schedule, 4, "adamw", mode="async", groups=2, steps=5)
+def test_async_groups_keep_identical_weights(client: Any, cluster: Any, schedule: str
+                                            ) -> None:
+    """Checked on a cadence of 2 steps: after steps 1 and 3 and the last, 4."""
+    job = make_job("mlp", schedule, 4, "adamw", mode="async", groups=2, steps=5,
+                   check_groups_every=2)
     reports, weights = run_on_cluster(client, job)
     assert [r.step for r in reports] == list(range(5))
-    assert_groups_identical(reports)
+    assert_groups_identical(reports, checked=(1, 3, 4))
     if schedule == "pipefb":  # deterministic: equals one process with step k's gradient at k - S
         with worker_threads():
             delayed = SingleProcess(replace(job, schedule="single", mode="sync", groups=1),
@@ -96,15 +103,45 @@ def test_async_groups_keep_identical_weights_after_every_step(client: Any, clust
     assert_store_and_versions_empty(cluster, reports)
 
 
-def assert_groups_identical(reports: list[Any]) -> None:
-    """Every step, each weight-owning rank reported a digest, equal across the groups."""
+def assert_groups_identical(reports: list[Any], checked: tuple[int, ...] | None = None
+                            ) -> None:
+    """After each `checked` step (None: every step) each weight-owning rank reported a
+    digest, equal across the groups; after the other steps no rank did."""
     for report in reports:
         owners = [w for w in report.workers if w.role != "forward"]
-        assert owners and all(w.weights_digest for w in owners)
+        assert owners
+        if checked is not None and report.step not in checked:
+            assert not any(w.weights_digest for w in report.workers), report.step
+            continue
+        assert all(w.weights_digest for w in owners)
         by_stage: dict[int, set[str]] = {}
         for w in owners:
             by_stage.setdefault(w.stage, set()).add(w.weights_digest)
         assert all(len(d) == 1 for d in by_stage.values()), (report.step, by_stage)
+
+
+def test_groups_one_ulp_apart_fail_the_step_naming_stage_and_ranks() -> None:
+    """The digest tells one ulp or a renamed tensor apart; the coordinator's check fails the
+    step on differing digests of a stage and skips ranks that sent none."""
+    weights = {"layers.0.weight": torch.ones(3, 4), "layers.0.bias": torch.zeros(4)}
+    apart = {name: t.clone() for name, t in weights.items()}
+    apart["layers.0.weight"][1, 2] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    renamed = {"layers.1.weight": weights["layers.0.weight"], "layers.0.bias": weights[
+        "layers.0.bias"]}
+    digest = weights_digest({name: t.clone() for name, t in weights.items()})
+    assert digest == weights_digest(weights)
+    assert digest != weights_digest(apart) and digest != weights_digest(renamed)
+
+    def report(*digests: tuple[int, int, int, str]) -> coordinator_pb2.StepReport:
+        return coordinator_pb2.StepReport(step=7, workers=[
+            coordinator_pb2.WorkerStepStats(rank=r, group=g, stage=s, weights_digest=d)
+            for r, g, s, d in digests])
+
+    check_groups_agree(report((0, 0, 1, digest), (2, 1, 1, digest), (1, 0, 0, "")))
+    with pytest.raises(WorkerFailed, match=r"groups diverged at step 7: stage 1 weights of "
+                                           r"rank 0 \(group 0\) and rank 2 \(group 1\) differ"):
+        check_groups_agree(report((0, 0, 1, digest), (2, 1, 1, weights_digest(apart)),
+                                  (1, 0, 0, "")))
 
 
 def test_killing_a_group_mid_run_leaves_no_hung_process(tmp_path: Path) -> None:
