@@ -73,6 +73,26 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     assert not [name for name, p in manifest.items() if alive(p["pid"])]
 
 
+def test_sigterm_ends_workers_waiting_on_a_dead_peer(tmp_path: Path) -> None:
+    """The coordinator, worker-0 and the CLI die at once (SIGKILL: none of their clean-up
+    runs, and no one drains the job). Workers 1-3 get SIGTERM from the kernel (the CLI
+    asked for it: PR_SET_PDEATHSIG) while their steps wait for worker-0's activations;
+    each must abort its step and exit within the server's grace (5 s), not when the
+    receive times out (300 s)."""
+    proc, manifest = start_and_wait_for_steps(tmp_path)
+    for name in ("coordinator", "worker-0"):
+        os.kill(manifest[name]["pid"], signal.SIGKILL)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(alive(p["pid"]) for p in manifest.values()):
+        time.sleep(0.2)
+    left = [name for name, p in manifest.items() if alive(p["pid"])]
+    for name in left:  # nothing outlives the test
+        os.kill(manifest[name]["pid"], signal.SIGKILL)
+    assert not left
+
+
 @pytest.mark.parametrize("victim", ["coordinator"])
 def test_dead_coordinator_ends_the_cli_with_a_message(tmp_path: Path, victim: str) -> None:
     proc, manifest = start_and_wait_for_steps(tmp_path)

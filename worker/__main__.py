@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     server.ready(health)
     print(f"ready {address}", flush=True)
     metrics.announce(url)
-    server.serve_until_signal(srv, health)
+    server.serve_until_signal(srv, health, on_stop=servicer.stop)
 
 
 if __name__ == "__main__":

@@ -410,6 +410,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             self._source = None
         return worker_pb2.DrainReply(drained=True)
 
+    def stop(self) -> None:
+        """The process is stopping (SIGTERM): a running step ends now with ABORTED, since
+        its peers may be gone and nothing else would wake a receive (before its timeout)."""
+        with self._lock:
+            self._drop("the worker is stopping")
+
     def _drop(self, reason: str) -> None:
         """Aborts the job's waits, lets a running step stop (bounded), then forgets it."""
         if self._assigned is not None:
