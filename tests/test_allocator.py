@@ -92,8 +92,10 @@ def test_threads_that_come_and_go_reuse_the_heap() -> None:
     tuned_applied, tuned = faults_per_step("tuned", THREADS)
     _, default = faults_per_step("default", THREADS)
     assert tuned_applied
-    # each new thread's arena heap was fresh: 5 x 4 MiB of new pages (about 4,400 faults
-    # measured); in the one heap only the thread's own stack and bookkeeping are new
-    # (about 50, against about 360 with the thresholds alone)
+    # each new thread's arena heap was fresh: 5 x 4 MiB of new pages (about 4,100-4,400
+    # faults measured); in the one heap only the thread's own stack and bookkeeping are new
+    # (about 50-130), plus now and then one thread's 4 MiB block taken fresh (1,024 faults,
+    # 25.6 per thread over 40): 130-284 in ten runs on 2026-11-25, against 566-592 in
+    # five with the thresholds alone (no arena limit), which this bound fails
     assert default > 2000, default
-    assert tuned < 200, (tuned, default)
+    assert tuned < default / 10, (tuned, default)
