@@ -126,8 +126,8 @@ def test_groups_one_ulp_apart_fail_the_step_naming_stage_and_ranks() -> None:
     weights = {"layers.0.weight": torch.ones(3, 4), "layers.0.bias": torch.zeros(4)}
     apart = {name: t.clone() for name, t in weights.items()}
     apart["layers.0.weight"][1, 2] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
-    renamed = {"layers.1.weight": weights["layers.0.weight"], "layers.0.bias": weights[
-        "layers.0.bias"]}
+    renamed = {"layers.1.weight": weights["layers.0.weight"],
+               "layers.0.bias": weights["layers.0.bias"]}
     digest = weights_digest({name: t.clone() for name, t in weights.items()})
     assert digest == weights_digest(weights)
     assert digest != weights_digest(apart) and digest != weights_digest(renamed)
