@@ -930,13 +930,22 @@ def migration_proto(move: dict[str, Any]) -> coordinator_pb2.Migration:
 def check_groups_agree(report: coordinator_pb2.StepReport) -> None:
     """Every group's copy of each backward stage holds the same weights after the step.
 
+    Steps off the job's `check_groups_every` cadence carry no digest; on it, every weight
+    owner (a backward or combined rank) sends one.
+
     Raises:
-        WorkerFailed: two groups' digests differ; names the step, stage and ranks.
+        WorkerFailed: two groups' digests differ, or an owner sent none where another did;
+            names the step, stage and ranks.
     """
+    owners = [w for w in report.workers if w.role != "forward"]
+    sent = [w for w in owners if w.weights_digest]
+    missing = [w for w in owners if not w.weights_digest]
+    if sent and missing:
+        raise WorkerFailed(f"groups unchecked at step {report.step}: rank {missing[0].rank} "
+                           f"(group {missing[0].group}, stage {missing[0].stage}) sent no "
+                           f"weights digest, rank {sent[0].rank} did")
     first: dict[int, coordinator_pb2.WorkerStepStats] = {}
-    for w in report.workers:
-        if not w.weights_digest:
-            continue
+    for w in sent:
         seen = first.setdefault(w.stage, w)
         if seen.weights_digest != w.weights_digest:
             raise WorkerFailed(f"groups diverged at step {report.step}: stage {w.stage} "

@@ -122,7 +122,8 @@ def assert_groups_identical(reports: list[Any], checked: tuple[int, ...] | None 
 
 def test_groups_one_ulp_apart_fail_the_step_naming_stage_and_ranks() -> None:
     """The digest tells one ulp or a renamed tensor apart; the coordinator's check fails the
-    step on differing digests of a stage and skips ranks that sent none."""
+    step on differing digests of a stage, or on a weight owner that sent none where another
+    did; forward ranks own no weights and send none."""
     weights = {"layers.0.weight": torch.ones(3, 4), "layers.0.bias": torch.zeros(4)}
     apart = {name: t.clone() for name, t in weights.items()}
     apart["layers.0.weight"][1, 2] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
@@ -132,16 +133,24 @@ def test_groups_one_ulp_apart_fail_the_step_naming_stage_and_ranks() -> None:
     assert digest == weights_digest(weights)
     assert digest != weights_digest(apart) and digest != weights_digest(renamed)
 
-    def report(*digests: tuple[int, int, int, str]) -> coordinator_pb2.StepReport:
+    def report(*digests: tuple[int, int, str, int, str]) -> coordinator_pb2.StepReport:
         return coordinator_pb2.StepReport(step=7, workers=[
-            coordinator_pb2.WorkerStepStats(rank=r, group=g, stage=s, weights_digest=d)
-            for r, g, s, d in digests])
+            coordinator_pb2.WorkerStepStats(rank=r, group=g, role=role, stage=s,
+                                            weights_digest=d)
+            for r, g, role, s, d in digests])
 
-    check_groups_agree(report((0, 0, 1, digest), (2, 1, 1, digest), (1, 0, 0, "")))
+    forward = (1, 0, "forward", 0, "")
+    check_groups_agree(report((0, 0, "backward", 1, digest), (2, 1, "backward", 1, digest),
+                              forward))
+    check_groups_agree(report((0, 0, "backward", 1, ""), (2, 1, "backward", 1, ""), forward))
     with pytest.raises(WorkerFailed, match=r"groups diverged at step 7: stage 1 weights of "
                                            r"rank 0 \(group 0\) and rank 2 \(group 1\) differ"):
-        check_groups_agree(report((0, 0, 1, digest), (2, 1, 1, weights_digest(apart)),
-                                  (1, 0, 0, "")))
+        check_groups_agree(report((0, 0, "backward", 1, digest),
+                                  (2, 1, "backward", 1, weights_digest(apart)), forward))
+    with pytest.raises(WorkerFailed, match=r"groups unchecked at step 7: rank 2 \(group 1, "
+                                           r"stage 1\) sent no weights digest, rank 0 did"):
+        check_groups_agree(report((0, 0, "combined", 1, digest), (2, 1, "combined", 1, ""),
+                                  forward))
 
 
 def test_killing_a_group_mid_run_leaves_no_hung_process(tmp_path: Path) -> None:
