@@ -17,6 +17,10 @@ Every figure comes from the parts a local run uses:
   and 0.10 ms; stashes so shaped give 2.2-2.9 GB/s and 0.38 ms, closer to what the
   pipefb runs' STASH and FETCH actions take (the simulated sync pipefb steps of the
   simulator-accuracy bench moved from 9-38% under the measured ones to 3-32% under).
+- **CPU of a transfer** (`Link.cpu`): during the large probes, the CPU seconds of every
+  thread of both processes (this one and the peer, or this one and redis-server; Linux
+  `/proc/PID/task/*/schedstat`) over the wall seconds. Both ends work at once: 1.5 for the
+  gRPC hop and the store here (1.2 at 1 KB), where the simulator had counted one core.
 - **overheads**: `action` is the median gap between consecutive actions of a real
   `StageRuntime` step (clocks, span label, memory accounting); `step` is a unary RPC round
   trip to the peer's server plus what `run_step` spends outside its actions (flush, report).
@@ -43,8 +47,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
@@ -54,7 +58,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from offload_store import OffloadStore, connect
-from pipefb.cluster import Cluster, Link, WorkerSpec
+from pipefb.cluster import MAX_TRANSFER_CPU, Cluster, Link, WorkerSpec
 from pipefb.errors import Aborted, ConfigError
 from pipefb.local import Process
 from pipefb.schedule import Kind
@@ -69,7 +73,7 @@ STORE_MAXMEMORY = "256mb"  # the probe Redis holds `STASH_DEPTH` stashes at a ti
 STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several per layer
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
-PROBE_VERSION = 2  # bumped when a probe measures differently: older caches are re-measured
+PROBE_VERSION = 3  # bumped when a probe measures differently: older caches are re-measured
 PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -198,14 +202,18 @@ class _Pinger:
 def _network(peer: Process, inbox: Inbox, settings: Settings) -> Link:
     """The worker-to-worker link, from probes to the echo peer."""
     transport = GrpcTransport(JOB, [peer.address], None, inbox)
+    meter = CpuMeter([os.getpid(), peer.pid])
     try:
         pinger = _Pinger(transport, peer)
         small = pinger.one_way(settings.small_bytes, settings.small_repeats, settings.warmup)
-        large = pinger.one_way(settings.large_bytes, settings.large_repeats, settings.warmup)
+        with meter.span():
+            large = pinger.one_way(settings.large_bytes, settings.large_repeats,
+                                   settings.warmup)
         transport.flush()
     finally:
         transport.close()
-    return fit_link("loopback gRPC", settings.small_bytes, small, settings.large_bytes, large)
+    link = fit_link("loopback gRPC", settings.small_bytes, small, settings.large_bytes, large)
+    return replace(link, cpu=meter.cores())
 
 
 def _rpc_round_trip(address: str, repeats: int) -> float:
@@ -220,6 +228,59 @@ def _rpc_round_trip(address: str, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+# -- CPU of a transfer ----------------------------------------------------------------------
+
+
+def _cpu_seconds(pids: Sequence[int]) -> float | None:
+    """Seconds every thread of `pids` has run on a core (Linux `/proc/PID/task/*/schedstat`,
+    nanoseconds); None where /proc cannot tell. A thread that ends meanwhile is skipped."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            return None
+        for task in tasks:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of process `pid` (the store's redis-server under `python -m
+    offload_store`); none where /proc cannot tell."""
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+class CpuMeter:
+    """CPU seconds of some processes (all their threads) against the wall seconds of the
+    spans it times: how many cores a transfer keeps busy, both ends together."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids, self.cpu, self.wall, self.readable = list(pids), 0.0, 0.0, True
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        """Times the body."""
+        cpu, wall = _cpu_seconds(self.pids), time.perf_counter()
+        yield
+        end_wall, end_cpu = time.perf_counter(), _cpu_seconds(self.pids)
+        if cpu is None or end_cpu is None:
+            self.readable = False
+        else:
+            self.cpu, self.wall = self.cpu + end_cpu - cpu, self.wall + end_wall - wall
+
+    def cores(self) -> float:
+        """Cores busy on average over the spans, within 1..MAX_TRANSFER_CPU (1 where the
+        CPU could not be read)."""
+        if not self.readable or self.wall <= 0:
+            return 1.0
+        return min(MAX_TRANSFER_CPU, max(1.0, self.cpu / self.wall))
+
+
 # -- the store probe ------------------------------------------------------------------------
 
 
@@ -232,29 +293,34 @@ def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
             for layer in range(STASH_LAYERS)}
 
 
-def _store_round(store: OffloadStore, first_step: int, size: int) -> float:
+def _store_round(store: OffloadStore, first_step: int, size: int, meter: CpuMeter | None = None
+                 ) -> float:
     """Seconds of one put or take (their mean) of `STASH_DEPTH` fresh stashes, all put
-    before the first is taken."""
+    before the first is taken; `meter` times the puts and takes (not the stashes' making)."""
     stashes = [_probe_stash(size) for _ in range(STASH_DEPTH)]
     names = {layer: list(tensors) for layer, tensors in stashes[0].items()}
-    started = time.perf_counter()
-    for k, stash in enumerate(stashes):
-        store.put(first_step + k, 0, 0, stash)
-    for k in range(STASH_DEPTH):
-        store.take(first_step + k, 0, 0, names)
-    return (time.perf_counter() - started) / (2 * STASH_DEPTH)
+    with meter.span() if meter is not None else contextlib.nullcontext():
+        started = time.perf_counter()
+        for k, stash in enumerate(stashes):
+            store.put(first_step + k, 0, 0, stash)
+        for k in range(STASH_DEPTH):
+            store.take(first_step + k, 0, 0, names)
+        seconds = (time.perf_counter() - started) / (2 * STASH_DEPTH)
+    return seconds
 
 
 def _store_seconds(store: OffloadStore, size: int, repeats: int, warmup: int,
-                   first_step: int) -> float:
+                   first_step: int, meter: CpuMeter | None = None) -> float:
     """Median seconds of one stash or fetch of `size` bytes (see `_store_round`)."""
-    times = [_store_round(store, first_step + i * STASH_DEPTH, size)
+    times = [_store_round(store, first_step + i * STASH_DEPTH, size, meter)
              for i in range(warmup + repeats)]
     return statistics.median(times[warmup:])
 
 
-def _store(address: str, settings: Settings) -> Link:
-    """The offload-store link, from puts and takes on the Redis at `address`."""
+def _store(address: str, settings: Settings, pids: Sequence[int] = ()) -> Link:
+    """The offload-store link, from puts and takes on the Redis at `address`; `pids` are
+    the processes whose CPU a transfer uses besides this one (the redis-server)."""
+    meter = CpuMeter([os.getpid(), *pids])
     # the probe's own Redis has no users, whatever $PIPEFB_STORE_USER and _PASSWORD say
     store = OffloadStore(connect(address, username=None, password=None), JOB,
                          max_wait_seconds=PROBE_TIMEOUT_S)
@@ -263,11 +329,12 @@ def _store(address: str, settings: Settings) -> Link:
                                settings.warmup, 0)
         large = _store_seconds(store, settings.large_bytes, settings.large_repeats,
                                settings.warmup,
-                               (settings.warmup + settings.small_repeats) * STASH_DEPTH)
+                               (settings.warmup + settings.small_repeats) * STASH_DEPTH, meter)
         store.clear_job()
     finally:
         store.close()
-    return fit_link("Redis store", settings.small_bytes, small, settings.large_bytes, large)
+    link = fit_link("Redis store", settings.small_bytes, small, settings.large_bytes, large)
+    return replace(link, cpu=meter.cores())
 
 
 def fit_link(what: str, small_bytes: int, small_s: float, large_bytes: int,
@@ -380,7 +447,7 @@ def measure(settings: Settings = Settings()) -> Measured:
     with _switch_interval(SWITCH_INTERVAL_SECONDS), _helpers(inbox) as (redis_proc, peer):
         network = _network(peer, inbox, settings)
         rpc = _rpc_round_trip(peer.address, settings.rpc_repeats)
-        store = _store(redis_proc.address, settings)
+        store = _store(redis_proc.address, settings, child_pids(redis_proc.pid))
         action, step = _runtime_overheads(settings.steps)
     return Measured(network, store, action, rpc + step)
 

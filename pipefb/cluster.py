@@ -10,6 +10,8 @@ simulator take it as plain data. Sizes and rates accept units::
       - {name: node0, cores: 16}   # loopback: true -> transfers between its workers and
                                    # the store's traffic run on those cores too
     network: {bandwidth: 25GB/s, latency: 5us}     # any two workers, unless `links` says
+                                   # (cpu: 1.3 -> on a loopback host a transfer keeps 1.3
+                                   # cores busy, sender and receiver together; default 1)
     links:
       - {between: [gpu0, gpu1], bandwidth: 300GB/s, latency: 2us}
     store: {bandwidth: 12GB/s, latency: 30us}      # the offload store, per worker
@@ -36,6 +38,7 @@ _UNITS = {"": 1.0, "b": 1.0, "k": 1e3, "kb": 1e3, "kib": 2.0**10, "m": 1e6, "mb"
           "mib": 2.0**20, "g": 1e9, "gb": 1e9, "gib": 2.0**30, "t": 1e12, "tb": 1e12,
           "tib": 2.0**40}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+MAX_TRANSFER_CPU = 8.0  # cores one transfer may keep busy (a sanity bound on `Link.cpu`)
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(/s)?\s*$")
 
 
@@ -76,10 +79,16 @@ class Link:
 
     bandwidth: float  # bytes per second, > 0
     latency: float = 0.0  # seconds
+    #: cores a transfer keeps busy for its `seconds` on a loopback host, both ends together
+    #: (sender and receiver, or worker and Redis; see [Note: shared hosts] in simulate.py)
+    cpu: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
             raise ConfigError(f"link bandwidth {self.bandwidth!r} must be > 0 bytes/s")
+        if not 1.0 <= self.cpu <= MAX_TRANSFER_CPU:
+            raise ConfigError(f"link cpu {self.cpu!r} must be a number of cores in "
+                              f"1..{MAX_TRANSFER_CPU:g}")
 
     def seconds(self, nbytes: float) -> float:
         """Time to move `nbytes` bytes, first byte sent to last byte received."""
@@ -88,11 +97,15 @@ class Link:
     @staticmethod
     def parse(data: Any, what: str) -> Link:
         """A link from `{bandwidth, latency}`; ConfigError names the bad field."""
-        fields_ = _mapping(data, what, {"bandwidth", "latency", "between"})
+        fields_ = _mapping(data, what, {"bandwidth", "latency", "cpu", "between"})
         if "bandwidth" not in fields_:
             raise ConfigError(f"{what} needs a bandwidth (e.g. 12GB/s)")
+        cpu = fields_.get("cpu", 1.0)
+        if isinstance(cpu, bool) or not isinstance(cpu, int | float):
+            raise ConfigError(f"{what}.cpu = {cpu!r} is not a number")
         return Link(parse_quantity(fields_["bandwidth"], f"{what}.bandwidth", "rate"),
-                    parse_quantity(fields_.get("latency", 0), f"{what}.latency", "seconds"))
+                    parse_quantity(fields_.get("latency", 0), f"{what}.latency", "seconds"),
+                    float(cpu))
 
 
 @dataclass(frozen=True)
@@ -205,7 +218,8 @@ class Cluster:
         links = {}
         for i, item in enumerate(top.get("links") or []):
             what = f"{source}.links[{i}]"
-            between = _mapping(item, what, {"between", "bandwidth", "latency"}).get("between")
+            between = _mapping(item, what, {"between", "bandwidth", "latency", "cpu"}
+                               ).get("between")
             if not isinstance(between, list) or len(between) != 2:
                 raise ConfigError(f"{what}.between must list two worker names")
             links[frozenset(str(n) for n in between)] = Link.parse(item, what)
@@ -247,7 +261,8 @@ class Cluster:
     def to_dict(self) -> dict[str, Any]:
         """The YAML form with plain numbers (bytes, bytes/s, seconds); `from_dict` reads it."""
         def link(x: Link) -> dict[str, float]:
-            return {"bandwidth": x.bandwidth, "latency": x.latency}
+            return {"bandwidth": x.bandwidth, "latency": x.latency,
+                    **({"cpu": x.cpu} if x.cpu != 1.0 else {})}
 
         out: dict[str, Any] = {
             "workers": [{"name": w.name, "speed": w.speed, "host": w.host,
@@ -322,7 +337,8 @@ def slowest_hop(cluster: Cluster, hops: Iterable[tuple[int, int]]) -> Link:
     links = [cluster.link(a, b) for a, b in hops]
     if not links:
         return Link(math.inf)
-    return Link(min(x.bandwidth for x in links), max(x.latency for x in links))
+    return Link(min(x.bandwidth for x in links), max(x.latency for x in links),
+                max(x.cpu for x in links))
 
 
 def ring_link(cluster: Cluster, rank: int, groups: int) -> Link:

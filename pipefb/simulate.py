@@ -39,7 +39,12 @@ and n jobs each progress at min(1, cores / n). On a loopback host a transfer bet
 of its workers is a job too, the link's whole time (latency plus bytes over bandwidth):
 copying and (de)serialising the bytes, and waking the threads that hand them on, all
 need a core, so a hop on a busy host takes longer (measured here: an echo's one-way
-0.35 ms idle, about 1 ms with two other processes half busy on the 2 cores). Events
+0.35 ms idle, about 1 ms with two other processes half busy on the 2 cores). Both ends
+work at once, so a transfer keeps `Link.cpu` cores busy for its time, not one: a second
+job of (cpu - 1) times the work runs beside it, and a STASH or FETCH on a loopback host
+gets one for the local Redis's share (`store.cpu`). Measured here by the calibration (CPU
+of both processes over the wall time of the large probes): 1.2-1.4 for gRPC hops and
+store puts and takes. Events
 then run in time order; otherwise every rank runs ahead as far as its inputs allow (same
 times, faster).
 
@@ -75,6 +80,7 @@ from pipefb.schedule.ir import STAGE_KINDS
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
 SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L})
+STORE_KINDS = frozenset({Kind.STASH, Kind.FETCH})
 LOSS_BYTES = 4  # a float32 scalar
 _EPSILON = 1e-12  # seconds of work left that count as none
 
@@ -423,6 +429,10 @@ def _destination(t: Topology, a: Action) -> int:
     return t.backward_workers[-1]
 
 
+def _nothing(end: float) -> None:
+    """The end of a job nothing waits for (the other end's share of a transfer)."""
+
+
 @dataclass(slots=True)
 class _Job:
     """Work left on a shared host (seconds at full speed) and what to do when it ends."""
@@ -553,6 +563,8 @@ class _Engine:
                 continue
             self.free[r] = math.inf  # busy until the job ends
             self._start_job(self.host[r][0], t, op.seconds, self._finisher(r, k, step, op, t))
+            if op.action.kind in STORE_KINDS:
+                self._store_side(r, t, op.seconds - self.cluster.action_overhead)
 
     def _finisher(self, r: int, k: int, step: int, op: _Op, start: float
                   ) -> Callable[[float], None]:
@@ -573,6 +585,14 @@ class _Engine:
         if host.jobs:
             self.seq += 1
             heapq.heappush(self.heap, (host.next_finish(), self.seq, -1, name, host.version))
+
+    def _store_side(self, r: int, t: float, seconds: float) -> None:
+        """The local Redis's share of a STASH or FETCH on a loopback host: a job of
+        (store.cpu - 1) times its transfer seconds ([Note: shared hosts])."""
+        name = self.host[r][0]
+        if name in self.cluster.loopback_hosts and self.cluster.store.cpu > 1.0:
+            self._start_job(name, t, (self.cluster.store.cpu - 1.0) * max(0.0, seconds),
+                            _nothing)
 
     def _push(self, t: float, r: int) -> None:
         self.seq += 1
@@ -681,7 +701,10 @@ class _Engine:
                 self._schedule(src)
 
         self.sending[src] += 1
-        self._start_job(self.host[src][0], sent, self._link(src, dst).seconds(nbytes), arrived)
+        link, name = self._link(src, dst), self.host[src][0]
+        self._start_job(name, sent, link.seconds(nbytes), arrived)
+        if link.cpu > 1.0:  # the other end's share ([Note: shared hosts])
+            self._start_job(name, sent, (link.cpu - 1.0) * link.seconds(nbytes), _nothing)
 
     def _deadlock(self, stuck: dict[int, tuple[int, int, int]]) -> ScheduleError:
         names = {v: k for k, v in self.program.keys.items()}

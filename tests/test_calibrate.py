@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from pipefb.errors import ConfigError
 
 FAST = Settings(small_repeats=20, large_bytes=4 << 20, large_repeats=3, warmup=2,
                 rpc_repeats=10, steps=4)
+PROC = Path(f"/proc/{os.getpid()}/task").is_dir()  # where the calibration reads CPU time
 OTHER = Measured(Link(2e9, 3e-5), Link(1e9, 4e-5), 5e-6, 6e-4)  # a re-measurement's result
 
 
@@ -53,8 +57,35 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
         assert math.isfinite(link.bandwidth) and 10e6 <= link.bandwidth <= 100e9, (what, link)
         assert 1e-6 <= link.latency <= 0.1, (what, link)
         assert link.seconds(16 << 20) > link.seconds(1024), what
+        # both ends work at once (1.2-1.5 measured here); 1.0 only where /proc is missing
+        assert 1.0 < link.cpu <= 4.0 if PROC else link.cpu == 1.0, (what, link)
     assert 0 <= cluster.action_overhead < 0.01
     assert 1e-6 <= cluster.step_overhead < 0.1  # at least an RPC round trip
+
+
+def test_cpu_meter_counts_every_thread_of_every_process_it_watches() -> None:
+    """A span in which this process and a child each keep a core busy counts about two
+    cores; a process /proc cannot tell about makes the meter say 1."""
+    if not PROC:
+        pytest.skip("no /proc/PID/task on this system")
+    busy = "import time\nend = time.time() + 5\nwhile time.time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        time.sleep(0.3)  # the child is spinning
+        meter = calibrate.CpuMeter([os.getpid(), child.pid])
+        with meter.span():
+            end = time.perf_counter() + 0.5
+            while time.perf_counter() < end:
+                pass
+        assert 1.5 <= meter.cpu / meter.wall <= 2.1, (meter.cpu, meter.wall)
+        assert meter.cores() == pytest.approx(meter.cpu / meter.wall)
+    finally:
+        child.kill()
+        child.wait()
+    gone = calibrate.CpuMeter([child.pid])
+    with gone.span():
+        pass
+    assert gone.cores() == 1.0
 
 
 def test_cluster_shape(measured: tuple[Path, Cluster]) -> None:

@@ -44,6 +44,37 @@ def test_loopback_transfers_take_cpu_from_computes():
     assert not box(2, 1).on_loopback(0, 1)
 
 
+def test_a_transfer_keeps_link_cpu_cores_busy_on_a_loopback_host():
+    """With `cpu` 2 both ends of each transfer take a core for its time: on one core a step
+    is slower than with `cpu` 1 by the bytes moved over the bandwidth once more; the store's
+    `cpu` likewise stretches stash and fetch, and neither counts where bytes cross links."""
+    profile = uniform_profile(4, activation=1 << 20, params=0)  # 1 MiB per sample
+    plan = balanced_plan("gpipe", 2, [1.0] * 4, 8, 4)
+    one = box(2, 1, loopback=True)
+    two = replace(one, network=Link(1e9, 50e-6, cpu=2.0))
+    moved = 2 * 4 * 2 * (1 << 20) / 1e9  # F and B, 4 micro-batches of 2 samples
+    extra = simulate(plan, profile, two).step_seconds - simulate(plan, profile, one).step_seconds
+    assert extra == pytest.approx(moved, rel=0.25)
+    offload = balanced_plan("1f1b", 2, [1.0] * 4, 8, 4, policy=["offload"] * 4)
+    slower = replace(one, store=Link(1e9, 50e-6, cpu=2.0))
+    assert (simulate(offload, profile, slower).step_seconds
+            > 1.1 * simulate(offload, profile, one).step_seconds)
+    links = box(2, 1)
+    assert simulate(offload, profile, replace(links, store=Link(1e9, 50e-6, cpu=2.0))
+                    ).step_seconds == simulate(offload, profile, links).step_seconds
+
+
+def test_link_cpu_reads_back_and_is_refused_by_name_when_bad():
+    text = replace(box(2, 2, loopback=True), network=Link(1e9, 5e-5, cpu=1.5)).to_dict()
+    assert text["network"] == {"bandwidth": 1e9, "latency": 5e-5, "cpu": 1.5}
+    assert "cpu" not in text["store"]  # the default, 1, is left out
+    assert Cluster.from_dict(text).network.cpu == 1.5
+    with pytest.raises(ConfigError, match=r"network.cpu = 'many' is not a number"):
+        Cluster.from_dict({**text, "network": {"bandwidth": 1e9, "cpu": "many"}})
+    with pytest.raises(ConfigError, match=r"link cpu 0.5 must be a number of cores in 1..8"):
+        Cluster.from_dict({**text, "store": {"bandwidth": 1e9, "cpu": 0.5}})
+
+
 def test_loopback_needs_a_host_with_cores():
     with pytest.raises(ConfigError, match=r"loopback host\(s\) \['x'\]"):
         Cluster(Cluster.uniform(2).workers, loopback_hosts=frozenset({"x"}))
