@@ -42,9 +42,9 @@ need a core, so a hop on a busy host takes longer (measured here: an echo's one-
 0.35 ms idle, about 1 ms with two other processes half busy on the 2 cores). Both ends
 work at once, so a transfer keeps `Link.cpu` cores busy for its time, not one: a second
 job of (cpu - 1) times the work runs beside it, and a STASH or FETCH on a loopback host
-gets one for the local Redis's share (`store.cpu`). Measured here by the calibration (CPU
-of both processes over the wall time of the large probes): 1.2-1.4 for gRPC hops and
-store puts and takes. Events
+gets one for the local Redis's share (`store.cpu`). Measured here as the CPU of both
+processes over the wall time: 1.2 at 1 KB, about 1.5 at 16 MiB for gRPC hops and store
+puts and takes (the calibration's large probes set it). Events
 then run in time order; otherwise every rank runs ahead as far as its inputs allow (same
 times, faster).
 
