@@ -587,12 +587,16 @@ class _Engine:
             heapq.heappush(self.heap, (host.next_finish(), self.seq, -1, name, host.version))
 
     def _store_side(self, r: int, t: float, seconds: float) -> None:
-        """The local Redis's share of a STASH or FETCH on a loopback host: a job of
-        (store.cpu - 1) times its transfer seconds ([Note: shared hosts])."""
+        """The local Redis's share of a STASH or FETCH on a loopback host."""
         name = self.host[r][0]
-        if name in self.cluster.loopback_hosts and self.cluster.store.cpu > 1.0:
-            self._start_job(name, t, (self.cluster.store.cpu - 1.0) * max(0.0, seconds),
-                            _nothing)
+        if name in self.cluster.loopback_hosts:
+            self._other_end(name, t, self.cluster.store, seconds)
+
+    def _other_end(self, name: str, t: float, link: Link, seconds: float) -> None:
+        """Beside a transfer of `seconds` on host `name`, a job of (link.cpu - 1) times that
+        work: the other end's share of the cores ([Note: shared hosts])."""
+        if link.cpu > 1.0:
+            self._start_job(name, t, (link.cpu - 1.0) * max(0.0, seconds), _nothing)
 
     def _push(self, t: float, r: int) -> None:
         self.seq += 1
@@ -703,8 +707,7 @@ class _Engine:
         self.sending[src] += 1
         link, name = self._link(src, dst), self.host[src][0]
         self._start_job(name, sent, link.seconds(nbytes), arrived)
-        if link.cpu > 1.0:  # the other end's share ([Note: shared hosts])
-            self._start_job(name, sent, (link.cpu - 1.0) * link.seconds(nbytes), _nothing)
+        self._other_end(name, sent, link, link.seconds(nbytes))
 
     def _deadlock(self, stuck: dict[int, tuple[int, int, int]]) -> ScheduleError:
         names = {v: k for k, v in self.program.keys.items()}
