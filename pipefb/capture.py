@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from functorch.compile import aot_function, make_boxed_func
@@ -103,13 +103,7 @@ def derive_module(
     forward: fx.GraphModule, n_weights: int, targets: list[fx.Node]
 ) -> fx.GraphModule:
     """Prunes a forward graph to `(*params, *buffers) -> targets` (all weight-only nodes)."""
-    needed: set[fx.Node] = set()
-    stack = list(targets)
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
+    needed = _ancestors(targets)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in forward.graph.nodes:
@@ -119,6 +113,62 @@ def derive_module(
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[t] for t in targets))
     return fx.GraphModule(forward, graph)
+
+
+def _ancestors(targets: list[fx.Node]) -> set[fx.Node]:
+    """The nodes `targets` are computed from, themselves included."""
+    needed: set[fx.Node] = set()
+    stack = list(targets)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    return needed
+
+
+def split_backward(
+    backward: fx.GraphModule, n_weights: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Splits a backward graph into its input-grad part and its weight-grad part.
+
+    [Note: input grads first] A stage's input gradient is what the previous stage waits
+    for; its weight gradients only the optimizer step needs. So the backward is cut in two:
+
+        input  graph: (*saved, tangent)            -> (*input grads, *carries)
+        weight graph: (*saved, tangent, *carries)  -> (*param grads, *buffer grads)
+
+    The input graph holds every node an input grad depends on; the weight graph holds the
+    rest of what the weight grads need, and takes the input graph's intermediates it
+    reads (the carries: such as a linear's output gradient, whose product with the saved
+    input is the weight's gradient). Every node runs once, on the same values as in the
+    whole graph, so the two parts give bit for bit the grads the whole one does.
+    """
+    outs = list(cast("Sequence[fx.Node | None]", backward.graph.output_node().args[0]))
+    first = _ancestors([n for n in outs[n_weights:] if n is not None])
+    rest = _ancestors([n for n in outs[:n_weights] if n is not None]) - first
+    carries = [n for n in backward.graph.nodes if n in first and n.op != "placeholder"
+               and (n in outs[:n_weights] or any(u in rest for u in n.users))]
+    inputs, weights = fx.Graph(), fx.Graph()
+    env_in: dict[fx.Node, fx.Node] = {}
+    env_w: dict[fx.Node, fx.Node] = {}
+    for node in backward.graph.nodes:
+        if node.op == "placeholder":
+            env_in[node] = inputs.placeholder(node.name)
+            env_w[node] = weights.placeholder(node.name)
+    for node in carries:
+        env_w[node] = weights.placeholder(f"carry_{node.name}")
+    for node in backward.graph.nodes:
+        if node.op == "placeholder" or node.op == "output":
+            continue
+        if node in first:
+            env_in[node] = inputs.node_copy(node, lambda n: env_in[n])
+        elif node in rest:
+            env_w[node] = weights.node_copy(node, lambda n: env_w[n])
+    inputs.output((*(None if n is None else env_in[n] for n in outs[n_weights:]),
+                   *(env_in[n] for n in carries)))
+    weights.output(tuple(None if n is None else env_w[n] for n in outs[:n_weights]))
+    return fx.GraphModule(backward, inputs), fx.GraphModule(backward, weights)
 
 
 def capture(

@@ -11,7 +11,7 @@ into `param.grad`, micro-batch after micro-batch, like `loss.backward()` does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -39,6 +39,12 @@ class LayerExec(Protocol):
                  ) -> list[torch.Tensor | None]:
         """Runs the backward with the forward's weight version (default the live one),
         accumulating into `param.grad`; returns the input grads."""
+        ...
+
+    def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                       ) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
+        """Runs what the input grads need and returns them, with the rest to call later
+        (it accumulates the weight grads into `param.grad`)."""
         ...
 
     def weights_changed(self) -> None:
@@ -85,6 +91,11 @@ class AutogradExec:
         return [saved[f"input_{i}"].grad if g else None
                 for i, g in enumerate(self.input_requires_grad)]
 
+    def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                       ) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
+        """The whole backward: autograd computes weight grads with the input grads."""
+        return self.backward(saved, grad_output, params), _nothing
+
     def weights_changed(self) -> None:
         """Autograd derives nothing ahead of time."""
 
@@ -114,6 +125,12 @@ class SplitExec:
         self._accumulate(param_grads)
         return input_grads
 
+    def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                       ) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
+        """The input-grad part now, the weight-grad part when the returned call runs."""
+        input_grads, deferred = self.split.backward_input(saved, grad_output, params)
+        return input_grads, lambda: self._accumulate(self.split.backward_weights(deferred))
+
     def weights_changed(self) -> None:
         """Forgets the weight-derived tensors of the old version."""
         self.split.weights_changed()
@@ -129,3 +146,7 @@ class SplitExec:
                     p.grad = g.clone()
                 else:
                     p.grad.add_(g)
+
+
+def _nothing() -> None:
+    """The deferred part of a backward that deferred nothing."""

@@ -194,6 +194,12 @@ class StageRuntime:
         self.layers = {i: all_layers[i].to(self.device) for i in held}
         self.n_inputs = {i: len(specs[i]) for i in held}
         self.execs = {i: self._executor(i, self.layers[i], specs[i]) for i in held}
+        # the drain's B runs the split where this rank runs autograd: [Note: input grads first]
+        self._drain = self._drain_microbatch()
+        self.drain_execs = {i: SplitExec(self.layers[i], specs[i], _needs_grad(i, specs[i]),
+                                         self.device)
+                            for i in self.bwd_layers if self._drain is not None
+                            and isinstance(self.execs[i], AutogradExec)}
         self.run_start = recompute_runs(plan)
         self._stash_layers = self._stored_layers(self.fwd_layers)  # constant per rank
         self._fetch_names = {i: self.stash_names(i) for i in self._stored_layers(self.bwd_layers)}
@@ -447,7 +453,25 @@ class StageRuntime:
         if self.execs[i].has_random_ops:
             seed_random_ops(derive_seed(self.job.seed, step, self.mb_offset + m, i))
         with self._timed_layer(step, i):
-            return self.execs[i].forward(inputs, params)
+            return self._exec(i, m).forward(inputs, params)
+
+    def _drain_microbatch(self) -> int | None:
+        """The micro-batch of this rank's last B in a step if that B sends a gradient on
+        (stage > 0), else None."""
+        last = [a for a in self.actions if a.kind is Kind.B]
+        if not last or last[-1].stage == 0:
+            return None
+        return _mb(last[-1])
+
+    def _exec(self, i: int, m: int) -> LayerExec:
+        """Layer i's executor for micro-batch m (the drain's may differ)."""
+        return self.drain_execs[i] if m == self._drain and i in self.drain_execs else self.execs[i]
+
+    def _weights_changed(self, i: int) -> None:
+        """Tells every executor of layer i that its weights changed in place."""
+        self.execs[i].weights_changed()
+        if i in self.drain_execs:
+            self.drain_execs[i].weights_changed()
 
     def _stage_input(self, stage: int, m: int, step: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -480,6 +504,20 @@ class StageRuntime:
         return None if version == self.version else self.versions.params(version, layer)
 
     def _backward(self, action: Action, step: int, it: _Iteration) -> None:
+        """Runs the stage's layers backward, last to first, accumulating weight grads.
+
+        [Note: input grads first] The previous stage waits for this stage's input
+        gradient, never for its weight gradients. So the drain (the rank's last B of a
+        step, when it sends a gradient on) computes every layer's input-grad part first,
+        sends the gradient at once (its SEND_B then finds it gone), and computes the
+        weight grads after, while the previous stage already runs its backward: the 1F1B
+        drain shrinks by the weight-grad time of each later stage, as in ZB-H1 (Qi et al.,
+        "Zero Bubble Pipeline Parallelism", 2024). Only the drain does this: elsewhere
+        the stage that receives is not waiting, and the two parts cost a few percent more
+        than one backward. Its layers run the explicit split (`LayerSplit.backward_input`
+        and `backward_weights`, bit for bit the whole backward's grads), also where the
+        other micro-batches run autograd.
+        """
         m = _mb(action)
         version = self._forward_version(step, action.stage, m)
         last = len(self.topology.backward_workers) - 1
@@ -491,6 +529,7 @@ class StageRuntime:
         else:
             grad = self.flight.grads.pop((step, action.stage, m))
         recomputed: dict[int, dict[str, torch.Tensor]] = {}
+        deferred: list[tuple[int, Callable[[], None]]] = []
         for i in reversed(self.bwd_layers):
             assert grad is not None  # only the model's first layer (data input) gets no grad
             if self.plan.policy[i] == "recompute":
@@ -501,11 +540,22 @@ class StageRuntime:
                 saved = recomputed.pop(i)
             else:
                 saved = self.flight.saved.pop((step, m, i))
+            execute, params = self._exec(i, m), self._params(version, i)
             with self._timed_layer(step, i):
-                grad = self.execs[i].backward(saved, grad, self._params(version, i))[0]
-        self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)
+                if m == self._drain:
+                    grads, weights = execute.backward_input(saved, grad, params)
+                    deferred.append((i, weights))
+                else:
+                    grads = execute.backward(saved, grad, params)
+            grad = grads[0]
         if grad is not None and action.stage > 0:
             self.flight.input_grads[(step, action.stage, m)] = grad
+            if deferred:
+                self._send_grad(Action(action.stage, Kind.SEND_B, m), step, it)
+        for i, weights in deferred:
+            with self._timed_layer(step, i):
+                weights()
+        self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)
         it.versions.append((str(action.base), step, version))
         if self.role == "combined":
             del self.flight.forward_version[(step, action.stage, m)]
@@ -538,7 +588,7 @@ class StageRuntime:
             self.optimizer.zero_grad(set_to_none=True)
             self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         for i in self.bwd_layers:
-            self.execs[i].weights_changed()
+            self._weights_changed(i)
         self._grad_bytes = 0
         self.version += 1
         self.versions.prune(needed)
@@ -590,7 +640,9 @@ class StageRuntime:
     def _send_grad(self, action: Action, step: int, it: _Iteration) -> None:
         m = _mb(action)
         dst = self.topology.backward_workers[action.stage - 1]
-        grad = self.flight.input_grads.pop((step, action.stage, m))
+        grad = self.flight.input_grads.pop((step, action.stage, m), None)
+        if grad is None:
+            return  # the drain's B sent it already ([Note: input grads first])
         self.transport.send(Kind.RECV_B, dst, step, action.stage - 1, m, self.version,
                             {"g": grad})
 
@@ -747,7 +799,7 @@ class StageRuntime:
                         raise ConfigError(f"{source} has no weight layers.{i}.{name} "
                                           f"{list(p.shape)} {p.dtype}")
                     p.copy_(saved)
-                self.execs[i].weights_changed()
+                self._weights_changed(i)
         if self.optimizer is not None:
             names = self._owned_names()
             states.append(({}, optimizer_tensors(self.optimizer, names)[1]))  # groups last

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from typing import cast
 
 import torch
@@ -19,12 +21,13 @@ from pipefb.capture import (
     derive_module,
     is_random,
     placeholders,
+    split_backward,
     val_spec,
     weight_only_nodes,
 )
 from pipefb.shapes import SpecError, TensorSpec, requires_grad_for, restride, spec_of
 
-__all__ = ["LayerSplit", "SplitError", "StashError", "is_random"]
+__all__ = ["DeferredGrads", "LayerSplit", "SplitError", "StashError", "is_random"]
 
 class StashError(SpecError):
     """A stash that does not fit the traced layer (the bad name or value is named)."""
@@ -151,24 +154,56 @@ class LayerSplit:
                 that fails on the stash's values (both are ValueErrors).
         """
         params = self._params(params)
+        grads = _run(self.backward_graph, self._backward_args(stash, grad_output, params))
+        n_w = len(self.param_names) + len(self.buffer_names)
+        return self._input_grads(grads[n_w:]), self._param_grads(grads[: len(params)], params)
+
+    def backward_input(
+        self,
+        stash: Mapping[str, torch.Tensor],
+        grad_output: torch.Tensor,
+        params: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor | None], DeferredGrads]:
+        """Runs only the input-grad part of the backward (see [Note: input grads first]).
+
+        Takes and checks what `backward` does; returns the input grads now and what
+        `backward_weights` needs for the param grads later.
+        """
+        params = self._params(params)
+        args = self._backward_args(stash, grad_output, params)
+        inputs_graph, _ = self._halves
+        outs = _run(inputs_graph, args)
+        n_in = len(self.input_specs)
+        carries = cast("list[torch.Tensor]", outs[n_in:])  # nodes' values: never None
+        return self._input_grads(outs[:n_in]), DeferredGrads([*args, *carries], params)
+
+    def backward_weights(self, deferred: DeferredGrads) -> list[torch.Tensor]:
+        """The param grads of a `backward_input` call, in `param_names` order (zeros for a
+        param that got none): together, bit for bit what `backward` returns."""
+        _, weights_graph = self._halves
+        grads = _run(weights_graph, deferred.args)
+        return self._param_grads(grads[: len(deferred.params)], deferred.params)
+
+    @cached_property
+    def _halves(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        return split_backward(self.backward_graph, len(self.param_names) + len(self.buffer_names))
+
+    def _backward_args(self, stash: Mapping[str, torch.Tensor], grad_output: torch.Tensor,
+                       params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The backward graph's arguments: the saved tensors from where each lives, then
+        the output gradient (each checked)."""
         buffers = self._buffers()
         stashed = self._check_stash(stash)
         grad = restride(self.output_spec.check(grad_output, "grad_output"), self._tangent_stride)
-        derived = self._derived(params, buffers)
         sources: dict[Kind, Sequence[torch.Tensor]] = {
             "param": params,
             "buffer": buffers,
-            "derived": derived,
+            "derived": self._derived(params, buffers),
         }
         args = [
             stashed[s.name] if s.kind == "stash" else sources[s.kind][s.index] for s in self._slots
         ]
-        with torch.no_grad():
-            try:
-                grads = self.backward_graph(*args, grad)
-            except (RuntimeError, IndexError) as exc:
-                raise StashError(f"backward failed on the given stash: {exc}") from exc
-        return self._split_grads(list(grads), params)
+        return [*args, grad]
 
     def _grad_flags(self, flags: Sequence[bool] | None) -> list[bool]:
         """Validates the input-grad flags against the input specs."""
@@ -366,18 +401,39 @@ class LayerSplit:
             self._cache.popitem(last=False)
         return derived
 
-    def _split_grads(
-        self, grads: list[torch.Tensor | None], params: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-        """Splits the per-primal grads into input grads and param grads."""
-        n_w = len(self.param_names) + len(self.buffer_names)
-        param_grads = [
-            g if g is not None else torch.zeros_like(p)
-            for g, p in zip(grads[: len(params)], params, strict=True)
-        ]
-        input_grads: list[torch.Tensor | None] = []
-        for g, spec, need in zip(
-            grads[n_w:], self.input_specs, self.input_requires_grad, strict=True
-        ):
-            input_grads.append(None if not need else g if g is not None else spec.zeros())
-        return input_grads, param_grads
+    @staticmethod
+    def _param_grads(
+        grads: Sequence[torch.Tensor | None], params: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The param grads, zeros for a param that got none."""
+        return [g if g is not None else torch.zeros_like(p)
+                for g, p in zip(grads, params, strict=True)]
+
+    def _input_grads(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The input grads: None where `input_requires_grad` is False, zeros where an input
+        that needs one got none."""
+        return [None if not need else g if g is not None else spec.zeros()
+                for g, spec, need in zip(grads, self.input_specs, self.input_requires_grad,
+                                         strict=True)]
+
+
+@dataclass
+class DeferredGrads:
+    """What `LayerSplit.backward_weights` needs: the backward's arguments with the input
+    part's carries, and the weight version the forward used."""
+
+    args: list[torch.Tensor]
+    params: list[torch.Tensor]
+
+
+def _run(graph: fx.GraphModule, args: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Runs a captured backward graph (part) without autograd.
+
+    Raises:
+        StashError: it fails on the given values (such as an index out of range).
+    """
+    with torch.no_grad():
+        try:
+            return list(graph(*args))
+        except (RuntimeError, IndexError) as exc:
+            raise StashError(f"backward failed on the given stash: {exc}") from exc

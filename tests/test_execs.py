@@ -50,3 +50,20 @@ def test_split_and_autograd_agree_across_fused_weight_updates() -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(split_layer.w, eager_layer.w, rtol=1e-6, atol=1e-7)
     assert not torch.equal(split_layer.w, layer.w)
+
+
+def test_backward_input_defers_only_the_split_s_weight_grads() -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for make in (SplitExec, AutogradExec):
+        whole, halves = ExpWeight(), ExpWeight()
+        halves.load_state_dict(whole.state_dict())
+        execs = [SplitExec(m, [TensorSpec((3, 4), torch.float32)], [True]) if make is SplitExec
+                 else AutogradExec(m, [True]) for m in (whole, halves)]
+        out, saved = execs[0].forward([x])
+        want = execs[0].backward(saved, torch.ones_like(out))[0]
+        out, saved = execs[1].forward([x])
+        got, weights = execs[1].backward_input(saved, torch.ones_like(out))
+        assert torch.equal(got[0], want)
+        assert (halves.w.grad is None) == (make is SplitExec)  # autograd defers nothing
+        weights()
+        assert torch.equal(halves.w.grad, whole.w.grad)

@@ -155,28 +155,39 @@ def assert_same(actual, expected) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
+def assert_all_same(actual: list, expected: list) -> None:
+    """Grads equal one for one, bit for bit (None where the other is None)."""
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert_same(got, want)
+
+
 def grad_for(split: LayerSplit) -> torch.Tensor:
     return torch.randn(split.output_spec.shape, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_split_matches_eager(case: Case) -> None:
+def forward_case(case: Case) -> tuple[nn.Module, list[torch.Tensor], LayerSplit, torch.Tensor,
+                                      dict[str, torch.Tensor], torch.Tensor]:
+    """The case's layer, inputs and split, the split's output and stash, an output grad."""
     layer, inputs, split = build(case)
     out, stash = run_split(split, inputs, case.seeded)
-    grad = grad_for(split)
+    return layer, inputs, split, out, stash, grad_for(split)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_split_matches_eager(case: Case) -> None:
+    layer, inputs, split, out, stash, grad = forward_case(case)
     input_grads, param_grads = split.backward(stash, grad)
     ref_out, ref_in, ref_params = eager(
         layer, inputs, split.input_requires_grad, grad, seed=7 if case.seeded else None
     )
     assert_same(out, ref_out)
     assert len(input_grads) == len(inputs)
-    for got, ref in zip(input_grads, ref_in, strict=True):
-        assert (got is None) == (ref is None)
-        if got is not None:
-            assert_same(got, ref)
+    assert_all_same(input_grads, ref_in)
     assert len(param_grads) == len(split.param_names)
-    for got, ref in zip(param_grads, ref_params, strict=True):
-        assert_same(got, ref)
+    assert_all_same(param_grads, ref_params)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -194,9 +205,7 @@ def test_stash_holds_no_weight_or_derived_tensor(case: Case) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_stash_survives_codec_round_trip(case: Case) -> None:
-    _, inputs, split = build(case)
-    _, stash = run_split(split, inputs, case.seeded)
-    grad = grad_for(split)
+    _, _, split, _, stash, grad = forward_case(case)
     expected = split.backward(stash, grad)
     received = {name: unpack(pack(t)) for name, t in stash.items()}
     got = split.backward(received, grad)
@@ -205,6 +214,28 @@ def test_stash_survives_codec_round_trip(case: Case) -> None:
             assert a is b
         else:
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_input_part_then_weight_part_give_the_whole_backward_bit_for_bit(case: Case) -> None:
+    """[Note: input grads first]: the two halves of the backward graph."""
+    _, _, split, _, stash, grad = forward_case(case)
+    want_inputs, want_params = split.backward(stash, grad)
+    got_inputs, deferred = split.backward_input(stash, grad)
+    assert_all_same(got_inputs, want_inputs)
+    assert_all_same(split.backward_weights(deferred), want_params)
+
+
+def test_the_input_part_of_a_linear_computes_no_weight_grad() -> None:
+    _, _, split = build(CASES[0])
+    inputs, weights = split._halves
+
+    def ops(gm: torch.fx.GraphModule) -> list[object]:
+        return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+    assert ops(inputs) == [aten.t.default, aten.mm.default]  # grad_output @ weight: x's grad
+    assert ops(weights).count(aten.mm.default) == 1 and aten.sum.dim_IntList in ops(weights)
+    assert ops(split.backward_graph).count(aten.mm.default) == 2  # the whole has both
 
 
 def test_linear_conventions() -> None:

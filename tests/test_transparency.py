@@ -148,3 +148,22 @@ def test_every_policy_equals_single_process(client: Any, cluster: Any, model: st
     store = store_client(cluster)
     assert list(store.scan_iter(match=job_pattern(reports[0].job_id))) == []
     assert all(not w.kept_versions for w in reports[-1].workers)
+
+
+def test_the_drain_sends_its_input_gradient_before_its_weight_grads(client: Any) -> None:
+    """[Note: input grads first]: stage 0 holds the last micro-batch's gradient while stage 1
+    still computes that micro-batch's weight grads (wide layers make them take tens of ms,
+    far longer than the hop), and training still equals one process."""
+    job = JobConfig(model="mlp", dataset="synthetic", loss="mse", schedule="1f1b", workers=2,
+                    model_config={"in_features": 256, "hidden": 1024, "depth": 4,
+                                  "out_features": 256},
+                    dataset_config={"in_features": 256, "out_features": 256},
+                    batch_size=512, microbatches=2, steps=STEPS, optimizer="sgd", lr=0.01,
+                    seed=7)
+    reports, weights = run_on_cluster(client, job)
+    for report in reports:
+        spans = {s.action: s for w in report.workers for s in w.spans}
+        # stage 0 got micro-batch 1's gradient before stage 1 ended that micro-batch's B
+        assert spans["0RECV_B1"].end < spans["1B1"].end, report.step
+        assert spans["0RECV_B0"].end > spans["1B0"].end, report.step  # not sent early
+    assert_same_training(job, reports, weights)
