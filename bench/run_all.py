@@ -223,8 +223,12 @@ READING = [
     "a pipeline of 2 workers plus a coordinator, Redis and the client shares those 2 cores, "
     "so a pipeline cannot beat one process by much here; what matters are the ratios "
     "between systems measured in the same run.",
-    "- `pipefb-1f1b` vs `torch-1f1b`: both run the same schedule with eager autograd on the "
-    "same split. The difference is transport: torch sends through gloo from C++ in the "
+    "- `pipefb-1f1b` vs `torch-1f1b`: both run the same 1F1B order on the same split. "
+    "pipefb's later stage sends each input gradient before computing the weight gradients "
+    "and runs up to one micro-batch's weight gradients later, in the drain ([Note: input "
+    "grads first] in docs/architecture.md; ZB-H1's idea), so stage 0 waits less; the price "
+    "is that stage's activation peak (two micro-batches, as stage 0's). The rest of the "
+    "difference is transport: torch sends through gloo from C++ in the "
     "calling thread; pipefb sends over gRPC, where each transfer passes Python threads "
     "(the stream's sender, the receiver's handler, the compute thread). On the tiny `mlp` "
     "(steps of a few ms) that latency dominates; on `gpt` it is a small share.",

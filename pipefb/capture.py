@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,33 +130,42 @@ def _ancestors(targets: list[fx.Node]) -> set[fx.Node]:
 
 def split_backward(
     backward: fx.GraphModule, n_weights: int
-) -> tuple[fx.GraphModule, fx.GraphModule]:
+) -> tuple[fx.GraphModule, fx.GraphModule, list[int]]:
     """Splits a backward graph into its input-grad part and its weight-grad part.
 
     [Note: input grads first] A stage's input gradient is what the previous stage waits
     for; its weight gradients only the optimizer step needs. So the backward is cut in two:
 
-        input  graph: (*saved, tangent)            -> (*input grads, *carries)
-        weight graph: (*saved, tangent, *carries)  -> (*param grads, *buffer grads)
+        input  graph: (*saved, tangent)                  -> (*input grads, *carries)
+        weight graph: (*some of saved, tangent, *carries) -> (*param grads, *buffer grads)
 
     The input graph holds every node an input grad depends on; the weight graph holds the
     rest of what the weight grads need, and takes the input graph's intermediates it
     reads (the carries: such as a linear's output gradient, whose product with the saved
-    input is the weight's gradient). Every node runs once, on the same values as in the
-    whole graph, so the two parts give bit for bit the grads the whole one does.
+    input is the weight's gradient) and only the arguments it reads (their positions are
+    returned third), so a waiting weight half holds no more than it needs. Every node
+    runs once, on the same values as in the whole graph, so the two parts give bit for
+    bit the grads the whole one does.
     """
     outs = list(cast("Sequence[fx.Node | None]", backward.graph.output_node().args[0]))
     first = _ancestors([n for n in outs[n_weights:] if n is not None])
     rest = _ancestors([n for n in outs[:n_weights] if n is not None]) - first
+    # a node of the input part with several outputs (layer norm's backward gives the input,
+    # weight and bias grads at once) hands on the tensors it made, never the tuple
+    moved = {n for n in rest if n.target is operator.getitem and n.args[0] in first}
+    first, rest = first | moved, rest - moved
     carries = [n for n in backward.graph.nodes if n in first and n.op != "placeholder"
                and (n in outs[:n_weights] or any(u in rest for u in n.users))]
     inputs, weights = fx.Graph(), fx.Graph()
     env_in: dict[fx.Node, fx.Node] = {}
     env_w: dict[fx.Node, fx.Node] = {}
-    for node in backward.graph.nodes:
-        if node.op == "placeholder":
-            env_in[node] = inputs.placeholder(node.name)
-            env_w[node] = weights.placeholder(node.name)
+    read = [k for k, node in enumerate(placeholders(backward))
+            if node in outs[:n_weights] or any(u in rest for u in node.users)]
+    for node in placeholders(backward):
+        env_in[node] = inputs.placeholder(node.name)
+    for k in read:
+        node = placeholders(backward)[k]
+        env_w[node] = weights.placeholder(node.name)
     for node in carries:
         env_w[node] = weights.placeholder(f"carry_{node.name}")
     for node in backward.graph.nodes:
@@ -168,7 +178,7 @@ def split_backward(
     inputs.output((*(None if n is None else env_in[n] for n in outs[n_weights:]),
                    *(env_in[n] for n in carries)))
     weights.output(tuple(None if n is None else env_w[n] for n in outs[:n_weights]))
-    return fx.GraphModule(backward, inputs), fx.GraphModule(backward, weights)
+    return fx.GraphModule(backward, inputs), fx.GraphModule(backward, weights), read
 
 
 def capture(

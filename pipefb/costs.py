@@ -28,6 +28,9 @@ class LayerProfile:
         forward_fixed_seconds: the part of `forward_seconds` that does not scale with
             samples (a micro-batch of one sample costs about this much).
         backward_fixed_seconds: the same for the backward.
+        weight_grad_seconds: the part of `backward_seconds` its weight-grad half takes
+            when the backward runs input grads first ([Note: input grads first] in
+            pipefb.runtime); 0: not measured (the simulator then sends after the whole B).
         input_bytes: the layer's inputs (what `recompute` keeps for a run it starts).
         output_bytes: the layer's output (what a stage boundary after it sends).
         saved_bytes: tensors its backward needs beyond the weights (what `keep` holds and
@@ -44,12 +47,17 @@ class LayerProfile:
     param_bytes: int
     forward_fixed_seconds: float = 0.0
     backward_fixed_seconds: float = 0.0
+    weight_grad_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for key in _NUMBERS:
             value = getattr(self, key)
             if not value >= 0:
                 raise ConfigError(f"layer profile {self.name!r}: {key} = {value!r} must be >= 0")
+        if self.weight_grad_seconds > self.backward_seconds:
+            raise ConfigError(f"layer profile {self.name!r}: weight_grad_seconds = "
+                              f"{self.weight_grad_seconds!r} exceeds backward_seconds = "
+                              f"{self.backward_seconds!r}")
 
 
 _NUMBERS = tuple(f.name for f in fields(LayerProfile) if f.name != "name")
@@ -104,12 +112,17 @@ class Profile:
             fixed = min(fixed, total)
             return fixed + (total - fixed) * r
 
-        layers = tuple(replace(
-            x,
-            forward_seconds=scale(x.forward_seconds, x.forward_fixed_seconds),
-            backward_seconds=scale(x.backward_seconds, x.backward_fixed_seconds),
-            input_bytes=round(x.input_bytes * r), output_bytes=round(x.output_bytes * r),
-            saved_bytes=round(x.saved_bytes * r)) for x in self.layers)
+        def layer(x: LayerProfile) -> LayerProfile:
+            backward = scale(x.backward_seconds, x.backward_fixed_seconds)
+            share = x.weight_grad_seconds / x.backward_seconds if x.backward_seconds else 0.0
+            return replace(
+                x,
+                forward_seconds=scale(x.forward_seconds, x.forward_fixed_seconds),
+                backward_seconds=backward, weight_grad_seconds=backward * share,
+                input_bytes=round(x.input_bytes * r), output_bytes=round(x.output_bytes * r),
+                saved_bytes=round(x.saved_bytes * r))
+
+        layers = tuple(layer(x) for x in self.layers)
         return replace(self, microbatch_size=microbatch_size, layers=layers)
 
     @property
@@ -124,6 +137,10 @@ class Profile:
     def backward_seconds(self, layers: Sequence[int] | range) -> float:
         """Backward time of some layers, summed."""
         return sum(self.layers[i].backward_seconds for i in layers)
+
+    def weight_grad_seconds(self, layers: Sequence[int] | range) -> float:
+        """The weight-grad halves' part of those layers' backward time, summed."""
+        return sum(self.layers[i].weight_grad_seconds for i in layers)
 
     def load_seconds(self, layers: range) -> float:
         """Loading a micro-batch, which a forward over `layers` pays when they start the

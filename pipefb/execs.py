@@ -2,22 +2,24 @@
 
 [Note: two executors] A layer whose saved tensors stay in the worker (policy `keep` on a
 combined rank) runs under eager autograd, exactly as one process would: nothing crosses a
-process, and the C++ autograd engine is faster than interpreting captured graphs. A layer
+process, and nothing needs the saved tensors by name (the two run about as fast). A layer
 whose saved tensors leave the worker (a PipeFB forward or backward rank, policy `offload`)
 runs through its explicit forward/backward split (`pipefb.split.LayerSplit`): the forward
 returns the stash, the backward needs only the stash. Both accumulate parameter gradients
-into `param.grad`, micro-batch after micro-batch, like `loss.backward()` does.
+into `param.grad`, micro-batch after micro-batch, like `loss.backward()` does. Only the
+split can run its backward in two parts, input grads first (a stage that sends gradients
+on runs it for every layer: [Note: input grads first] in pipefb.runtime).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from pipefb.shapes import TensorSpec
-from pipefb.split import LayerSplit
+from pipefb.split import DeferredGrads, LayerSplit
 
 Saved = dict[str, torch.Tensor]
 Params = Sequence[torch.Tensor] | None  # a weight version in module order; None: the live one
@@ -39,12 +41,6 @@ class LayerExec(Protocol):
                  ) -> list[torch.Tensor | None]:
         """Runs the backward with the forward's weight version (default the live one),
         accumulating into `param.grad`; returns the input grads."""
-        ...
-
-    def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
-                       ) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
-        """Runs what the input grads need and returns them, with the rest to call later
-        (it accumulates the weight grads into `param.grad`)."""
         ...
 
     def weights_changed(self) -> None:
@@ -91,11 +87,6 @@ class AutogradExec:
         return [saved[f"input_{i}"].grad if g else None
                 for i, g in enumerate(self.input_requires_grad)]
 
-    def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
-                       ) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
-        """The whole backward: autograd computes weight grads with the input grads."""
-        return self.backward(saved, grad_output, params), _nothing
-
     def weights_changed(self) -> None:
         """Autograd derives nothing ahead of time."""
 
@@ -126,10 +117,14 @@ class SplitExec:
         return input_grads
 
     def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
-                       ) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
-        """The input-grad part now, the weight-grad part when the returned call runs."""
-        input_grads, deferred = self.split.backward_input(saved, grad_output, params)
-        return input_grads, lambda: self._accumulate(self.split.backward_weights(deferred))
+                       ) -> tuple[list[torch.Tensor | None], DeferredGrads]:
+        """The input-grad part of `backward` ([Note: input grads first] in pipefb.runtime);
+        `backward_weights` of what it returns accumulates the rest later."""
+        return self.split.backward_input(saved, grad_output, params)
+
+    def backward_weights(self, deferred: DeferredGrads) -> None:
+        """The weight-grad part of a `backward_input` call, accumulated into `param.grad`."""
+        self._accumulate(self.split.backward_weights(deferred))
 
     def weights_changed(self) -> None:
         """Forgets the weight-derived tensors of the old version."""
@@ -146,7 +141,3 @@ class SplitExec:
                     p.grad = g.clone()
                 else:
                     p.grad.add_(g)
-
-
-def _nothing() -> None:
-    """The deferred part of a backward that deferred nothing."""

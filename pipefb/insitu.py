@@ -110,7 +110,8 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
     layers = tuple(replace(x, forward_seconds=x.forward_seconds * f,
                            forward_fixed_seconds=x.forward_fixed_seconds * f,
                            backward_seconds=x.backward_seconds * b,
-                           backward_fixed_seconds=x.backward_fixed_seconds * b)
+                           backward_fixed_seconds=x.backward_fixed_seconds * b,
+                           weight_grad_seconds=x.weight_grad_seconds * b)
                    for x in profile.layers)
     profile = replace(profile, layers=layers, data_seconds=profile.data_seconds * f,
                       optimizer_seconds_per_byte=(profile.optimizer_seconds_per_byte

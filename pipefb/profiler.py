@@ -118,10 +118,12 @@ def _sequence(layers: list[nn.Module], dataset: Dataset, size: int) -> _Sequence
 
 @dataclass(frozen=True)
 class _Run:
-    """One layer's mean forward and backward seconds (0 when untimed) and stash bytes."""
+    """One layer's mean forward and backward seconds (0 when untimed), the backward's
+    weight-grad half among them, and stash bytes."""
 
     forward: float
     backward: float
+    weights: float
     saved_bytes: int
 
 
@@ -131,13 +133,14 @@ class _Samples:
 
     forward: dict[int, list[float]]
     backward: dict[int, list[float]]
+    weights: dict[int, list[float]]
     data: list[float]
     saved_bytes: dict[int, int]
 
     def runs(self, stop: int) -> list[_Run]:
         """Layer 0 .. stop-1's runs: mean times (0 untimed) and stash bytes."""
         return [_Run(_mean(self.forward.get(i)), _mean(self.backward.get(i)),
-                     self.saved_bytes[i]) for i in range(stop)]
+                     _mean(self.weights.get(i)), self.saved_bytes[i]) for i in range(stop)]
 
 
 def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None = None,
@@ -201,7 +204,7 @@ def _pipeline(seq: _Sequence, dataset: Dataset, size: int, timed: range, stop: i
     device = seq.inputs.device
     executors = [SplitExec(seq.layers[i], seq.specs[i], _needs_grad(i, seq.specs[i]), device)
                  for i in range(stop)]
-    samples = _Samples({}, {}, [], {})
+    samples = _Samples({}, {}, {}, [], {})
     for r in range(warmup + repeats):
         record = r >= warmup
         flight = [_forwards(seq, dataset, executors, timed, size, DATA_STEP + r, m, seed,
@@ -211,9 +214,14 @@ def _pipeline(seq: _Sequence, dataset: Dataset, size: int, timed: range, stop: i
                 grad = torch.ones_like(out)  # the values do not change the work
                 if record:
                     caches.evict()
-                seconds, _ = _timed(partial(executors[i].backward, saved, grad))
+                # in two halves, input grads first, as a stage that sends gradients on runs
+                # it ([Note: input grads first] in pipefb.runtime)
+                inputs, (_, deferred) = _timed(partial(executors[i].backward_input, saved,
+                                                       grad))
+                weights, _ = _timed(partial(executors[i].backward_weights, deferred))
                 if record:
-                    samples.backward.setdefault(i, []).append(seconds)
+                    samples.backward.setdefault(i, []).append(inputs + weights)
+                    samples.weights.setdefault(i, []).append(weights)
     return samples
 
 
@@ -344,7 +352,8 @@ def _measured_layer(seq: _Sequence, i: int, out: TensorSpec, full: _Run, small: 
         input_bytes=sum(s.nbytes for s in seq.specs[i]), output_bytes=out.nbytes,
         saved_bytes=full.saved_bytes, param_bytes=tensor_bytes(layer.parameters()),
         forward_fixed_seconds=min(small.forward, full.forward) if small else 0.0,
-        backward_fixed_seconds=min(small.backward, full.backward) if small else 0.0)
+        backward_fixed_seconds=min(small.backward, full.backward) if small else 0.0,
+        weight_grad_seconds=min(full.weights, full.backward))
 
 
 @dataclass(frozen=True)
@@ -499,7 +508,8 @@ def _median_layer(rows: list[LayerProfile]) -> LayerProfile:
     return replace(rows[0], forward_seconds=median(lambda r: r.forward_seconds),
                    backward_seconds=median(lambda r: r.backward_seconds),
                    forward_fixed_seconds=median(lambda r: r.forward_fixed_seconds),
-                   backward_fixed_seconds=median(lambda r: r.backward_fixed_seconds))
+                   backward_fixed_seconds=median(lambda r: r.backward_fixed_seconds),
+                   weight_grad_seconds=median(lambda r: r.weight_grad_seconds))
 
 
 def _check_same(first: Profile, other: Profile, k: int) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -47,6 +49,7 @@ from pipefb.plan import Plan, recompute_runs, schedule_for
 from pipefb.schedule import Action, Kind, iteration
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
+from pipefb.split import DeferredGrads
 from pipefb.transport import Transport
 from pipefb.versions import WeightVersions
 
@@ -116,13 +119,18 @@ class _InFlight:
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     forward_version: dict[Key, int] = field(default_factory=dict)  # combined ranks
     stashed_here: set[tuple[int, int]] = field(default_factory=set)  # (step, mb) in the store
+    # (step, mb) -> layer -> the weight-grad half of its backward ([Note: input grads first])
+    deferred: dict[tuple[int, int], dict[int, DeferredGrads]] = field(default_factory=dict)
 
     def live(self) -> list[torch.Tensor]:
         return [*self.inputs.values(), *self.outputs.values(), *self.grads.values(),
                 *self.input_grads.values()]
 
     def held(self) -> list[Storage]:
-        return [found for stash in self.saved.storages.values() for found in stash]
+        """Storages of the saved tensors, and of the deferred weight grads' arguments."""
+        waiting = storages(t for layers in self.deferred.values() for d in layers.values()
+                           for t in d.args)
+        return [*(found for stash in self.saved.storages.values() for found in stash), *waiting]
 
 
 @dataclass
@@ -193,13 +201,11 @@ class StageRuntime:
         held = sorted(set(self.fwd_layers) | set(self.bwd_layers))
         self.layers = {i: all_layers[i].to(self.device) for i in held}
         self.n_inputs = {i: len(specs[i]) for i in held}
+        # [Note: input grads first]: micro-batches whose weight grads may wait, the flush
+        self._defer = self.bwd_stage if self.bwd_stage and plan.mode == "sync" else 0
+        self._last_b = next((_mb(a) for a in reversed(self.actions) if a.kind is Kind.B), None)
+        self._waiting: deque[tuple[int, int]] = deque()  # (step, mb) of deferred weight grads
         self.execs = {i: self._executor(i, self.layers[i], specs[i]) for i in held}
-        # the drain's B runs the split where this rank runs autograd: [Note: input grads first]
-        self._drain = self._drain_microbatch()
-        self.drain_execs = {i: SplitExec(self.layers[i], specs[i], _needs_grad(i, specs[i]),
-                                         self.device)
-                            for i in self.bwd_layers if self._drain is not None
-                            and isinstance(self.execs[i], AutogradExec)}
         self.run_start = recompute_runs(plan)
         self._stash_layers = self._stored_layers(self.fwd_layers)  # constant per rank
         self._fetch_names = {i: self.stash_names(i) for i in self._stored_layers(self.bwd_layers)}
@@ -249,11 +255,12 @@ class StageRuntime:
         return infer_input_specs(layers, spec_of(x), spec_of(y))
 
     def _executor(self, i: int, layer: torch.nn.Module, specs: list[TensorSpec]) -> LayerExec:
-        """Autograd where saved tensors stay here and the weights never change under them;
-        the split everywhere else (see [Note: two executors] in pipefb.execs)."""
+        """Autograd where saved tensors stay here, the weights never change under them and
+        no weight grad waits; the split everywhere else (see [Note: two executors] in
+        pipefb.execs)."""
         needs = _needs_grad(i, specs)
         if (self.role == "combined" and self.plan.policy[i] == "keep"
-                and self.plan.mode == "sync"):
+                and self.plan.mode == "sync" and not self._defer):
             return AutogradExec(layer, needs)
         return SplitExec(layer, specs, needs, self.device)
 
@@ -453,25 +460,7 @@ class StageRuntime:
         if self.execs[i].has_random_ops:
             seed_random_ops(derive_seed(self.job.seed, step, self.mb_offset + m, i))
         with self._timed_layer(step, i):
-            return self._exec(i, m).forward(inputs, params)
-
-    def _drain_microbatch(self) -> int | None:
-        """The micro-batch of this rank's last B in a step if that B sends a gradient on
-        (stage > 0), else None."""
-        last = [a for a in self.actions if a.kind is Kind.B]
-        if not last or last[-1].stage == 0:
-            return None
-        return _mb(last[-1])
-
-    def _exec(self, i: int, m: int) -> LayerExec:
-        """Layer i's executor for micro-batch m (the drain's may differ)."""
-        return self.drain_execs[i] if m == self._drain and i in self.drain_execs else self.execs[i]
-
-    def _weights_changed(self, i: int) -> None:
-        """Tells every executor of layer i that its weights changed in place."""
-        self.execs[i].weights_changed()
-        if i in self.drain_execs:
-            self.drain_execs[i].weights_changed()
+            return self.execs[i].forward(inputs, params)
 
     def _stage_input(self, stage: int, m: int, step: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -507,16 +496,17 @@ class StageRuntime:
         """Runs the stage's layers backward, last to first, accumulating weight grads.
 
         [Note: input grads first] The previous stage waits for this stage's input
-        gradient, never for its weight gradients. So the drain (the rank's last B of a
-        step, when it sends a gradient on) computes every layer's input-grad part first,
-        sends the gradient at once (its SEND_B then finds it gone), and computes the
-        weight grads after, while the previous stage already runs its backward: the 1F1B
-        drain shrinks by the weight-grad time of each later stage, as in ZB-H1 (Qi et al.,
-        "Zero Bubble Pipeline Parallelism", 2024). Only the drain does this: elsewhere
-        the stage that receives is not waiting, and the two parts cost a few percent more
-        than one backward. Its layers run the explicit split (`LayerSplit.backward_input`
-        and `backward_weights`, bit for bit the whole backward's grads), also where the
-        other micro-batches run autograd.
+        gradient, never for its weight gradients. So a rank of backward stage s > 0 (sync
+        modes) runs each layer's input-grad half first (`LayerSplit.backward_input`; the
+        halves give bit for bit the whole backward's grads), sends the gradient at once
+        (its SEND_B then finds it gone), and lets the weight-grad halves of up to s
+        micro-batches wait: each B then runs the halves of the oldest beyond s, and the
+        rank's last B of a step runs every one left, before OPT. The previous stage gets
+        its gradients a weight-grad time sooner; the waiting halves run where this rank
+        would otherwise idle (the 1F1B drain). This is ZB-H1's idea (Qi et al., "Zero
+        Bubble Pipeline Parallelism", 2024) kept inside 1F1B's order; s bounds the
+        micro-batches a stage holds tensors for by the p that stage 0 holds in 1F1B, so the
+        pipeline's largest activation peak stays 1F1B's.
         """
         m = _mb(action)
         version = self._forward_version(step, action.stage, m)
@@ -529,7 +519,7 @@ class StageRuntime:
         else:
             grad = self.flight.grads.pop((step, action.stage, m))
         recomputed: dict[int, dict[str, torch.Tensor]] = {}
-        deferred: list[tuple[int, Callable[[], None]]] = []
+        deferred: dict[int, DeferredGrads] = {}
         for i in reversed(self.bwd_layers):
             assert grad is not None  # only the model's first layer (data input) gets no grad
             if self.plan.policy[i] == "recompute":
@@ -540,11 +530,10 @@ class StageRuntime:
                 saved = recomputed.pop(i)
             else:
                 saved = self.flight.saved.pop((step, m, i))
-            execute, params = self._exec(i, m), self._params(version, i)
+            execute, params = self.execs[i], self._params(version, i)
             with self._timed_layer(step, i):
-                if m == self._drain:
-                    grads, weights = execute.backward_input(saved, grad, params)
-                    deferred.append((i, weights))
+                if self._defer and isinstance(execute, SplitExec):
+                    grads, deferred[i] = execute.backward_input(saved, grad, params)
                 else:
                     grads = execute.backward(saved, grad, params)
             grad = grads[0]
@@ -552,14 +541,22 @@ class StageRuntime:
             self.flight.input_grads[(step, action.stage, m)] = grad
             if deferred:
                 self._send_grad(Action(action.stage, Kind.SEND_B, m), step, it)
-        for i, weights in deferred:
-            with self._timed_layer(step, i):
-                weights()
-        self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)
+        if deferred:
+            self.flight.deferred[(step, m)] = deferred
+            self._waiting.append((step, m))
+        self._run_deferred(step, keep=0 if m == self._last_b else self._defer)
         it.versions.append((str(action.base), step, version))
         if self.role == "combined":
             del self.flight.forward_version[(step, action.stage, m)]
             self.versions.prune(self.flight.forward_version.values())
+
+    def _run_deferred(self, step: int, keep: int) -> None:
+        """Runs the oldest waiting weight-grad halves until `keep` micro-batches' wait."""
+        while len(self._waiting) > keep:
+            for i, deferred in self.flight.deferred.pop(self._waiting.popleft()).items():
+                with self._timed_layer(step, i):
+                    cast(SplitExec, self.execs[i]).backward_weights(deferred)
+        self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)
 
     def _recompute(self, step: int, m: int, end: int, version: int
                    ) -> dict[int, dict[str, torch.Tensor]]:
@@ -578,6 +575,7 @@ class StageRuntime:
         return out
 
     def _optimizer_step(self, action: Action, step: int, it: _Iteration) -> None:
+        self._run_deferred(step, keep=0)  # the last B ran them; OPT needs every grad
         needed = self._versions_needed_after(step)
         if self.version in needed:
             self.versions.keep(self.version, {i: self.layers[i] for i in self.bwd_layers})
@@ -588,7 +586,7 @@ class StageRuntime:
             self.optimizer.zero_grad(set_to_none=True)
             self._optimizer_bytes = optimizer_state_bytes(self.optimizer)
         for i in self.bwd_layers:
-            self._weights_changed(i)
+            self.execs[i].weights_changed()
         self._grad_bytes = 0
         self.version += 1
         self.versions.prune(needed)
@@ -642,7 +640,7 @@ class StageRuntime:
         dst = self.topology.backward_workers[action.stage - 1]
         grad = self.flight.input_grads.pop((step, action.stage, m), None)
         if grad is None:
-            return  # the drain's B sent it already ([Note: input grads first])
+            return  # its B sent it already ([Note: input grads first])
         self.transport.send(Kind.RECV_B, dst, step, action.stage - 1, m, self.version,
                             {"g": grad})
 
@@ -799,7 +797,7 @@ class StageRuntime:
                         raise ConfigError(f"{source} has no weight layers.{i}.{name} "
                                           f"{list(p.shape)} {p.dtype}")
                     p.copy_(saved)
-                self._weights_changed(i)
+                self.execs[i].weights_changed()
         if self.optimizer is not None:
             names = self._owned_names()
             states.append(({}, optimizer_tensors(self.optimizer, names)[1]))  # groups last

@@ -48,6 +48,15 @@ puts and takes (the calibration's large probes set it). Events
 then run in time order; otherwise every rank runs ahead as far as its inputs allow (same
 times, faster).
 
+[Note: early sends]
+A rank of backward stage s > 0 in sync mode sends its input gradient before its weight
+grads ([Note: input grads first] in pipefb.runtime): its B sends the gradient after the
+input halves (B's time less the profile's `weight_grad_seconds`), then runs the weight
+halves of the micro-batches the runtime runs there (none for the first s, one each after,
+all left at the last B; the saved tensors of a micro-batch are freed with its halves) and
+its SEND_B only costs the overhead. A profile without `weight_grad_seconds` (analytic)
+sends after the whole B.
+
 [Note: simulated memory]
 After every action the simulator sums, per worker, the same kinds the runtime accounts
 (`pipefb.memory.KINDS`) from the profile's bytes: parameters of the layers held;
@@ -65,7 +74,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
@@ -360,6 +369,7 @@ class _Op:
     sends: tuple[tuple[int, int, int], ...]  # (destination rank, bytes, key) of transfers
     deltas: tuple[tuple[str, int], ...]
     prefetched: bool  # FETCH on a combined rank (overlaps the backward before it)
+    tail: float = 0.0  # seconds at the end that run after `sends` left ([Note: early sends])
 
 
 class _Program:
@@ -371,6 +381,8 @@ class _Program:
         self.keys: dict[tuple[Any, ...], int] = {}
         self.shapes: dict[tuple[Kind, int], tuple[float, tuple[tuple[str, int], ...]]] = {}
         self.needs: dict[tuple[Kind, int], list[tuple[int, Kind, int]]] = {}
+        self.runs_weights = {r: _weight_halves_run(costs, r, actions)
+                             for r, actions in schedule.items()}
         self.ops = {r: [self._op(r, a, memory[r], staleness) for a in actions]
                     for r, actions in schedule.items()}
         self.index = {r: {a.base: i for i, a in enumerate(actions)}
@@ -416,9 +428,45 @@ class _Program:
                 dst = t.forward_workers[f]
                 sends.append((dst, c.push_bytes(a.stage, f), self.key(a.stage, "push", dst)))
         key = -1 if sends else self.key(a.kind, a.stage, a.microbatch)
-        return _Op(base, a.microbatch if a.microbatch is not None else -1, a.kind in COMPUTE,
-                   seconds, tuple(needs), key, tuple(sends), deltas,
-                   a.kind is Kind.FETCH and t.is_combined)
+        op = _Op(base, a.microbatch if a.microbatch is not None else -1, a.kind in COMPUTE,
+                 seconds, tuple(needs), key, tuple(sends), deltas,
+                 a.kind is Kind.FETCH and t.is_combined)
+        runs = self.runs_weights[r]
+        if runs is None or a.kind not in (Kind.B, Kind.SEND_B):
+            return op
+        return self._early(r, op, runs.get(op.microbatch, 0))
+
+    def _early(self, r: int, op: _Op, halves: int) -> _Op:
+        """A B and its SEND_B on a rank that sends input grads first ([Note: early
+        sends]): the B sends, then runs `halves` micro-batches' weight-grad halves and
+        frees their saved tensors; the SEND_B only costs its overhead."""
+        a, c = op.action, self.costs
+        if a.kind is Kind.SEND_B:
+            return replace(op, sends=(), key=-1)
+        layers = self.topology.layers_of_backward(a.stage)
+        weights = c.profile.weight_grad_seconds(layers) / c.cluster.workers[r].speed
+        stashed = sum(c.kept_bytes(i) for i in layers)
+        send = Action(a.stage, Kind.SEND_B, a.microbatch)
+        sends = ((_destination(self.topology, send), c.send_bytes(send),
+                  self.key(Kind.SEND_B, a.stage, a.microbatch)),) if a.stage > 0 else ()
+        deltas = tuple((k, -halves * stashed if k == "stashed" else d) for k, d in op.deltas)
+        return replace(op, seconds=op.seconds + (halves - 1) * weights, sends=sends,
+                       deltas=deltas, tail=halves * weights)
+
+
+def _weight_halves_run(costs: _Costs, r: int, actions: list[Action]) -> dict[int, int] | None:
+    """For a rank that sends input grads first, how many micro-batches' weight-grad halves
+    each B (by micro-batch) runs; None for other ranks. Mirrors the runtime: backward
+    stage s > 0 in sync mode lets s wait, its last B of a step runs all that are left."""
+    t = costs.topology
+    stage = _stage_of(t.backward_workers, r)
+    if not stage or costs.plan.mode != "sync":
+        return None
+    order = [a.microbatch for a in actions if a.kind is Kind.B]
+    runs = {m: 1 if k >= stage else 0 for k, m in enumerate(order) if m is not None}
+    if order and order[-1] is not None:
+        runs[order[-1]] = min(len(order) - 1, stage) + 1
+    return runs
 
 
 def _destination(t: Topology, a: Action) -> int:
@@ -562,7 +610,12 @@ class _Engine:
                 self._execute(r, k, step, op, t)
                 continue
             self.free[r] = math.inf  # busy until the job ends
-            self._start_job(self.host[r][0], t, op.seconds, self._finisher(r, k, step, op, t))
+            if op.tail:  # [Note: early sends]: sends, then the rest as a second job
+                self._start_job(self.host[r][0], t, op.seconds - op.tail,
+                                self._sender(r, k, step, op, t))
+            else:
+                self._start_job(self.host[r][0], t, op.seconds,
+                                self._finisher(r, k, step, op, t))
             if op.action.kind in STORE_KINDS:
                 self._store_side(r, t, op.seconds - self.cluster.action_overhead)
 
@@ -571,6 +624,17 @@ class _Engine:
         def on_finish(end: float) -> None:
             self._finish(r, k, step, op, start, end)
         return on_finish
+
+    def _sender(self, r: int, k: int, step: int, op: _Op, start: float
+                ) -> Callable[[float], None]:
+        def on_sent(at: float) -> None:
+            for waiter in self._send(r, step, op, at):
+                self._schedule(waiter)
+
+            def on_finish(end: float) -> None:
+                self._finish(r, k, step, op, start, end, sent=True)
+            self._start_job(self.host[r][0], at, op.tail, on_finish)
+        return on_sent
 
     def _start_job(self, name: str, t: float, work: float,
                    on_finish: Callable[[float], None]) -> None:
@@ -649,23 +713,17 @@ class _Engine:
         return self._finish(r, k, step, op, start, start + seconds, schedule)
 
     def _finish(self, r: int, k: int, step: int, op: _Op, start: float, end: float,
-                schedule: bool = True) -> list[int]:
+                schedule: bool = True, sent: bool = False) -> list[int]:
         """Ends one action: its span (from when the rank reached it: a receive's span holds
-        its wait, as the runtime times it), memory, transfers and what it makes available."""
+        its wait, as the runtime times it), memory, transfers (unless `sent` already) and
+        what it makes available."""
         if op.action.kind is Kind.B:
             self.last_b[r] = end - start
         self.free[r] = end
         self.spans.append(Span(r, k, step, op.action, min(self.reached[r], start), end))
         self.memory[r].apply(step, op)
         base = step * self.stride
-        woken: list[int] = []
-        for dst, nbytes, key in op.sends:
-            if self.cluster.on_loopback(r, dst):
-                self._loopback_transfer(r, dst, nbytes, base + key, end)
-                continue
-            self.avail[base + key] = self._transfer(r, dst, nbytes, end)
-            self.flushed[r] = max(self.flushed[r], self.links[(r, dst)])  # last byte sent
-            woken += self.waiting.pop(base + key, [])
+        woken = [] if sent else self._send(r, step, op, end - op.tail)
         if op.key >= 0:
             self.avail[base + op.key] = end
             woken += self.waiting.pop(base + op.key, [])
@@ -676,6 +734,19 @@ class _Engine:
         for waiter in woken:
             self._schedule(waiter)
         return []
+
+    def _send(self, r: int, step: int, op: _Op, at: float) -> list[int]:
+        """Starts the action's transfers at `at`; returns the ranks their arrival wakes."""
+        base = step * self.stride
+        woken: list[int] = []
+        for dst, nbytes, key in op.sends:
+            if self.cluster.on_loopback(r, dst):
+                self._loopback_transfer(r, dst, nbytes, base + key, at)
+                continue
+            self.avail[base + key] = self._transfer(r, dst, nbytes, at)
+            self.flushed[r] = max(self.flushed[r], self.links[(r, dst)])  # last byte sent
+            woken += self.waiting.pop(base + key, [])
+        return woken
 
     def _transfer(self, src: int, dst: int, nbytes: int, sent: float) -> float:
         """Arrival time of `nbytes` sent at `sent` over the src->dst link (FIFO)."""

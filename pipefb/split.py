@@ -171,21 +171,22 @@ class LayerSplit:
         """
         params = self._params(params)
         args = self._backward_args(stash, grad_output, params)
-        inputs_graph, _ = self._halves
+        inputs_graph, _, read = self._halves
         outs = _run(inputs_graph, args)
         n_in = len(self.input_specs)
         carries = cast("list[torch.Tensor]", outs[n_in:])  # nodes' values: never None
-        return self._input_grads(outs[:n_in]), DeferredGrads([*args, *carries], params)
+        return (self._input_grads(outs[:n_in]),
+                DeferredGrads([*(args[k] for k in read), *carries], params))
 
     def backward_weights(self, deferred: DeferredGrads) -> list[torch.Tensor]:
         """The param grads of a `backward_input` call, in `param_names` order (zeros for a
         param that got none): together, bit for bit what `backward` returns."""
-        _, weights_graph = self._halves
+        _, weights_graph, _ = self._halves
         grads = _run(weights_graph, deferred.args)
         return self._param_grads(grads[: len(deferred.params)], deferred.params)
 
     @cached_property
-    def _halves(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def _halves(self) -> tuple[fx.GraphModule, fx.GraphModule, list[int]]:
         return split_backward(self.backward_graph, len(self.param_names) + len(self.buffer_names))
 
     def _backward_args(self, stash: Mapping[str, torch.Tensor], grad_output: torch.Tensor,
@@ -419,8 +420,8 @@ class LayerSplit:
 
 @dataclass
 class DeferredGrads:
-    """What `LayerSplit.backward_weights` needs: the backward's arguments with the input
-    part's carries, and the weight version the forward used."""
+    """What `LayerSplit.backward_weights` needs: the backward's arguments its weight half
+    reads, the input half's carries, and the weight version the forward used."""
 
     args: list[torch.Tensor]
     params: list[torch.Tensor]

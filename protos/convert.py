@@ -138,7 +138,7 @@ def _layer_to_proto(x: LayerProfile) -> worker_pb2.LayerProfile:
         name=x.name, forward_seconds=x.forward_seconds, backward_seconds=x.backward_seconds,
         input_bytes=x.input_bytes, output_bytes=x.output_bytes, saved_bytes=x.saved_bytes,
         param_bytes=x.param_bytes, forward_fixed_seconds=x.forward_fixed_seconds,
-        backward_fixed_seconds=x.backward_fixed_seconds)
+        backward_fixed_seconds=x.backward_fixed_seconds, weight_grad_seconds=x.weight_grad_seconds)
 
 
 def _layer_from_proto(x: worker_pb2.LayerProfile) -> LayerProfile:
@@ -146,4 +146,4 @@ def _layer_from_proto(x: worker_pb2.LayerProfile) -> LayerProfile:
         name=x.name, forward_seconds=x.forward_seconds, backward_seconds=x.backward_seconds,
         input_bytes=x.input_bytes, output_bytes=x.output_bytes, saved_bytes=x.saved_bytes,
         param_bytes=x.param_bytes, forward_fixed_seconds=x.forward_fixed_seconds,
-        backward_fixed_seconds=x.backward_fixed_seconds)
+        backward_fixed_seconds=x.backward_fixed_seconds, weight_grad_seconds=x.weight_grad_seconds)

@@ -228,7 +228,7 @@ class LayerRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class LayerProfile(_message.Message):
-    __slots__ = ("name", "forward_seconds", "backward_seconds", "input_bytes", "output_bytes", "saved_bytes", "param_bytes", "forward_fixed_seconds", "backward_fixed_seconds")
+    __slots__ = ("name", "forward_seconds", "backward_seconds", "input_bytes", "output_bytes", "saved_bytes", "param_bytes", "forward_fixed_seconds", "backward_fixed_seconds", "weight_grad_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class LayerProfile(_message.Message):
     PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_GRAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     forward_seconds: float
     backward_seconds: float
@@ -247,7 +248,8 @@ class LayerProfile(_message.Message):
     param_bytes: int
     forward_fixed_seconds: float
     backward_fixed_seconds: float
-    def __init__(self, name: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., input_bytes: _Optional[int] = ..., output_bytes: _Optional[int] = ..., saved_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., forward_fixed_seconds: _Optional[float] = ..., backward_fixed_seconds: _Optional[float] = ...) -> None: ...
+    weight_grad_seconds: float
+    def __init__(self, name: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., input_bytes: _Optional[int] = ..., output_bytes: _Optional[int] = ..., saved_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., forward_fixed_seconds: _Optional[float] = ..., backward_fixed_seconds: _Optional[float] = ..., weight_grad_seconds: _Optional[float] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
     __slots__ = ("microbatch_size", "layers", "optimizer_seconds_per_byte", "optimizer_state_ratio", "source", "torch_threads", "data_seconds")

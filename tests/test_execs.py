@@ -52,18 +52,18 @@ def test_split_and_autograd_agree_across_fused_weight_updates() -> None:
     assert not torch.equal(split_layer.w, layer.w)
 
 
-def test_backward_input_defers_only_the_split_s_weight_grads() -> None:
+def test_split_backward_in_two_halves_accumulates_like_the_whole() -> None:
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
-    for make in (SplitExec, AutogradExec):
-        whole, halves = ExpWeight(), ExpWeight()
-        halves.load_state_dict(whole.state_dict())
-        execs = [SplitExec(m, [TensorSpec((3, 4), torch.float32)], [True]) if make is SplitExec
-                 else AutogradExec(m, [True]) for m in (whole, halves)]
+    whole, halves = ExpWeight(), ExpWeight()
+    halves.load_state_dict(whole.state_dict())
+    execs = [SplitExec(m, [TensorSpec((3, 4), torch.float32)], [True]) for m in (whole, halves)]
+    for _ in range(2):  # the second accumulates into the first's grads
         out, saved = execs[0].forward([x])
         want = execs[0].backward(saved, torch.ones_like(out))[0]
+        before = None if halves.w.grad is None else halves.w.grad.clone()
         out, saved = execs[1].forward([x])
-        got, weights = execs[1].backward_input(saved, torch.ones_like(out))
+        got, deferred = execs[1].backward_input(saved, torch.ones_like(out))
         assert torch.equal(got[0], want)
-        assert (halves.w.grad is None) == (make is SplitExec)  # autograd defers nothing
-        weights()
+        assert (halves.w.grad is None) if before is None else torch.equal(halves.w.grad, before)
+        execs[1].backward_weights(deferred)
         assert torch.equal(halves.w.grad, whole.w.grad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -67,8 +68,34 @@ def test_simulated_memory_counts_stashed_microbatches():
     assert sim.peak_memory_by_kind[0]["stashed"] == stashed
     assert sim.peak_memory[0] == 2000 + 2000 + 4000 + stashed
     one_f = simulate(balanced_plan("1f1b", 4, [1.0] * 8, 8, 4), profile, FAST)
-    assert one_f.peak_memory_by_kind[3]["stashed"] == 2 * 4000  # last stage: one in flight
+    # stage s holds 4 - s in flight and the weight halves of s waiting ([Note: early sends])
+    assert [one_f.peak_memory_by_kind[r]["stashed"] for r in range(4)] == [4 * 2 * 4000] * 4
     assert one_f.peak_memory[0] == sim.peak_memory[0]  # stage 0 holds 4 in both
+
+
+def test_bad_layer_times_are_refused_by_name():
+    with pytest.raises(ConfigError, match=re.escape("'l': forward_seconds = -1.0 must be >= 0")):
+        LayerProfile("l", -1.0, 2e-3, 1, 1, 1, 1)
+    with pytest.raises(ConfigError, match=re.escape("weight_grad_seconds = 0.003 exceeds")):
+        LayerProfile("l", 1e-3, 2e-3, 1, 1, 1, 1, weight_grad_seconds=3e-3)
+
+
+def test_a_later_stage_sends_before_its_weight_halves_in_simulation():
+    """[Note: early sends] on 2 stages of 4 layers, F 8 ms and B 16 ms a stage, half of B
+    the weight halves: stage 0 is busy 4 (8 + 16) = 96 ms a step and waits once, after its
+    F1, for stage 1's F0 and first input half (8 ms), where it waited for stage 1's whole
+    first backward (24 ms): 104 ms instead of (M + S - 1)(F + B) = 120 ms."""
+    profile = uniform_profile(8, forward=1e-3, backward=2e-3, params=0)
+    early = replace(profile, layers=tuple(replace(x, weight_grad_seconds=1e-3)
+                                          for x in profile.layers))
+    plan = balanced_plan("1f1b", 2, [1.0] * 8, 8, 4)
+    assert simulate(plan, profile, FAST).step_seconds == pytest.approx(120e-3, rel=1e-3)
+    sim = simulate(plan, early, FAST)
+    assert sim.step_seconds == pytest.approx(104e-3, rel=1e-3)
+    spans = {(s.rank, str(s.action)): s for s in sim.spans if s.iteration == 1}
+    assert spans[(1, "1B0")].end - spans[(1, "1B0")].start == pytest.approx(8e-3)  # input half
+    assert spans[(1, "1B3")].end - spans[(1, "1B3")].start == pytest.approx(24e-3)  # + 2 halves
+    assert spans[(0, "0RECV_B3")].end == pytest.approx(spans[(1, "1B3")].end - 16e-3, abs=1e-6)
 
 
 def test_simulation_finds_a_deadlock_and_names_the_waits():

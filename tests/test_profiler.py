@@ -133,6 +133,9 @@ def test_times_are_positive_and_fixed_parts_at_most_the_total(which: str, mlp_pr
         assert x.forward_seconds > 0 and x.backward_seconds > 0, x
         assert 0 < x.forward_fixed_seconds <= x.forward_seconds, x
         assert 0 < x.backward_fixed_seconds <= x.backward_seconds, x
+        # the weight-grad half: some of the backward where the layer has weights, else none
+        assert (0 < x.weight_grad_seconds < x.backward_seconds if x.param_bytes
+                else x.weight_grad_seconds < x.backward_seconds / 2), x
     assert profile.optimizer_seconds_per_byte > 0
     assert profile.optimizer_state_ratio == pytest.approx(2.0, abs=0.01)  # adamw: 2 moments
     assert profile.data_seconds > 0  # loading the micro-batch was timed
@@ -161,6 +164,8 @@ def test_at_scales_bytes_by_samples_and_times_beyond_the_fixed_part(
         fixed = x.forward_fixed_seconds
         assert y.forward_seconds == pytest.approx(fixed + 3 * (x.forward_seconds - fixed))
         assert y.forward_fixed_seconds == fixed
+        assert y.weight_grad_seconds == pytest.approx(  # the same share of the backward
+            y.backward_seconds * x.weight_grad_seconds / x.backward_seconds)
 
 
 def test_every_timed_call_starts_from_overwritten_caches(monkeypatch: pytest.MonkeyPatch

@@ -222,13 +222,14 @@ def test_input_part_then_weight_part_give_the_whole_backward_bit_for_bit(case: C
     _, _, split, _, stash, grad = forward_case(case)
     want_inputs, want_params = split.backward(stash, grad)
     got_inputs, deferred = split.backward_input(stash, grad)
+    assert all(isinstance(t, torch.Tensor) for t in deferred.args)  # no tuple is carried
     assert_all_same(got_inputs, want_inputs)
     assert_all_same(split.backward_weights(deferred), want_params)
 
 
 def test_the_input_part_of_a_linear_computes_no_weight_grad() -> None:
-    _, _, split = build(CASES[0])
-    inputs, weights = split._halves
+    _, x, split = build(CASES[0])
+    inputs, weights, _ = split._halves
 
     def ops(gm: torch.fx.GraphModule) -> list[object]:
         return [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -236,6 +237,11 @@ def test_the_input_part_of_a_linear_computes_no_weight_grad() -> None:
     assert ops(inputs) == [aten.t.default, aten.mm.default]  # grad_output @ weight: x's grad
     assert ops(weights).count(aten.mm.default) == 1 and aten.sum.dim_IntList in ops(weights)
     assert ops(split.backward_graph).count(aten.mm.default) == 2  # the whole has both
+    _, stash = run_split(split, x, False)
+    _, deferred = split.backward_input(stash, grad_for(split))
+    held = deferred.args  # what a waiting weight half keeps alive: x and the output grad
+    assert len(held) == 2 and held[0].data_ptr() == stash["input_0"].data_ptr()
+    assert held[1].shape == (4, 8)
 
 
 def test_linear_conventions() -> None:
