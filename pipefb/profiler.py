@@ -27,7 +27,9 @@ the occasional slow call (a page fault, the allocator growing, the scheduler) is
 what a pipeline pays. The calls are timed as a pipeline makes them, not one layer over
 and over on one input: each round loads `IN_FLIGHT` fresh micro-batches (timed: the
 profile's `data_seconds`), runs each through every layer, keeping what the backwards
-need, then runs the backwards, last layer first. So a layer meets its outputs as new
+need, then runs the backwards, last layer first, each as its input half then its weight half
+(`weight_grad_seconds`; [Note: input grads first] in pipefb.runtime; the caches are
+evicted before the pair). So a layer meets its outputs as new
 allocations while earlier micro-batches' stashes are alive, as on a worker; a layer
 timed alone in a loop runs from reused memory, 10-40% faster than inside a run on this
 machine's CPU. The optimizer's time is the runtime's OPT: the step, dropping the
