@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,18 +118,31 @@ class _InFlight:
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     forward_version: dict[Key, int] = field(default_factory=dict)  # combined ranks
     stashed_here: set[tuple[int, int]] = field(default_factory=set)  # (step, mb) in the store
-    # (step, mb) -> layer -> the weight-grad half of its backward ([Note: input grads first])
+    # (step, mb) -> layer -> the weight-grad half of its backward, oldest first ([Note:
+    # input grads first]); changed through `defer` and `undefer` only
     deferred: dict[tuple[int, int], dict[int, DeferredGrads]] = field(default_factory=dict)
+    _deferred_storages: dict[tuple[int, int], list[Storage]] = field(default_factory=dict)
 
     def live(self) -> list[torch.Tensor]:
         return [*self.inputs.values(), *self.outputs.values(), *self.grads.values(),
                 *self.input_grads.values()]
 
+    def defer(self, key: tuple[int, int], halves: dict[int, DeferredGrads]) -> None:
+        """Keeps a micro-batch's waiting weight halves, noting their storages once (as
+        `_Saved` does)."""
+        self.deferred[key] = halves
+        self._deferred_storages[key] = storages(t for d in halves.values() for t in d.args)
+
+    def undefer(self) -> dict[int, DeferredGrads]:
+        """Takes the oldest micro-batch's waiting weight halves."""
+        key = next(iter(self.deferred))
+        del self._deferred_storages[key]
+        return self.deferred.pop(key)
+
     def held(self) -> list[Storage]:
-        """Storages of the saved tensors, and of the deferred weight grads' arguments."""
-        waiting = storages(t for layers in self.deferred.values() for d in layers.values()
-                           for t in d.args)
-        return [*(found for stash in self.saved.storages.values() for found in stash), *waiting]
+        """Storages of the saved tensors, and of the waiting weight halves' arguments."""
+        return [found for stashes in (self.saved.storages, self._deferred_storages)
+                for stash in stashes.values() for found in stash]
 
 
 @dataclass
@@ -204,7 +216,6 @@ class StageRuntime:
         # [Note: input grads first]: micro-batches whose weight grads may wait, the flush
         self._defer = self.bwd_stage if self.bwd_stage and plan.mode == "sync" else 0
         self._last_b = next((_mb(a) for a in reversed(self.actions) if a.kind is Kind.B), None)
-        self._waiting: deque[tuple[int, int]] = deque()  # (step, mb) of deferred weight grads
         self.execs = {i: self._executor(i, self.layers[i], specs[i]) for i in held}
         self.run_start = recompute_runs(plan)
         self._stash_layers = self._stored_layers(self.fwd_layers)  # constant per rank
@@ -542,8 +553,7 @@ class StageRuntime:
             if deferred:
                 self._send_grad(Action(action.stage, Kind.SEND_B, m), step, it)
         if deferred:
-            self.flight.deferred[(step, m)] = deferred
-            self._waiting.append((step, m))
+            self.flight.defer((step, m), deferred)
         self._run_deferred(step, keep=0 if m == self._last_b else self._defer)
         it.versions.append((str(action.base), step, version))
         if self.role == "combined":
@@ -552,8 +562,8 @@ class StageRuntime:
 
     def _run_deferred(self, step: int, keep: int) -> None:
         """Runs the oldest waiting weight-grad halves until `keep` micro-batches' wait."""
-        while len(self._waiting) > keep:
-            for i, deferred in self.flight.deferred.pop(self._waiting.popleft()).items():
+        while len(self.flight.deferred) > keep:
+            for i, deferred in self.flight.undefer().items():
                 with self._timed_layer(step, i):
                     cast(SplitExec, self.execs[i]).backward_weights(deferred)
         self._grad_bytes = tensor_bytes(p.grad for p in self._owned if p.grad is not None)

@@ -448,7 +448,7 @@ class _Program:
         stashed = sum(c.kept_bytes(i) for i in layers)
         send = Action(a.stage, Kind.SEND_B, a.microbatch)
         sends = ((_destination(self.topology, send), c.send_bytes(send),
-                  self.key(Kind.SEND_B, a.stage, a.microbatch)),) if a.stage > 0 else ()
+                  self.key(Kind.SEND_B, a.stage, a.microbatch)),)  # stage > 0 here
         deltas = tuple((k, -halves * stashed if k == "stashed" else d) for k, d in op.deltas)
         return replace(op, seconds=op.seconds + (halves - 1) * weights, sends=sends,
                        deltas=deltas, tail=halves * weights)
