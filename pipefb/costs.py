@@ -26,7 +26,8 @@ class LayerProfile:
         forward_seconds: forward time.
         backward_seconds: backward time (input and weight gradients).
         forward_fixed_seconds: the part of `forward_seconds` that does not scale with
-            samples (a micro-batch of one sample costs about this much).
+            samples: the line through the times at two micro-batch sizes, at zero
+            samples ([Note: fixed part] in pipefb.profiler).
         backward_fixed_seconds: the same for the backward.
         weight_grad_seconds: the part of `backward_seconds` its weight-grad half takes
             when the backward runs input grads first ([Note: input grads first] in
@@ -71,6 +72,9 @@ class Profile:
         microbatch_size: samples per micro-batch the layer costs are for.
         layers: one per layer, in order, the loss layer last.
         optimizer_seconds_per_byte: optimizer step time per parameter byte it updates.
+        optimizer_fixed_seconds: the step's time beyond that, per call on a stage that
+            owns parameters (the call's own overhead; [Note: optimizer fixed part] in
+            pipefb.profiler).
         optimizer_state_ratio: optimizer state bytes per parameter byte (AdamW: 2).
         source: "measured" or "analytic".
         data_seconds: loading one micro-batch (inputs and targets), which the forward of
@@ -84,6 +88,7 @@ class Profile:
     optimizer_state_ratio: float = 0.0
     source: str = "measured"
     data_seconds: float = 0.0
+    optimizer_fixed_seconds: float = 0.0
     _scaled: dict[int, Profile] = field(default_factory=dict, init=False, repr=False,
                                         compare=False)
 
@@ -92,8 +97,9 @@ class Profile:
             raise ConfigError(f"profile micro-batch size {self.microbatch_size} must be >= 1")
         if not self.layers:
             raise ConfigError("a profile needs at least one layer")
-        if not self.data_seconds >= 0:
-            raise ConfigError(f"profile data_seconds = {self.data_seconds!r} must be >= 0")
+        for key in ("data_seconds", "optimizer_seconds_per_byte", "optimizer_fixed_seconds"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"profile {key} = {getattr(self, key)!r} must be >= 0")
 
     def at(self, microbatch_size: int) -> Profile:
         """The same layers at another micro-batch size (see the module docstring)."""
@@ -147,6 +153,12 @@ class Profile:
         model (inputs) or end it (targets for the loss); once when both."""
         return self.data_seconds if layers.start == 0 or layers.stop == self.n_layers else 0.0
 
+    def optimizer_seconds(self, owned_bytes: int) -> float:
+        """An optimizer step over `owned_bytes` of parameters (none: no step)."""
+        if not owned_bytes:
+            return 0.0
+        return self.optimizer_fixed_seconds + self.optimizer_seconds_per_byte * owned_bytes
+
     def param_bytes(self, layers: Sequence[int] | range) -> int:
         """Parameter bytes of some layers, summed."""
         return sum(self.layers[i].param_bytes for i in layers)
@@ -157,7 +169,8 @@ class Profile:
                 "layers": [asdict(x) for x in self.layers],
                 "optimizer_seconds_per_byte": self.optimizer_seconds_per_byte,
                 "optimizer_state_ratio": self.optimizer_state_ratio, "source": self.source,
-                "data_seconds": self.data_seconds}
+                "data_seconds": self.data_seconds,
+                "optimizer_fixed_seconds": self.optimizer_fixed_seconds}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:

@@ -115,7 +115,9 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
                    for x in profile.layers)
     profile = replace(profile, layers=layers, data_seconds=profile.data_seconds * f,
                       optimizer_seconds_per_byte=(profile.optimizer_seconds_per_byte
-                                                  * factors.get("OPT", 1.0)))
+                                                  * factors.get("OPT", 1.0)),
+                      optimizer_fixed_seconds=(profile.optimizer_fixed_seconds
+                                               * factors.get("OPT", 1.0)))
     store = Link(cluster.store.bandwidth / factors.get("STASH", 1.0), cluster.store.latency)
     hop = factors.get(LATENCY, 1.0)
 

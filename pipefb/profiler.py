@@ -17,9 +17,8 @@ stash may alias the layer's input or output).
 
 [Note: profiled layers] `measure_profile(layers=...)` times only the given layers. Every
 layer still runs its forward on each micro-batch, for its `saved_bytes` and for the inputs
-of the layers after it; a layer outside `layers` reports zero times and runs no backward. The fixed
-parts are timed on a micro-batch of `FIXED_SIZE` samples, through layers 0 .. the last
-timed one.
+of the layers after it; a layer outside `layers` reports zero times and runs no backward.
+The small micro-batch of the fixed parts runs through layers 0 .. the last timed one.
 
 [Note: timed as a pipeline runs]
 A step's time is the sum of its actions' times, so the profile holds means, not medians:
@@ -46,6 +45,29 @@ timed warm, 0.35 ms after the buffer was written, 0.36 ms of thread CPU inside a
 local pipeline; a gpt block (n_embd 128, 16 samples of 64 tokens): forward 5.6 ms warm,
 6.2-6.7 ms cold, 6.5 ms in the pipeline; backward 11.0, 11.7 and 11.8 ms. An optimizer
 step over cached state runs about twice as fast as one over evicted state here.
+
+[Note: fixed part]
+The planner tries micro-batch sizes other than the profiled one, and `Profile.at` rescales
+each time as a fixed part plus a part in proportion to samples. The fixed part is the
+line through the times at two sizes, the profiled one and a quarter of it
+(`small_size`), taken at 0 samples. A single sample is a poor second point: on this
+machine's CPU a `gpt` block (n_embd 128, 64 tokens) costs more per call at 1 sample than
+the line through 2 to 32 samples gives, so with the fixed part measured there an 8-sample
+profile of the bench's `gpt` scaled to 16 and 32 samples came out 6-10% under the times
+measured at those sizes, and to 2 samples 28-33% over (forward and backward sums,
+`measure_profile` at each size). From 2 and 8 samples, two runs came within -6%..+8% at
+2, 4, 16 and 32 samples. The bench's small `mlp` (about 0.2 ms a layer, mostly per-call
+cost) stays noisy either way: up to 20% off at 32 samples.
+
+[Note: optimizer fixed part]
+An optimizer step costs a fixed part per call beyond its bytes, and the simulator charges
+each stage's OPT for its own parameters, so a stage with few of them paid almost nothing
+when the step's time was all per byte. The profiler times the step over the parameters
+and over their smallest tensor alone; the fixed part is the line through the two at zero
+bytes. Measured here (AdamW, one torch thread, cold caches): 0.19 ms for 0.13 MB of
+parameters, 0.24 ms for 1.05 MB, 0.51 ms for 3.2 MB. The bench `mlp`'s first stage (0.13
+MB) was predicted 0.02 ms per OPT from the per-byte figure alone, and measured 0.14-0.30
+ms in the simulator-accuracy runs.
 """
 
 from __future__ import annotations
@@ -80,7 +102,9 @@ REPEATS = 5  # default timed rounds (times are their mean)
 IN_FLIGHT = 2  # micro-batches a round forwards before their backwards
 EVICT_BYTES = 64 << 20  # written before each timed call (beyond a CPU's caches)
 MAX_RUNS = 100  # warm-up or timed runs a request may ask for (bounds a Profile call)
-FIXED_SIZE = 1  # samples of the micro-batch whose times are the fixed (per-call) part
+#: the second micro-batch timed is the profiled one's size over this (at least 1 sample);
+#: each time's fixed part is the line through the two sizes, at 0 samples ([Note: fixed part])
+SMALL_DIVISOR = 4
 DATA_STEP = 0  # shapes come from step 0's micro-batch 0; round r runs step DATA_STEP + r
 _EXAMPLE_SEED = 0  # seeds the example inputs of the analytic stash (never the global RNG)
 
@@ -153,9 +177,10 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
     Layer i runs on what layers 0 .. i-1 computed from the job's data, through `SplitExec`
     as a split rank runs it (random ops seeded as the runtime seeds them), on the job's
     device. Each time is the mean over `repeats` rounds of `IN_FLIGHT` micro-batches, after
-    `warmup` untimed rounds (on CUDA each call waits for its kernels); the fixed parts are
-    the same timed at `FIXED_SIZE` samples (at most the full time). The torch thread count
-    is the caller's; the caller's random generator state is left unchanged.
+    `warmup` untimed rounds (on CUDA each call waits for its kernels); the fixed parts
+    come from the same timed at `small_size(microbatch_size)` samples ([Note: fixed
+    part]). The torch thread count is the caller's; the caller's random generator state
+    is left unchanged.
 
     Args:
         job: the job whose layers, data, seed and optimizer to profile.
@@ -184,16 +209,20 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
         caches = _Caches(device)
         full = _pipeline(seq, dataset, microbatch_size, timed, len(seq.layers), job.seed,
                          warmup, repeats, caches)
-        small = (full if microbatch_size == FIXED_SIZE else
-                 _pipeline(_sequence(seq.layers, dataset, FIXED_SIZE), dataset, FIXED_SIZE,
+        size = small_size(microbatch_size)
+        small = (full if microbatch_size == size else
+                 _pipeline(_sequence(seq.layers, dataset, size), dataset, size,
                            timed, timed.stop, job.seed, warmup, repeats, caches))
         params = _params([seq.layers[i] for i in timed]) or _params(seq.layers)
-        per_byte, ratio = _optimizer_costs(job, params, warmup, repeats, caches)
+        optimizer = _optimizer_costs(job, params, warmup, repeats, caches)
     runs, fixed = full.runs(len(seq.layers)), small.runs(timed.stop)
-    rows = (_measured_layer(seq, i, out, runs[i], fixed[i] if i in timed else None)
+    sizes = (size, microbatch_size)
+    rows = (_measured_layer(seq, i, out, runs[i], fixed[i] if i in timed else None, sizes)
             for i, out in enumerate(seq.output_specs()))
-    return Profile(microbatch_size, tuple(rows), optimizer_seconds_per_byte=per_byte,
-                   optimizer_state_ratio=ratio, source="measured",
+    return Profile(microbatch_size, tuple(rows),
+                   optimizer_seconds_per_byte=optimizer.per_byte,
+                   optimizer_fixed_seconds=optimizer.fixed,
+                   optimizer_state_ratio=optimizer.state_ratio, source="measured",
                    data_seconds=_mean(full.data))
 
 
@@ -313,8 +342,36 @@ def _params(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
     return [p for layer in layers for p in layer.parameters()]
 
 
+@dataclass(frozen=True)
+class _OptimizerCosts:
+    """A step of the job's optimizer: seconds per parameter byte plus fixed seconds per
+    call, and state bytes per parameter byte."""
+
+    per_byte: float = 0.0
+    fixed: float = 0.0
+    state_ratio: float = 0.0
+
+
 def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, repeats: int,
-                     caches: _Caches | None = None) -> tuple[float, float]:
+                     caches: _Caches | None = None) -> _OptimizerCosts:
+    """Steps of the job's optimizer over `params`, and over their smallest tensor alone;
+    the fixed part is the line through the two at zero bytes ([Note: optimizer fixed
+    part]). All zeros when there are no parameters; no fixed part for a single tensor.
+    """
+    nbytes = tensor_bytes(params)
+    if not nbytes:
+        return _OptimizerCosts()
+    seconds, ratio = _optimizer_step(job, params, warmup, repeats, caches)
+    smallest = [min(params, key=lambda p: tensor_bytes([p]))]
+    fixed = 0.0
+    if tensor_bytes(smallest) < nbytes:
+        small, _ = _optimizer_step(job, smallest, warmup, repeats, caches)
+        fixed = fixed_part(small, seconds, (tensor_bytes(smallest), nbytes))
+    return _OptimizerCosts((seconds - fixed) / nbytes, fixed, ratio)
+
+
+def _optimizer_step(job: JobConfig, params: list[torch.Tensor], warmup: int, repeats: int,
+                    caches: _Caches | None) -> tuple[float, float]:
     """A step of the job's optimizer over `params` as the runtime's OPT takes it: the step,
     then the gradients dropped (`zero_grad(set_to_none=True)`) and the state counted; fresh
     gradients are set before each, untimed, after `caches` were emptied (if given).
@@ -322,12 +379,8 @@ def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, re
     The first step allocates the optimizer state, so at least one untimed step runs first.
 
     Returns:
-        (mean step seconds per parameter byte, state bytes per parameter byte); zeros
-        when there are no parameters.
+        (mean seconds of a step, state bytes per parameter byte).
     """
-    nbytes = tensor_bytes(params)
-    if not nbytes:
-        return 0.0, 0.0
     optimizer = build_optimizer(job.optimizer, params, job.lr, job.optimizer_config)
 
     def set_grads() -> None:
@@ -342,19 +395,36 @@ def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, re
         optimizer_state_bytes(optimizer)
 
     seconds = _mean_seconds(step, max(warmup, 1), repeats, set_grads)
-    return seconds / nbytes, optimizer_state_bytes(optimizer) / nbytes
+    return seconds, optimizer_state_bytes(optimizer) / tensor_bytes(params)
 
 
-def _measured_layer(seq: _Sequence, i: int, out: TensorSpec, full: _Run, small: _Run | None
-                    ) -> LayerProfile:
-    """Layer i's row: times from the full and the fixed-size runs, bytes from shapes."""
+def small_size(microbatch_size: int) -> int:
+    """Samples of the second micro-batch the profiler times ([Note: fixed part])."""
+    return max(1, microbatch_size // SMALL_DIVISOR)
+
+
+def fixed_part(small: float, full: float, sizes: tuple[int, int]) -> float:
+    """The part of a time that does not scale with samples: the line through `small`
+    seconds at `sizes[0]` samples and `full` at `sizes[1]`, at 0 samples, within
+    [0, full]; `full` itself when both sizes are one ([Note: fixed part])."""
+    n, m = sizes
+    if n == m:
+        return full
+    slope = (full - small) / (m - n)
+    return min(max(small - slope * n, 0.0), full)
+
+
+def _measured_layer(seq: _Sequence, i: int, out: TensorSpec, full: _Run, small: _Run | None,
+                    sizes: tuple[int, int]) -> LayerProfile:
+    """Layer i's row: times from the full and the small runs, bytes from shapes."""
     layer = seq.layers[i]
     return LayerProfile(
         name=type(layer).__name__, forward_seconds=full.forward, backward_seconds=full.backward,
         input_bytes=sum(s.nbytes for s in seq.specs[i]), output_bytes=out.nbytes,
         saved_bytes=full.saved_bytes, param_bytes=tensor_bytes(layer.parameters()),
-        forward_fixed_seconds=min(small.forward, full.forward) if small else 0.0,
-        backward_fixed_seconds=min(small.backward, full.backward) if small else 0.0,
+        forward_fixed_seconds=fixed_part(small.forward, full.forward, sizes) if small else 0.0,
+        backward_fixed_seconds=(fixed_part(small.backward, full.backward, sizes) if small
+                                else 0.0),
         weight_grad_seconds=min(full.weights, full.backward))
 
 
@@ -410,7 +480,7 @@ def analytic_profile(job: JobConfig, microbatch_size: int, flops_per_second: flo
         seq = _sequence(build_layers(job), dataset, microbatch_size)
         rows = tuple(_analytic_layer(seq, i, out, device, derive_seed(job.seed, DATA_STEP, 0, i))
                      for i, out in enumerate(seq.output_specs()))
-        _, ratio = _optimizer_costs(job, _params(seq.layers), 0, 1)
+        ratio = _optimizer_costs(job, _params(seq.layers), 0, 1).state_ratio
     per_byte = (3 + 2 * ratio) / device.bytes_per_second if device.bytes_per_second else 0.0
     return Profile(microbatch_size, rows, optimizer_seconds_per_byte=per_byte,
                    optimizer_state_ratio=ratio, source="analytic")
@@ -498,6 +568,8 @@ def median_profile(profiles: Sequence[Profile]) -> Profile:
     return replace(profiles[0], layers=tuple(rows),
                    optimizer_seconds_per_byte=statistics.median(
                        p.optimizer_seconds_per_byte for p in profiles),
+                   optimizer_fixed_seconds=statistics.median(
+                       p.optimizer_fixed_seconds for p in profiles),
                    optimizer_state_ratio=statistics.median(
                        p.optimizer_state_ratio for p in profiles),
                    data_seconds=statistics.median(p.data_seconds for p in profiles))

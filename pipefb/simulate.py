@@ -9,8 +9,8 @@ the bubble fraction and each worker's peak memory as the runtime accounts it.
 - F, B, OPT run on the worker's host (see [Note: shared hosts]); their time is the
   profiled layer time over the worker's speed: F sums the stage's forwards (plus loading
   the micro-batch on the first stage and the loss's, `Profile.data_seconds`), B its
-  backwards plus the forwards of its recomputed layers, OPT is optimizer seconds per byte
-  times the bytes it updates.
+  backwards plus the forwards of its recomputed layers, OPT is the optimizer's fixed
+  seconds plus its seconds per byte times the bytes it updates (none without parameters).
 - SEND_F, SEND_B, SEND_L and PUSH_W cost the sender only the action overhead; the bytes
   then cross the link between the two workers, one transfer at a time per direction
   (FIFO), arriving `latency + bytes / bandwidth` after they start.
@@ -220,7 +220,7 @@ class _Costs:
             return (self.profile.backward_seconds(layers)
                     + self.profile.forward_seconds(recomputed))
         owned = self.profile.param_bytes(t.layers_of_backward(a.stage))
-        return self.profile.optimizer_seconds_per_byte * owned
+        return self.profile.optimizer_seconds(owned)
 
     def stash_bytes(self, a: Action) -> int:
         """Bytes a STASH puts into (a FETCH takes from) the store per micro-batch."""

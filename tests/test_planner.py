@@ -370,3 +370,19 @@ def test_a_step_starts_after_its_weight_push_has_left(loopback):
         assert arrived > push.end + 0.06  # the bytes take 67 ms
         next_step = min(s.start for s in spans(backward, None, k + 1))
         assert next_step == pytest.approx(arrived - left, abs=1e-6)
+
+
+def test_an_opt_costs_the_optimizers_fixed_part_plus_its_bytes_and_nothing_without_params():
+    # stage 0 (layers 0-1) owns no parameters; stage 1's two layers own 1 MB each
+    layers = (LayerProfile("free", 1e-3, 2e-3, 64, 64, 64, 0),) * 2 + (
+        LayerProfile("owned", 1e-3, 2e-3, 64, 64, 64, 1 << 20),) * 2
+    profile = Profile(2, layers, optimizer_seconds_per_byte=1e-9, optimizer_fixed_seconds=3e-4,
+                      optimizer_state_ratio=2.0)
+    plan = balanced_plan("1f1b", 2, [1.0] * 4, 4, 2)
+    sim = simulate(plan, profile, Cluster.uniform(2, network=Link(1e12, 0.0)))
+    opt = {s.rank: s.end - s.start for s in sim.spans if s.action.kind is Kind.OPT}
+    assert opt[0] == pytest.approx(0.0, abs=1e-12)  # the action overhead only: none here
+    assert opt[1] == pytest.approx(3e-4 + 1e-9 * (2 << 20))
+    assert profile.optimizer_seconds(0) == 0.0
+    with pytest.raises(ConfigError, match="optimizer_fixed_seconds = -1"):
+        replace(profile, optimizer_fixed_seconds=-1.0)

@@ -27,10 +27,12 @@ from pipefb.local import Process
 from pipefb.memory import tensor_bytes
 from pipefb.profiler import (
     analytic_profile,
+    fixed_part,
     layer_flops,
     measure_profile,
     median_profile,
     relative_speeds,
+    small_size,
 )
 from pipefb.runtime import _needs_grad
 from pipefb.shapes import TensorSpec, infer_input_specs, spec_of
@@ -131,12 +133,13 @@ def test_times_are_positive_and_fixed_parts_at_most_the_total(which: str, mlp_pr
     assert profile.source == "measured" and profile.microbatch_size == MB
     for x in profile.layers:
         assert x.forward_seconds > 0 and x.backward_seconds > 0, x
-        assert 0 < x.forward_fixed_seconds <= x.forward_seconds, x
-        assert 0 < x.backward_fixed_seconds <= x.backward_seconds, x
+        assert 0 <= x.forward_fixed_seconds <= x.forward_seconds, x
+        assert 0 <= x.backward_fixed_seconds <= x.backward_seconds, x
         # the weight-grad half: some of the backward where the layer has weights, else none
         assert (0 < x.weight_grad_seconds < x.backward_seconds if x.param_bytes
                 else x.weight_grad_seconds < x.backward_seconds / 2), x
     assert profile.optimizer_seconds_per_byte > 0
+    assert profile.optimizer_fixed_seconds > 0  # a step's per-call cost
     assert profile.optimizer_state_ratio == pytest.approx(2.0, abs=0.01)  # adamw: 2 moments
     assert profile.data_seconds > 0  # loading the micro-batch was timed
 
@@ -151,6 +154,16 @@ def test_restricted_layers_are_timed_alone_and_leave_the_rng_alone(mlp_profile: 
     timed = [x.forward_seconds > 0 and x.backward_seconds > 0 for x in part.layers]
     assert timed == [False, True, True, False, False]
     assert all(x.forward_fixed_seconds == 0 for i, x in enumerate(part.layers) if i not in (1, 2))
+
+
+def test_the_fixed_part_is_the_line_through_two_sizes_at_zero_samples() -> None:
+    # 2 ms at 2 samples, 5 ms at 8: 0.5 ms per sample, so 1 ms at 0 samples
+    assert fixed_part(2e-3, 5e-3, (2, 8)) == pytest.approx(1e-3)
+    assert fixed_part(4e-3, 5e-3, (2, 8)) == pytest.approx(3.667e-3, rel=1e-3)
+    assert fixed_part(1e-3, 5e-3, (2, 8)) == 0.0  # steeper than proportional: none fixed
+    assert fixed_part(6e-3, 5e-3, (2, 8)) == 5e-3  # the small call slower: all fixed
+    assert fixed_part(3e-3, 3e-3, (1, 1)) == 3e-3  # one sample: the call is all fixed
+    assert [small_size(n) for n in (1, 3, 4, 8, 9, 32)] == [1, 1, 1, 2, 2, 8]
 
 
 def test_at_scales_bytes_by_samples_and_times_beyond_the_fixed_part(
@@ -192,7 +205,8 @@ def test_every_timed_call_starts_from_overwritten_caches(monkeypatch: pytest.Mon
     # the warm-up round's calls are untimed: each timed round's are all cold
     n_layers = len(WIDTHS)  # 4 linear layers and the loss
     per_round = profiler.IN_FLIGHT * (1 + 2 * n_layers)  # load, forwards, backwards
-    assert len(evicted) == 2 * 2 * per_round + 3  # full and fixed-size runs, 1 + 2 OPT steps
+    # full and small runs; 1 + 2 OPT steps over every parameter, and over the smallest alone
+    assert len(evicted) == 2 * 2 * per_round + 2 * 3
     assert len(written) == len(evicted) and len(set(written)) > 1  # new bytes each time
     assert profiler.EVICT_BYTES >= 64 << 20
 
