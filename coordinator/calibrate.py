@@ -21,6 +21,11 @@ Every figure comes from the parts a local run uses:
   thread of both processes (this one and the peer, or this one and redis-server; Linux
   `/proc/PID/task/*/schedstat`) over the wall seconds. Both ends work at once: 1.5 for the
   gRPC hop and the store here (1.2 at 1 KB), where the simulator had counted one core.
+- **CPU of a step call** (`overheads.step_cpu`): the real `StepPump` drives
+  `Settings.step_calls` Step calls on the peer, which answers with a reply shaped as a
+  worker's (`probe_reply`); the CPU of both processes over the calls, per call (0.5 ms
+  here). On a loopback host the simulator runs it beside each rank's step ([Note: step
+  calls] in pipefb.simulate).
 - **overheads**: `action` is the median gap between consecutive actions of a real
   `StageRuntime` step (clocks, span label, memory accounting); `step` is a unary RPC round
   trip to the peer's server plus what `run_step` spends outside its actions (flush, report).
@@ -57,12 +62,14 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.stepping import StepPump
 from offload_store import OffloadStore, connect
 from pipefb.cluster import MAX_TRANSFER_CPU, Cluster, Link, WorkerSpec
 from pipefb.errors import Aborted, ConfigError
 from pipefb.local import Process
+from pipefb.memory import KINDS
 from pipefb.schedule import Kind
-from protos import server, tensor_pb2, wire, worker_pb2_grpc
+from protos import server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 from worker.__main__ import SWITCH_INTERVAL_SECONDS
 from worker.inbox import Inbox
 from worker.transport import GrpcTransport, inbox_key, nbytes
@@ -73,7 +80,8 @@ STORE_MAXMEMORY = "256mb"  # the probe Redis holds `STASH_DEPTH` stashes at a ti
 STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several per layer
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
-PROBE_VERSION = 3  # bumped when a probe measures differently: older caches are re-measured
+PROBE_SPANS = 16  # actions of the probe's Step reply
+PROBE_VERSION = 4  # bumped when a probe measures differently: older caches are re-measured
 PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -93,6 +101,7 @@ class Settings:
     large_repeats: int = 20  # bandwidth probes per link
     warmup: int = 5  # probes of each size run first and not counted
     rpc_repeats: int = 100  # unary round trips for the step overhead
+    step_calls: int = 300  # Step calls whose CPU (both ends) gives the step's CPU
     steps: int = 20  # runtime steps for the action and step overheads
 
 
@@ -104,6 +113,7 @@ class Measured:
     store: Link  # one stash or fetch of one worker
     action_overhead: float  # seconds per action outside its handler
     step_overhead: float  # seconds per step and worker outside its actions
+    step_cpu: float = 0.0  # CPU seconds of one Step call, the coordinator's and worker's end
 
 
 # -- the gRPC probe -------------------------------------------------------------------------
@@ -129,6 +139,26 @@ class Receiver(worker_pb2_grpc.StageWorkerServicer):
                 raise
             # the sender closed its channel without ending the stream: it is shutting down
         return tensor_pb2.Ack(bytes=total, tensors=count)
+
+    def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext
+             ) -> worker_pb2.StepReply:
+        """A reply shaped as a worker's for a step of `PROBE_SPANS` actions."""
+        return probe_reply(request.step)
+
+
+def probe_reply(step: int) -> worker_pb2.StepReply:
+    """A StepReply with every field a worker fills, for a step of `PROBE_SPANS` actions
+    (four micro-batches' F, B and their transfers)."""
+    now = time.time()
+    kinds = {kind: 1 << 20 for kind in KINDS}
+    return worker_pb2.StepReply(
+        step=step, losses=[1.0] * 4, compute_seconds=0.01, idle_seconds=0.01,
+        memory_bytes=kinds, peak_memory_bytes=1 << 22, bytes_sent=1 << 20,
+        weight_version=step, action_seconds={str(k): 1e-3 for k in Kind},
+        spans=[worker_pb2.ActionSpan(action=f"1F{i}", start=now, end=now + 1e-3)
+               for i in range(PROBE_SPANS)],
+        kept_versions=[step], kind_peak_bytes=kinds, activation_peak_bytes=1 << 20,
+        layer_seconds={i: 1e-3 for i in range(4)})
 
 
 def _serve(inbox: Inbox, address: str = "127.0.0.1:0") -> tuple[grpc.Server, str]:
@@ -214,6 +244,21 @@ def _network(peer: Process, inbox: Inbox, settings: Settings) -> Link:
         transport.close()
     link = fit_link("loopback gRPC", settings.small_bytes, small, settings.large_bytes, large)
     return replace(link, cpu=meter.cores())
+
+
+def _step_cpu(address: str, calls: int, pids: Sequence[int]) -> float:
+    """CPU seconds of one Step call as the coordinator makes it (`StepPump`, one rank) to
+    the peer's `Step`, both processes together; 0 where /proc cannot tell."""
+    meter = CpuMeter(pids)
+    with server.channel(address) as channel:
+        stub = worker_pb2_grpc.StageWorkerStub(channel)
+        stub.Step(worker_pb2.StepRequest(job_id=JOB), timeout=PROBE_TIMEOUT_S)  # connects
+        pump = StepPump(JOB, [stub], calls, lambda step, replies, seconds: None)
+        with meter.span():
+            failures = pump.run(lambda: None)
+    if failures:
+        raise CalibrationError(f"Step probe failed: {failures[0][1]}")
+    return meter.cpu / calls if meter.readable else 0.0
 
 
 def _rpc_round_trip(address: str, repeats: int) -> float:
@@ -447,9 +492,10 @@ def measure(settings: Settings = Settings()) -> Measured:
     with _switch_interval(SWITCH_INTERVAL_SECONDS), _helpers(inbox) as (redis_proc, peer):
         network = _network(peer, inbox, settings)
         rpc = _rpc_round_trip(peer.address, settings.rpc_repeats)
+        step_cpu = _step_cpu(peer.address, settings.step_calls, [os.getpid(), peer.pid])
         store = _store(redis_proc.address, settings, child_pids(redis_proc.pid))
         action, step = _runtime_overheads(settings.steps)
-    return Measured(network, store, action, rpc + step)
+    return Measured(network, store, action, rpc + step, step_cpu)
 
 
 def measure_links(settings: Settings = Settings()) -> tuple[Link, Link]:
@@ -477,7 +523,7 @@ def build_cluster(workers: int, measured: Measured) -> Cluster:
                    network=measured.network, store=measured.store,
                    host_cores={HOST: os.cpu_count() or 1}, loopback_hosts=frozenset({HOST}),
                    action_overhead=measured.action_overhead,
-                   step_overhead=measured.step_overhead)
+                   step_overhead=measured.step_overhead, step_cpu=measured.step_cpu)
 
 
 # -- the cache ------------------------------------------------------------------------------
@@ -527,7 +573,7 @@ def read_cache(path: Path) -> tuple[Measured, str]:
         raise ConfigError(f"TypeError: {error}") from None
     head = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
     return Measured(cluster.network, cluster.store, cluster.action_overhead,
-                    cluster.step_overhead), head
+                    cluster.step_overhead, cluster.step_cpu), head
 
 
 def write_cache(path: Path, text: str) -> None:

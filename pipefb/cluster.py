@@ -16,6 +16,9 @@ simulator take it as plain data. Sizes and rates accept units::
       - {between: [gpu0, gpu1], bandwidth: 300GB/s, latency: 2us}
     store: {bandwidth: 12GB/s, latency: 30us}      # the offload store, per worker
     overheads: {action: 20us, step: 1ms}           # per executed action; per step and worker
+                                   # (step_cpu: 0.5ms -> on a loopback host each worker's
+                                   # step also keeps a core busy that long: its Step call,
+                                   # the coordinator's end and the worker's; default 0)
 
 `speed` is relative to the device the profile was measured on (2.0: twice as fast);
 `memory` caps the bytes the runtime accounts to the worker (parameters, gradients,
@@ -138,6 +141,9 @@ class Cluster:
     loopback_hosts: frozenset[str] = frozenset()
     action_overhead: float = 0.0  # seconds the runtime spends per action, beyond its work
     step_overhead: float = 0.0  # seconds per step and worker (the step call's round trip)
+    #: CPU seconds per step and worker outside its actions: its Step call, the
+    #: coordinator's end and the worker's; a job on a loopback host's cores
+    step_cpu: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -223,7 +229,8 @@ class Cluster:
             if not isinstance(between, list) or len(between) != 2:
                 raise ConfigError(f"{what}.between must list two worker names")
             links[frozenset(str(n) for n in between)] = Link.parse(item, what)
-        over = _mapping(top.get("overheads") or {}, f"{source}.overheads", {"action", "step"})
+        over = _mapping(top.get("overheads") or {}, f"{source}.overheads",
+                        {"action", "step", "step_cpu"})
         kwargs: dict[str, Any] = {}
         if "network" in top:
             kwargs["network"] = Link.parse(top["network"], f"{source}.network")
@@ -235,6 +242,8 @@ class Cluster:
                                            "seconds"),
             step_overhead=parse_quantity(over.get("step", 0), f"{source}.overheads.step",
                                          "seconds"),
+            step_cpu=parse_quantity(over.get("step_cpu", 0), f"{source}.overheads.step_cpu",
+                                    "seconds"),
             **kwargs)
 
     @staticmethod
@@ -270,7 +279,8 @@ class Cluster:
                         for w in self.workers],
             "network": link(self.network),
             "store": link(self.store),
-            "overheads": {"action": self.action_overhead, "step": self.step_overhead},
+            "overheads": {"action": self.action_overhead, "step": self.step_overhead,
+                          **({"step_cpu": self.step_cpu} if self.step_cpu else {})},
         }
         if self.host_cores:
             out["hosts"] = [{"name": h, "cores": c,

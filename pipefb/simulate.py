@@ -19,7 +19,8 @@ the bubble fraction and each worker's peak memory as the runtime accounts it.
   combined worker, the fetch of the next micro-batch overlaps the backward before it
   (the runtime prefetches).
 - RECV_* and RECV_W wait for the arrival; every action adds the cluster's action
-  overhead, every iteration its step overhead.
+  overhead, every iteration its step overhead (and, on a loopback host, its Step call's
+  CPU beside it: [Note: step calls]).
 
 [Note: flush]
 A rank ends each step by waiting until every transfer it sent has left
@@ -47,6 +48,17 @@ processes over the wall time: 1.2 at 1 KB, about 1.5 at 16 MiB for gRPC hops and
 puts and takes (the calibration's large probes set it). Events
 then run in time order; otherwise every rank runs ahead as far as its inputs allow (same
 times, faster).
+
+[Note: step calls]
+Each step of each worker is a Step call from the coordinator (`coordinator.stepping`):
+the coordinator's end (the call, its reply parsed, the step's report) and the worker's
+(its reply built and sent) cost CPU outside any action. On a loopback host the
+coordinator runs there too, so the simulator starts a job of `Cluster.step_cpu` seconds
+on the host beside each rank's first action of an iteration (the next call is already
+waiting on the worker: the CPU overlaps the step, while `step_overhead` is the gap the
+rank itself waits). Measured in a 4-worker `mlp` pipedream run here (about 110 steps a
+second): the coordinator used 0.2 of a core, 0.44 ms per rank and step, and each worker
+0.12 ms per Step call beyond its actions; the calibration measures the call on both ends.
 
 [Note: early sends]
 A rank of backward stage s > 0 in sync mode sends its input gradient before its weight
@@ -604,8 +616,11 @@ class _Engine:
                         on_finish(t)
                     self._host_changed(name)
                 continue
-            k, step, i = self.runs[r][self.pos[r]]
+            p = self.pos[r]
+            k, step, i = self.runs[r][p]
             op = ops[r][i]
+            if p == 0 or self.runs[r][p - 1][0] != k:
+                self._step_calls(r, t)
             if op.prefetched:  # runs beside the backward: see _execute
                 self._execute(r, k, step, op, t)
                 continue
@@ -649,6 +664,13 @@ class _Engine:
         if host.jobs:
             self.seq += 1
             heapq.heappush(self.heap, (host.next_finish(), self.seq, -1, name, host.version))
+
+    def _step_calls(self, r: int, t: float) -> None:
+        """The CPU of rank `r`'s Step call on a loopback host, beside its first action
+        ([Note: step calls])."""
+        name = self.host[r][0]
+        if self.cluster.step_cpu > 0 and name in self.cluster.loopback_hosts:
+            self._start_job(name, t, self.cluster.step_cpu, _nothing)
 
     def _store_side(self, r: int, t: float, seconds: float) -> None:
         """The local Redis's share of a STASH or FETCH on a loopback host."""

@@ -17,9 +17,10 @@ from coordinator import calibrate
 from coordinator.calibrate import CalibrationError, Measured, Settings
 from pipefb.cluster import Cluster, Link
 from pipefb.errors import ConfigError
+from pipefb.memory import KINDS
 
 FAST = Settings(small_repeats=20, large_bytes=4 << 20, large_repeats=3, warmup=2,
-                rpc_repeats=10, steps=4)
+                rpc_repeats=10, steps=4, step_calls=30)
 PROC = Path(f"/proc/{os.getpid()}/task").is_dir()  # where the calibration reads CPU time
 OTHER = Measured(Link(2e9, 3e-5), Link(1e9, 4e-5), 5e-6, 6e-4)  # a re-measurement's result
 
@@ -61,6 +62,16 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
         assert 1.0 < link.cpu <= 4.0 if PROC else link.cpu == 1.0, (what, link)
     assert 0 <= cluster.action_overhead < 0.01
     assert 1e-6 <= cluster.step_overhead < 0.1  # at least an RPC round trip
+    # a Step call's CPU, both ends: 0.5 ms here; 0 only where /proc is missing
+    assert 20e-6 <= cluster.step_cpu < 0.05 if PROC else cluster.step_cpu == 0.0
+    cached = yaml.safe_load(calibrate.cache_path(measured[0]).read_text())
+    assert cached["overheads"]["step_cpu"] == cluster.step_cpu
+
+
+def test_the_step_probe_answers_as_a_worker_does() -> None:
+    reply = calibrate.probe_reply(7)
+    assert reply.step == 7 and len(reply.spans) == calibrate.PROBE_SPANS
+    assert set(reply.memory_bytes) == set(reply.kind_peak_bytes) == set(KINDS)
 
 
 def test_cpu_meter_counts_every_thread_of_every_process_it_watches() -> None:

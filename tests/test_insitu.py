@@ -64,6 +64,26 @@ def test_a_transfer_keeps_link_cpu_cores_busy_on_a_loopback_host():
                     ).step_seconds == simulate(offload, profile, links).step_seconds
 
 
+def test_each_step_call_takes_step_cpu_from_a_loopback_hosts_cores():
+    """[Note: step calls]: on one saturated core each rank's Step call adds its CPU to the
+    step; with spare cores, or where the host is not loopback, it costs nothing."""
+    profile = uniform_profile(4, activation=8, params=0)
+    plan = balanced_plan("pipedream", 2, [1.0] * 4, 64, 32, mode="async")
+
+    def extra(cluster: Cluster) -> float:
+        calls = replace(cluster, step_cpu=2e-3)
+        return simulate(plan, profile, calls).step_seconds - simulate(
+            plan, profile, cluster).step_seconds
+
+    assert extra(box(2, 1, loopback=True)) == pytest.approx(2 * 2e-3, rel=0.05)  # 2 ranks
+    assert extra(box(2, 4, loopback=True)) == pytest.approx(0.0, abs=1e-9)
+    assert extra(box(2, 1)) == pytest.approx(0.0, abs=1e-9)
+    text = replace(box(2, 1, loopback=True), step_cpu=2e-3).to_dict()
+    assert text["overheads"]["step_cpu"] == 2e-3
+    assert Cluster.from_dict(text).step_cpu == 2e-3
+    assert "step_cpu" not in box(2, 1).to_dict()["overheads"]  # the default, 0, is left out
+
+
 def test_link_cpu_reads_back_and_is_refused_by_name_when_bad():
     text = replace(box(2, 2, loopback=True), network=Link(1e9, 5e-5, cpu=1.5)).to_dict()
     assert text["network"] == {"bandwidth": 1e9, "latency": 5e-5, "cpu": 1.5}
