@@ -26,6 +26,10 @@ Every figure comes from the parts a local run uses:
   worker's (`probe_reply`); the CPU of both processes over the calls, per call (0.5 ms
   here). On a loopback host the simulator runs it beside each rank's step ([Note: step
   calls] in pipefb.simulate).
+- **oversubscribed cores** (`hosts[].oversubscribed`): `cores` processes, then twice as
+  many, each running one `gpt` block's forward and backward (one torch thread) for
+  `Settings.crowd_seconds`; the runs of the second over the first (0.87-0.94 here:
+  [Note: oversubscribed cores] in pipefb.simulate).
 - **overheads**: `action` is the median gap between consecutive actions of a real
   `StageRuntime` step (clocks, span label, memory accounting); `step` is a unary RPC round
   trip to the peer's server plus what `run_step` spends outside its actions (flush, report).
@@ -49,6 +53,7 @@ import re
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +69,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.stepping import StepPump
 from offload_store import OffloadStore, connect
-from pipefb.cluster import MAX_TRANSFER_CPU, Cluster, Link, WorkerSpec
+from pipefb.cluster import MAX_TRANSFER_CPU, MIN_OVERSUBSCRIBED, Cluster, Link, WorkerSpec
 from pipefb.errors import Aborted, ConfigError
 from pipefb.local import Process
 from pipefb.memory import KINDS
@@ -81,7 +86,7 @@ STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
 PROBE_SPANS = 16  # actions of the probe's Step reply
-PROBE_VERSION = 4  # bumped when a probe measures differently: older caches are re-measured
+PROBE_VERSION = 5  # bumped when a probe measures differently: older caches are re-measured
 PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -102,6 +107,7 @@ class Settings:
     warmup: int = 5  # probes of each size run first and not counted
     rpc_repeats: int = 100  # unary round trips for the step overhead
     step_calls: int = 300  # Step calls whose CPU (both ends) gives the step's CPU
+    crowd_seconds: float = 3.0  # each run of the oversubscription probe
     steps: int = 20  # runtime steps for the action and step overheads
 
 
@@ -114,6 +120,7 @@ class Measured:
     action_overhead: float  # seconds per action outside its handler
     step_overhead: float  # seconds per step and worker outside its actions
     step_cpu: float = 0.0  # CPU seconds of one Step call, the coordinator's and worker's end
+    oversubscribed: float = 1.0  # the cores' speed with twice as many busy threads
 
 
 # -- the gRPC probe -------------------------------------------------------------------------
@@ -433,6 +440,51 @@ def _runtime_overheads(steps: int) -> tuple[float, float]:
     return action, max(0.0, statistics.median(rest) - action)  # the last action's gap
 
 
+# -- oversubscribed cores ---------------------------------------------------------------------
+
+
+def _crowd_runs(processes: int, seconds: float) -> int:
+    """Runs `processes` busy processes (`coordinator.crowd`) at once for `seconds`;
+    their runs, summed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    command = [sys.executable, "-m", "coordinator.crowd", str(seconds)]
+    children = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, env=env) for _ in range(processes)]
+    try:
+        for child in children:
+            _expect_line(child, "ready")
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        return sum(int(_expect_line(child, None)) for child in children)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def _expect_line(child: subprocess.Popen[str], expected: str | None) -> str:
+    """The child's next stdout line (`expected` if given); CalibrationError otherwise."""
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()
+    if not line or (expected is not None and line != expected) or (
+            expected is None and not line.isdigit()):
+        raise CalibrationError(f"oversubscription probe process said {line!r}")
+    return line
+
+
+def _oversubscribed(cores: int, seconds: float) -> float:
+    """The cores' speed with twice as many busy processes as cores, relative to one per
+    core ([Note: oversubscribed cores] in pipefb.simulate), within MIN_OVERSUBSCRIBED..1."""
+    one_each = _crowd_runs(cores, seconds)
+    twice = _crowd_runs(2 * cores, seconds)
+    if not one_each:
+        raise CalibrationError("the oversubscription probe ran nothing")
+    return min(1.0, max(MIN_OVERSUBSCRIBED, twice / one_each))
+
+
 # -- putting it together --------------------------------------------------------------------
 
 
@@ -495,7 +547,8 @@ def measure(settings: Settings = Settings()) -> Measured:
         step_cpu = _step_cpu(peer.address, settings.step_calls, [os.getpid(), peer.pid])
         store = _store(redis_proc.address, settings, child_pids(redis_proc.pid))
         action, step = _runtime_overheads(settings.steps)
-    return Measured(network, store, action, rpc + step, step_cpu)
+    oversubscribed = _oversubscribed(os.cpu_count() or 1, settings.crowd_seconds)
+    return Measured(network, store, action, rpc + step, step_cpu, oversubscribed)
 
 
 def measure_links(settings: Settings = Settings()) -> tuple[Link, Link]:
@@ -523,7 +576,8 @@ def build_cluster(workers: int, measured: Measured) -> Cluster:
                    network=measured.network, store=measured.store,
                    host_cores={HOST: os.cpu_count() or 1}, loopback_hosts=frozenset({HOST}),
                    action_overhead=measured.action_overhead,
-                   step_overhead=measured.step_overhead, step_cpu=measured.step_cpu)
+                   step_overhead=measured.step_overhead, step_cpu=measured.step_cpu,
+                   host_oversubscribed={HOST: measured.oversubscribed})
 
 
 # -- the cache ------------------------------------------------------------------------------
@@ -573,7 +627,8 @@ def read_cache(path: Path) -> tuple[Measured, str]:
         raise ConfigError(f"TypeError: {error}") from None
     head = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
     return Measured(cluster.network, cluster.store, cluster.action_overhead,
-                    cluster.step_overhead, cluster.step_cpu), head
+                    cluster.step_overhead, cluster.step_cpu,
+                    cluster.oversubscribed_of(HOST)), head
 
 
 def write_cache(path: Path, text: str) -> None:

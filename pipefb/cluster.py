@@ -9,6 +9,9 @@ simulator take it as plain data. Sizes and rates accept units::
     hosts:                         # optional: cores the workers of a host share
       - {name: node0, cores: 16}   # loopback: true -> transfers between its workers and
                                    # the store's traffic run on those cores too
+                                   # (oversubscribed: 0.9 -> with twice as many busy
+                                   # threads as cores they run at 0.9 of their speed;
+                                   # default 1)
     network: {bandwidth: 25GB/s, latency: 5us}     # any two workers, unless `links` says
                                    # (cpu: 1.3 -> on a loopback host a transfer keeps 1.3
                                    # cores busy, sender and receiver together; default 1)
@@ -41,6 +44,7 @@ _UNITS = {"": 1.0, "b": 1.0, "k": 1e3, "kb": 1e3, "kib": 2.0**10, "m": 1e6, "mb"
           "mib": 2.0**20, "g": 1e9, "gb": 1e9, "gib": 2.0**30, "t": 1e12, "tb": 1e12,
           "tib": 2.0**40}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+MIN_OVERSUBSCRIBED = 0.5  # a host's `oversubscribed` speed may not say it loses more
 MAX_TRANSFER_CPU = 8.0  # cores one transfer may keep busy (a sanity bound on `Link.cpu`)
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(/s)?\s*$")
 
@@ -139,6 +143,9 @@ class Cluster:
     #: hosts whose workers talk over loopback (gRPC, a local store): moving bytes between
     #: them is CPU work that shares the host's cores with computes (one machine, no NICs)
     loopback_hosts: frozenset[str] = frozenset()
+    #: per host, the cores' speed with twice as many busy threads as cores, relative to
+    #: one per core (context switches and refilled caches); 1.0 where not given
+    host_oversubscribed: Mapping[str, float] = field(default_factory=dict)
     action_overhead: float = 0.0  # seconds the runtime spends per action, beyond its work
     step_overhead: float = 0.0  # seconds per step and worker (the step call's round trip)
     #: CPU seconds per step and worker outside its actions: its Step call, the
@@ -164,6 +171,10 @@ class Cluster:
         unknown = sorted(self.loopback_hosts - set(self.host_cores))
         if unknown:
             raise ConfigError(f"loopback host(s) {unknown} need an entry with cores in `hosts`")
+        for host, speed in self.host_oversubscribed.items():
+            if not MIN_OVERSUBSCRIBED <= speed <= 1.0:
+                raise ConfigError(f"host {host!r}: oversubscribed {speed!r} must be in "
+                                  f"{MIN_OVERSUBSCRIBED}..1")
 
     @property
     def size(self) -> int:
@@ -174,6 +185,10 @@ class Cluster:
         """The link from worker index `a` to worker index `b`."""
         pair = frozenset((self.workers[a].name, self.workers[b].name))
         return self.links.get(pair, self.network)
+
+    def oversubscribed_of(self, host: str) -> float:
+        """The host's `oversubscribed` speed (1.0: none lost, or not a described host)."""
+        return self.host_oversubscribed.get(host, 1.0)
 
     def cores_of(self, worker: int) -> tuple[str, int]:
         """(host key, cores) the worker's compute shares; a host of its own by default."""
@@ -209,18 +224,7 @@ class Cluster:
         if "workers" not in top:
             raise ConfigError(f"{source} needs `workers`")
         workers = _workers(top["workers"], f"{source}.workers")
-        hosts, loopback = {}, set()
-        for i, item in enumerate(top.get("hosts") or []):
-            host = _mapping(item, f"{source}.hosts[{i}]", {"name", "cores", "loopback"})
-            cores, name = host.get("cores", 1), str(host.get("name", ""))
-            if isinstance(cores, bool) or not isinstance(cores, int):
-                raise ConfigError(f"{source}.hosts[{i}].cores = {cores!r} is not an integer")
-            if not isinstance(host.get("loopback", False), bool):
-                raise ConfigError(f"{source}.hosts[{i}].loopback = {host['loopback']!r} is "
-                                  "not true or false")
-            hosts[name] = cores
-            if host.get("loopback", False):
-                loopback.add(name)
+        hosts, loopback, oversubscribed = _hosts(top.get("hosts") or [], f"{source}.hosts")
         links = {}
         for i, item in enumerate(top.get("links") or []):
             what = f"{source}.links[{i}]"
@@ -238,6 +242,7 @@ class Cluster:
             kwargs["store"] = Link.parse(top["store"], f"{source}.store")
         return Cluster(
             workers, links=links, host_cores=hosts, loopback_hosts=frozenset(loopback),
+            host_oversubscribed=oversubscribed,
             action_overhead=parse_quantity(over.get("action", 0), f"{source}.overheads.action",
                                            "seconds"),
             step_overhead=parse_quantity(over.get("step", 0), f"{source}.overheads.step",
@@ -284,7 +289,9 @@ class Cluster:
         }
         if self.host_cores:
             out["hosts"] = [{"name": h, "cores": c,
-                             **({"loopback": True} if h in self.loopback_hosts else {})}
+                             **({"loopback": True} if h in self.loopback_hosts else {}),
+                             **({"oversubscribed": self.host_oversubscribed[h]}
+                                if h in self.host_oversubscribed else {})}
                             for h, c in self.host_cores.items()]
         if self.links:
             out["links"] = [{"between": sorted(p), **link(x)} for p, x in self.links.items()]
@@ -358,3 +365,27 @@ def ring_link(cluster: Cluster, rank: int, groups: int) -> Link:
     width = cluster.size // groups
     ring = [rank % width + g * width for g in range(groups)]
     return slowest_hop(cluster, zip(ring, ring[1:] + ring[:1], strict=True))
+
+
+def _hosts(items: Any, source: str) -> tuple[dict[str, int], set[str], dict[str, float]]:
+    """The `hosts` list: cores by host, the loopback hosts, and `oversubscribed` speeds."""
+    if not isinstance(items, list):
+        raise ConfigError(f"{source} must be a list of hosts")
+    cores_of, loopback, oversubscribed = {}, set(), {}
+    for i, item in enumerate(items):
+        what = f"{source}[{i}]"
+        host = _mapping(item, what, {"name", "cores", "loopback", "oversubscribed"})
+        cores, name = host.get("cores", 1), str(host.get("name", ""))
+        if isinstance(cores, bool) or not isinstance(cores, int):
+            raise ConfigError(f"{what}.cores = {cores!r} is not an integer")
+        if not isinstance(host.get("loopback", False), bool):
+            raise ConfigError(f"{what}.loopback = {host['loopback']!r} is not true or false")
+        cores_of[name] = cores
+        if host.get("loopback", False):
+            loopback.add(name)
+        if "oversubscribed" in host:
+            speed = host["oversubscribed"]
+            if isinstance(speed, bool) or not isinstance(speed, int | float):
+                raise ConfigError(f"{what}.oversubscribed = {speed!r} is not a number")
+            oversubscribed[name] = float(speed)
+    return cores_of, loopback, oversubscribed

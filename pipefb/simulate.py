@@ -49,6 +49,15 @@ puts and takes (the calibration's large probes set it). Events
 then run in time order; otherwise every rank runs ahead as far as its inputs allow (same
 times, faster).
 
+[Note: oversubscribed cores]
+With more busy threads than cores, the OS switches between them and each switch refills
+the caches, so the cores do less work in all: a host's `oversubscribed` speed (measured
+by the calibration) is what is left with twice as many threads as cores, and the rate of
+n > cores jobs falls linearly in between and beyond, (1 - (1 - oversubscribed) (n -
+cores) / cores), no lower than `MIN_OVERSUBSCRIBED`. Measured here with copies of one
+`gpt` block's forward and backward in 1-5 processes on the 2 cores: 0.91 and 0.93 of
+the two-process throughput with 4, 0.82-0.88 with 5.
+
 [Note: step calls]
 Each step of each worker is a Step call from the coordinator (`coordinator.stepping`):
 the coordinator's end (the call, its reply parsed, the step's report) and the worker's
@@ -90,7 +99,7 @@ from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
-from pipefb.cluster import Cluster, Link, group_view, ring_link
+from pipefb.cluster import MIN_OVERSUBSCRIBED, Cluster, Link, group_view, ring_link
 from pipefb.costs import Profile, kept_bytes, ring_allreduce_seconds
 from pipefb.errors import ScheduleError
 from pipefb.memory import KINDS
@@ -503,16 +512,21 @@ class _Job:
 
 class _Host:
     """Processor sharing on a host's cores: each of its n running jobs (one thread each)
-    progresses at min(1, cores / n) seconds of work per second."""
+    progresses at min(1, cores / n) seconds of work per second, times the speed left to
+    oversubscribed cores ([Note: oversubscribed cores])."""
 
-    def __init__(self, cores: int) -> None:
-        self.cores = cores
+    def __init__(self, cores: int, oversubscribed: float = 1.0) -> None:
+        self.cores, self.oversubscribed = cores, oversubscribed
         self.jobs: list[_Job] = []
         self.clock = 0.0
         self.version = 0  # bumped when the running set changes: older finish events are void
 
     def rate(self) -> float:
-        return min(1.0, self.cores / len(self.jobs)) if self.jobs else 1.0
+        n = len(self.jobs)
+        if n <= self.cores:
+            return 1.0
+        lost = (1.0 - self.oversubscribed) * (n - self.cores) / self.cores
+        return self.cores / n * max(MIN_OVERSUBSCRIBED, 1.0 - lost)
 
     def advance(self, t: float) -> None:
         """Runs the jobs until `t`."""
@@ -553,7 +567,8 @@ class _Engine:
         self.links: dict[tuple[int, int], float] = defaultdict(float)
         self.link_of: dict[tuple[int, int], Link] = {}
         self.host = {r: self.cluster.cores_of(r) for r in self.runs}
-        self.hosts = {name: _Host(n) for name, n in self.host.values()}
+        self.hosts = {name: _Host(n, self.cluster.oversubscribed_of(name))
+                      for name, n in self.host.values()}
         self.waiting: dict[int, list[int]] = defaultdict(list)
         # [Note: flush]: a rank's transfers still on their way, and when the last left
         self.sending: dict[int, int] = defaultdict(int)

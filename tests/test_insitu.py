@@ -84,6 +84,29 @@ def test_each_step_call_takes_step_cpu_from_a_loopback_hosts_cores():
     assert "step_cpu" not in box(2, 1).to_dict()["overheads"]  # the default, 0, is left out
 
 
+def test_oversubscribed_cores_do_less_work_in_all():
+    """[Note: oversubscribed cores]: two stages always computing on one core whose
+    oversubscribed speed is 0.8 take 1/0.8 as long as on one losing nothing; with a core
+    each nothing is lost; the value reads back and a bad one is refused by name."""
+    profile = uniform_profile(4, activation=8, params=0)
+    plan = balanced_plan("pipedream", 2, [1.0] * 4, 64, 32, mode="async")
+
+    def step(cores: int, speed: float) -> float:
+        cluster = replace(box(2, cores), host_oversubscribed={"box": speed})
+        return simulate(plan, profile, cluster).step_seconds
+
+    assert step(1, 0.8) == pytest.approx(step(1, 1.0) / 0.8, rel=0.02)
+    assert step(2, 0.8) == step(2, 1.0)
+    text = replace(box(2, 1), host_oversubscribed={"box": 0.9}).to_dict()
+    assert text["hosts"] == [{"name": "box", "cores": 1, "oversubscribed": 0.9}]
+    assert Cluster.from_dict(text).oversubscribed_of("box") == 0.9
+    with pytest.raises(ConfigError, match=r"host 'box': oversubscribed 0.2 must be in 0.5..1"):
+        Cluster.from_dict({**text, "hosts": [{"name": "box", "cores": 1,
+                                              "oversubscribed": 0.2}]})
+    with pytest.raises(ConfigError, match=r"hosts\[0\].oversubscribed = 'x' is not a number"):
+        Cluster.from_dict({**text, "hosts": [{"name": "box", "oversubscribed": "x"}]})
+
+
 def test_link_cpu_reads_back_and_is_refused_by_name_when_bad():
     text = replace(box(2, 2, loopback=True), network=Link(1e9, 5e-5, cpu=1.5)).to_dict()
     assert text["network"] == {"bandwidth": 1e9, "latency": 5e-5, "cpu": 1.5}
