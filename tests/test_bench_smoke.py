@@ -295,3 +295,22 @@ def test_a_partial_rerun_dates_its_entries_and_a_whole_run_clears_them(tmp_path:
     again = record_run(tmp_path, {"matrix": 11.0}, complete=False)
     assert set(again["rerun"]) == {"store", "matrix"}  # reruns add up until a whole run
     assert "rerun" not in record_run(tmp_path, {"matrix": 9.0, "store": 1.0}, complete=True)
+
+
+def test_a_whole_run_records_the_cluster_it_measured_and_its_page_says_so(tmp_path: Path
+                                                                          ) -> None:
+    from bench.run_all import cluster_lines, record_run
+    from pipefb.cluster import Cluster, Link, WorkerSpec
+
+    cluster = Cluster((WorkerSpec("w0", host="local"),), network=Link(2e9, 3e-4, cpu=1.5),
+                      store=Link(1e9, 4e-4), host_cores={"local": 2},
+                      loopback_hosts=frozenset({"local"}), step_cpu=5e-4,
+                      host_oversubscribed={"local": 0.9})
+    extra = {"cluster": cluster.to_dict(), "cluster_measured": "2026-11-25 15:00 UTC"}
+    run = record_run(tmp_path, {"matrix": 10.0}, complete=True, extra=extra)
+    (line,) = cluster_lines(run)
+    assert "measured at 2026-11-25 15:00 UTC" in line
+    assert "loopback gRPC 0.30 ms + bytes at 2.00 GB/s (1.50 cores busy)" in line
+    assert "step call 0.50 ms of CPU, 2 cores at 0.90" in line
+    assert record_run(tmp_path, {"store": 1.0}, complete=False)["cluster"] == extra["cluster"]
+    assert cluster_lines({}) == []  # a quick run measures nothing
