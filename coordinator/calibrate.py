@@ -50,6 +50,7 @@ import itertools
 import os
 import platform
 import re
+import select
 import signal
 import socket
 import statistics
@@ -466,8 +467,13 @@ def _crowd_runs(processes: int, seconds: float) -> int:
 
 
 def _expect_line(child: subprocess.Popen[str], expected: str | None) -> str:
-    """The child's next stdout line (`expected` if given); CalibrationError otherwise."""
+    """The child's next stdout line (`expected` if given, else a count) within
+    `PROBE_TIMEOUT_S`; CalibrationError otherwise."""
     assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], PROBE_TIMEOUT_S)
+    if not ready:
+        raise CalibrationError(f"oversubscription probe process said nothing in "
+                               f"{PROBE_TIMEOUT_S:.0f} s")
     line = child.stdout.readline().strip()
     if not line or (expected is not None and line != expected) or (
             expected is None and not line.isdigit()):

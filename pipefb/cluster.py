@@ -172,6 +172,9 @@ class Cluster:
         if unknown:
             raise ConfigError(f"loopback host(s) {unknown} need an entry with cores in `hosts`")
         for host, speed in self.host_oversubscribed.items():
+            if host not in self.host_cores:
+                raise ConfigError(f"host {host!r} has an oversubscribed speed but no entry "
+                                  "with cores in `hosts`")
             if not MIN_OVERSUBSCRIBED <= speed <= 1.0:
                 raise ConfigError(f"host {host!r}: oversubscribed {speed!r} must be in "
                                   f"{MIN_OVERSUBSCRIBED}..1")

@@ -406,7 +406,8 @@ def small_size(microbatch_size: int) -> int:
 def fixed_part(small: float, full: float, sizes: tuple[int, int]) -> float:
     """The part of a time that does not scale with samples: the line through `small`
     seconds at `sizes[0]` samples and `full` at `sizes[1]`, at 0 samples, within
-    [0, full]; `full` itself when both sizes are one ([Note: fixed part])."""
+    [0, full]; `full` itself when the sizes are the same (a one-sample micro-batch is all
+    fixed part; [Note: fixed part])."""
     n, m = sizes
     if n == m:
         return full

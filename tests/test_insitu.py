@@ -103,6 +103,8 @@ def test_oversubscribed_cores_do_less_work_in_all():
     with pytest.raises(ConfigError, match=r"host 'box': oversubscribed 0.2 must be in 0.5..1"):
         Cluster.from_dict({**text, "hosts": [{"name": "box", "cores": 1,
                                               "oversubscribed": 0.2}]})
+    with pytest.raises(ConfigError, match=r"host 'other' has an oversubscribed speed but no"):
+        replace(box(2, 1), host_oversubscribed={"other": 0.9})
     with pytest.raises(ConfigError, match=r"hosts\[0\].oversubscribed = 'x' is not a number"):
         Cluster.from_dict({**text, "hosts": [{"name": "box", "oversubscribed": "x"}]})
 
