@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import groups_doc, machine, matrix, planner_doc, replan, scaling, sim_accuracy, store
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
+from pipefb.local import project_env
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Entries that need a CUDA device: they run only where one is, into the GPU page.
@@ -65,8 +66,7 @@ def run_bench(name: str, out: Path, quick: bool, seconds: dict[str, float]
     """Runs one entry of BENCHES in a child; returns (command, results) and records its
     wall time in `seconds`."""
     argv = bench_argv(name, out, quick)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = project_env()
     print(f"== {name}: {' '.join(argv)}", flush=True)
     started = time.perf_counter()
     subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, check=True)

@@ -58,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -72,7 +72,7 @@ from coordinator.stepping import StepPump
 from offload_store import OffloadStore, connect
 from pipefb.cluster import MAX_TRANSFER_CPU, MIN_OVERSUBSCRIBED, Cluster, Link, WorkerSpec
 from pipefb.errors import Aborted, ConfigError
-from pipefb.local import Process
+from pipefb.local import Process, project_env
 from pipefb.memory import KINDS
 from pipefb.schedule import Kind
 from protos import server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -89,7 +89,6 @@ STASH_DEPTH = 2  # probe stashes in the store before the first is taken
 PROBE_SPANS = 16  # actions of the probe's Step reply
 PROBE_VERSION = 5  # bumped when a probe measures differently: older caches are re-measured
 PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
-ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
 
@@ -447,36 +446,33 @@ def _runtime_overheads(steps: int) -> tuple[float, float]:
 def _crowd_runs(processes: int, seconds: float) -> int:
     """Runs `processes` busy processes (`coordinator.crowd`) at once for `seconds`;
     their runs, summed."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     command = [sys.executable, "-m", "coordinator.crowd", str(seconds)]
     children = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True, env=env) for _ in range(processes)]
+                                 text=True, env=project_env()) for _ in range(processes)]
     try:
         for child in children:
-            _expect_line(child, "ready")
+            _expect_line(child, "ready".__eq__)
         for child in children:
             assert child.stdin is not None
             child.stdin.write("go\n")
             child.stdin.flush()
-        return sum(int(_expect_line(child, None)) for child in children)
+        return sum(int(_expect_line(child, str.isdigit)) for child in children)
     finally:
         for child in children:
             child.kill()
             child.wait()
 
 
-def _expect_line(child: subprocess.Popen[str], expected: str | None) -> str:
-    """The child's next stdout line (`expected` if given, else a count) within
-    `PROBE_TIMEOUT_S`; CalibrationError otherwise."""
+def _expect_line(child: subprocess.Popen[str], valid: Callable[[str], bool]) -> str:
+    """The child's next stdout line, if `valid` and within `PROBE_TIMEOUT_S`;
+    CalibrationError otherwise."""
     assert child.stdout is not None
     ready, _, _ = select.select([child.stdout], [], [], PROBE_TIMEOUT_S)
     if not ready:
         raise CalibrationError(f"oversubscription probe process said nothing in "
                                f"{PROBE_TIMEOUT_S:.0f} s")
     line = child.stdout.readline().strip()
-    if not line or (expected is not None and line != expected) or (
-            expected is None and not line.isdigit()):
+    if not valid(line):
         raise CalibrationError(f"oversubscription probe process said {line!r}")
     return line
 
@@ -513,8 +509,7 @@ def _helpers(inbox: Inbox) -> Iterator[tuple[Process, Process]]:
     The children are forked before this process serves gRPC (gRPC warns about a fork
     while its threads run), so the Receiver's port is picked first and bound after.
     """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = project_env()
     address = f"127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-") as logs, \
             contextlib.ExitStack() as stack:

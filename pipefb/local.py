@@ -51,6 +51,16 @@ _BOOT = ("import sys; from pipefb.local import die_with_parent; die_with_parent(
          "runpy.run_module(module, run_name='__main__', alter_sys=True)")
 
 
+def project_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's environment) with this checkout's root first on
+    PYTHONPATH, so a child's `python -m worker` (or any module here) runs this code."""
+    out = dict(os.environ if env is None else env)
+    out["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent), out.get("PYTHONPATH", ""))
+        if p)
+    return out
+
+
 def python_argv(args: list[str]) -> list[str]:
     """The command line of a `python -m MODULE ARGS` child that dies with this process
     (other arguments run as they are, without that guard)."""
@@ -167,10 +177,8 @@ class LocalCluster:
         self.cluster_file = cluster_file  # the coordinator's --cluster (plan "auto")
         self.store_maxmemory = store_maxmemory
         threads = threads or default_threads(workers)
-        self.env = {**os.environ, "PIPEFB_THREADS": str(threads), **(extra_env or {})}
-        self.env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(Path(__file__).resolve().parent.parent),
-                        self.env.get("PYTHONPATH", "")) if p)
+        self.env = project_env({**os.environ, "PIPEFB_THREADS": str(threads),
+                                **(extra_env or {})})
         # the store's service user ([Note: store ACL] in offload_store/acl.py): every
         # process here authenticates as it; the default user is off
         self.store_user, self.store_password = STORE_USER, secrets.token_hex(16)

@@ -481,7 +481,8 @@ def analytic_profile(job: JobConfig, microbatch_size: int, flops_per_second: flo
         seq = _sequence(build_layers(job), dataset, microbatch_size)
         rows = tuple(_analytic_layer(seq, i, out, device, derive_seed(job.seed, DATA_STEP, 0, i))
                      for i, out in enumerate(seq.output_specs()))
-        ratio = _optimizer_costs(job, _params(seq.layers), 0, 1).state_ratio
+        params = _params(seq.layers)
+        ratio = _optimizer_step(job, params, 0, 1, None)[1] if params else 0.0
     per_byte = (3 + 2 * ratio) / device.bytes_per_second if device.bytes_per_second else 0.0
     return Profile(microbatch_size, rows, optimizer_seconds_per_byte=per_byte,
                    optimizer_state_ratio=ratio, source="analytic")
