@@ -30,6 +30,11 @@ Every figure comes from the parts a local run uses:
   many, each running one `gpt` block's forward and backward (one torch thread) for
   `Settings.crowd_seconds`; the runs of the second over the first (0.87-0.94 here:
   [Note: oversubscribed cores] in pipefb.simulate).
+- **busy senders** (`overheads.busy_send`): 64 KiB probes whose sender then computes for
+  `Settings.busy_seconds` (a 512-wide Linear's forward and backward, one torch thread)
+  against probes whose sender waits; the echo peer stamps when each arrived, and the mean
+  one-way difference is how much later a send followed by compute starts (0.3-0.7 ms
+  here: [Note: busy senders] in pipefb.simulate).
 - **overheads**: `action` is the median gap between consecutive actions of a real
   `StageRuntime` step (clocks, span label, memory accounting); `step` is a unary RPC round
   trip to the peer's server plus what `run_step` spends outside its actions (flush, report).
@@ -87,9 +92,12 @@ STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
 PROBE_SPANS = 16  # actions of the probe's Step reply
-PROBE_VERSION = 5  # bumped when a probe measures differently: older caches are re-measured
+PROBE_VERSION = 6  # bumped when a probe measures differently: older caches are re-measured
 PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
 MiB = 1 << 20
+BUSY_WIDTH = 512  # features of the Linear a busy sender runs
+BUSY_BATCH = 32  # its batch
+STAMP = "stamp"  # a probe tensor the echo peer replaces with when the probe arrived
 
 
 class CalibrationError(RuntimeError):
@@ -108,6 +116,9 @@ class Settings:
     rpc_repeats: int = 100  # unary round trips for the step overhead
     step_calls: int = 300  # Step calls whose CPU (both ends) gives the step's CPU
     crowd_seconds: float = 3.0  # each run of the oversubscription probe
+    busy_bytes: int = 64 * 1024  # tensor size of the busy-sender probes
+    busy_repeats: int = 200  # busy-sender probes, and as many with an idle sender
+    busy_seconds: float = 2e-3  # how long a busy sender computes after each send
     steps: int = 20  # runtime steps for the action and step overheads
 
 
@@ -121,6 +132,7 @@ class Measured:
     step_overhead: float  # seconds per step and worker outside its actions
     step_cpu: float = 0.0  # CPU seconds of one Step call, the coordinator's and worker's end
     oversubscribed: float = 1.0  # the cores' speed with twice as many busy threads
+    busy_send: float = 0.0  # how much later a send followed by compute starts
 
 
 # -- the gRPC probe -------------------------------------------------------------------------
@@ -201,6 +213,8 @@ def echo(parent: str) -> None:
     try:
         while True:
             tensors = transport.recv(Kind.RECV_F, step, 0, 0)
+            if STAMP in tensors:  # when it arrived, for one-way times (same clock)
+                tensors[STAMP] = torch.tensor([time.time()], dtype=torch.float64)
             transport.send(Kind.RECV_F, 0, step, 0, 0, 0, tensors)
             step += 1
     except Aborted:
@@ -220,13 +234,26 @@ class _Pinger:
         """Seconds from `send` to the `recv` of the echo."""
         started = time.perf_counter()
         self.transport.send(Kind.RECV_F, 0, self.step, 0, 0, 0, {"x": tensor})
+        self._echo()
+        return time.perf_counter() - started
+
+    def _echo(self) -> dict[str, torch.Tensor]:
         try:
-            self.transport.recv(Kind.RECV_F, self.step, 0, 0)
+            tensors = self.transport.recv(Kind.RECV_F, self.step, 0, 0)
         except Aborted as error:
             raise CalibrationError(f"no echo of probe {self.step}: {error}; peer log: "
                                    f"{self.peer.log_tail()}") from None
         self.step += 1
-        return time.perf_counter() - started
+        return tensors
+
+    def stamped(self, tensor: torch.Tensor, then: Callable[[], object]) -> float:
+        """Seconds from `send` to the peer's receipt of `tensor` when this thread runs
+        `then` right after the send."""
+        sent = time.time()
+        self.transport.send(Kind.RECV_F, 0, self.step, 0, 0, 0,
+                            {"x": tensor, STAMP: torch.zeros(1, dtype=torch.float64)})
+        then()
+        return float(self._echo()[STAMP][0]) - sent
 
     def one_way(self, size: int, repeats: int, warmup: int) -> float:
         """Median one-way seconds of a `size`-byte tensor: half the round trip."""
@@ -236,8 +263,44 @@ class _Pinger:
         return statistics.median(self.round_trip(tensor) for _ in range(repeats)) / 2
 
 
-def _network(peer: Process, inbox: Inbox, settings: Settings) -> Link:
-    """The worker-to-worker link, from probes to the echo peer."""
+class _Busy:
+    """What a worker does between sends: a Linear's forward and backward, one thread."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.layer = torch.nn.Linear(BUSY_WIDTH, BUSY_WIDTH)
+        self.x = torch.randn(BUSY_BATCH, BUSY_WIDTH)
+
+    def __call__(self) -> None:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            end = time.perf_counter() + self.seconds
+            while time.perf_counter() < end:
+                torch.relu(self.layer(self.x)).sum().backward()
+        finally:
+            torch.set_num_threads(saved)
+
+
+def _busy_send(pinger: _Pinger, settings: Settings) -> float:
+    """How much later a send followed by compute arrives: the mean one-way time of probes
+    whose sender computes after each send less that of probes whose sender waits
+    ([Note: busy senders] in pipefb.simulate), at least 0."""
+    tensor = torch.ones(max(1, settings.busy_bytes // 4), dtype=torch.float32)
+    busy, idle = _Busy(settings.busy_seconds), lambda: None
+    for then in (idle, busy):  # warm both paths
+        for _ in range(settings.warmup):
+            pinger.stamped(tensor, then)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(2 * settings.busy_repeats):  # interleaved: drift hits both alike
+        computes = k % 2 == 1
+        times[computes].append(pinger.stamped(tensor, busy if computes else idle))
+    return max(0.0, statistics.mean(times[True]) - statistics.mean(times[False]))
+
+
+def _network(peer: Process, inbox: Inbox, settings: Settings) -> tuple[Link, float]:
+    """The worker-to-worker link, from probes to the echo peer, and how much later a
+    send followed by compute arrives."""
     transport = GrpcTransport(JOB, [peer.address], None, inbox)
     meter = CpuMeter([os.getpid(), peer.pid])
     try:
@@ -246,11 +309,12 @@ def _network(peer: Process, inbox: Inbox, settings: Settings) -> Link:
         with meter.span():
             large = pinger.one_way(settings.large_bytes, settings.large_repeats,
                                    settings.warmup)
+        busy = _busy_send(pinger, settings)
         transport.flush()
     finally:
         transport.close()
     link = fit_link("loopback gRPC", settings.small_bytes, small, settings.large_bytes, large)
-    return replace(link, cpu=meter.cores())
+    return replace(link, cpu=meter.cores()), busy
 
 
 def _step_cpu(address: str, calls: int, pids: Sequence[int]) -> float:
@@ -543,13 +607,13 @@ def measure(settings: Settings = Settings()) -> Measured:
     """
     inbox = Inbox(timeout_seconds=PROBE_TIMEOUT_S)
     with _switch_interval(SWITCH_INTERVAL_SECONDS), _helpers(inbox) as (redis_proc, peer):
-        network = _network(peer, inbox, settings)
+        network, busy_send = _network(peer, inbox, settings)
         rpc = _rpc_round_trip(peer.address, settings.rpc_repeats)
         step_cpu = _step_cpu(peer.address, settings.step_calls, [os.getpid(), peer.pid])
         store = _store(redis_proc.address, settings, child_pids(redis_proc.pid))
         action, step = _runtime_overheads(settings.steps)
     oversubscribed = _oversubscribed(os.cpu_count() or 1, settings.crowd_seconds)
-    return Measured(network, store, action, rpc + step, step_cpu, oversubscribed)
+    return Measured(network, store, action, rpc + step, step_cpu, oversubscribed, busy_send)
 
 
 def measure_links(settings: Settings = Settings()) -> tuple[Link, Link]:
@@ -578,7 +642,8 @@ def build_cluster(workers: int, measured: Measured) -> Cluster:
                    host_cores={HOST: os.cpu_count() or 1}, loopback_hosts=frozenset({HOST}),
                    action_overhead=measured.action_overhead,
                    step_overhead=measured.step_overhead, step_cpu=measured.step_cpu,
-                   host_oversubscribed={HOST: measured.oversubscribed})
+                   host_oversubscribed={HOST: measured.oversubscribed},
+                   busy_send=measured.busy_send)
 
 
 # -- the cache ------------------------------------------------------------------------------
@@ -629,7 +694,7 @@ def read_cache(path: Path) -> tuple[Measured, str]:
     head = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
     return Measured(cluster.network, cluster.store, cluster.action_overhead,
                     cluster.step_overhead, cluster.step_cpu,
-                    cluster.oversubscribed_of(HOST)), head
+                    cluster.oversubscribed_of(HOST), cluster.busy_send), head
 
 
 def write_cache(path: Path, text: str) -> None:

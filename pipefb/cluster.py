@@ -22,6 +22,10 @@ simulator take it as plain data. Sizes and rates accept units::
                                    # (step_cpu: 0.5ms -> on a loopback host each worker's
                                    # step also keeps a core busy that long: its Step call,
                                    # the coordinator's end and the worker's; default 0)
+                                   # (busy_send: 0.5ms -> on a loopback host a transfer
+                                   # whose sender computes right after sending it starts
+                                   # that much later, at most when that compute ends;
+                                   # default 0)
 
 `speed` is relative to the device the profile was measured on (2.0: twice as fast);
 `memory` caps the bytes the runtime accounts to the worker (parameters, gradients,
@@ -151,6 +155,10 @@ class Cluster:
     #: CPU seconds per step and worker outside its actions: its Step call, the
     #: coordinator's end and the worker's; a job on a loopback host's cores
     step_cpu: float = 0.0
+    #: on a loopback host, how much later a transfer starts when its sender computes right
+    #: after the send, at most until that compute ends ([Note: busy senders] in
+    #: pipefb.simulate)
+    busy_send: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -237,7 +245,7 @@ class Cluster:
                 raise ConfigError(f"{what}.between must list two worker names")
             links[frozenset(str(n) for n in between)] = Link.parse(item, what)
         over = _mapping(top.get("overheads") or {}, f"{source}.overheads",
-                        {"action", "step", "step_cpu"})
+                        {"action", "step", "step_cpu", "busy_send"})
         kwargs: dict[str, Any] = {}
         if "network" in top:
             kwargs["network"] = Link.parse(top["network"], f"{source}.network")
@@ -252,6 +260,8 @@ class Cluster:
                                          "seconds"),
             step_cpu=parse_quantity(over.get("step_cpu", 0), f"{source}.overheads.step_cpu",
                                     "seconds"),
+            busy_send=parse_quantity(over.get("busy_send", 0),
+                                     f"{source}.overheads.busy_send", "seconds"),
             **kwargs)
 
     @staticmethod
@@ -288,7 +298,8 @@ class Cluster:
             "network": link(self.network),
             "store": link(self.store),
             "overheads": {"action": self.action_overhead, "step": self.step_overhead,
-                          **({"step_cpu": self.step_cpu} if self.step_cpu else {})},
+                          **({"step_cpu": self.step_cpu} if self.step_cpu else {}),
+                          **({"busy_send": self.busy_send} if self.busy_send else {})},
         }
         if self.host_cores:
             out["hosts"] = [{"name": h, "cores": c,

@@ -18,7 +18,7 @@ stash may alias the layer's input or output).
 [Note: profiled layers] `measure_profile(layers=...)` times only the given layers. Every
 layer still runs its forward on each micro-batch, for its `saved_bytes` and for the inputs
 of the layers after it; a layer outside `layers` reports zero times and runs no backward.
-The small micro-batch of the fixed parts runs through layers 0 .. the last timed one.
+The second micro-batch of the fixed parts runs through layers 0 .. the last timed one.
 
 [Note: timed as a pipeline runs]
 A step's time is the sum of its actions' times, so the profile holds means, not medians:
@@ -49,15 +49,20 @@ step over cached state runs about twice as fast as one over evicted state here.
 [Note: fixed part]
 The planner tries micro-batch sizes other than the profiled one, and `Profile.at` rescales
 each time as a fixed part plus a part in proportion to samples. The fixed part is the
-line through the times at two sizes, the profiled one and a quarter of it
-(`small_size`), taken at 0 samples. A single sample is a poor second point: on this
-machine's CPU a `gpt` block (n_embd 128, 64 tokens) costs more per call at 1 sample than
-the line through 2 to 32 samples gives, so with the fixed part measured there an 8-sample
-profile of the bench's `gpt` scaled to 16 and 32 samples came out 6-10% under the times
-measured at those sizes, and to 2 samples 28-33% over (forward and backward sums,
-`measure_profile` at each size). From 2 and 8 samples, two runs came within -6%..+8% at
-2, 4, 16 and 32 samples. The bench's small `mlp` (about 0.2 ms a layer, mostly per-call
-cost) stays noisy either way: up to 20% off at 32 samples.
+line through the times at two sizes, the profiled one and a second (`second_size`),
+taken at 0 samples. The second is four times the profiled size, within the job's batch
+(the largest micro-batch a plan can have); at the whole batch, a quarter of it. Far
+apart and the second above: where a layer's time is mostly per call (the bench's small
+`mlp`, about 0.2 ms a layer), the slope is a small difference of two noisy times, and
+from a quarter of the size an error in it was multiplied on the way up. Measured here:
+the 8-sample `mlp` profiles the workers took in one simulator-accuracy run, scaled to 32
+samples along the line through 2 and 8, gave 1.4-2.7 ms of forward (1.65-1.68 ms measured
+at 32 samples in a quiet process); in a quiet process both pairs came within -13%..+8%
+of the times measured at 2, 4, 16 and 32 samples for the bench's `gpt` and `mlp`
+(forward and backward sums, two runs each). A single sample is a poor point: a `gpt`
+block (n_embd 128, 64 tokens) costs more per call at 1 sample than the line through 2 to
+32 samples gives (with the fixed part from 1 sample, 8-sample profiles scaled to 2
+samples came out 28-33% over).
 
 [Note: optimizer fixed part]
 An optimizer step costs a fixed part per call beyond its bytes, and the simulator charges
@@ -102,9 +107,11 @@ REPEATS = 5  # default timed rounds (times are their mean)
 IN_FLIGHT = 2  # micro-batches a round forwards before their backwards
 EVICT_BYTES = 64 << 20  # written before each timed call (beyond a CPU's caches)
 MAX_RUNS = 100  # warm-up or timed runs a request may ask for (bounds a Profile call)
-#: the second micro-batch timed is the profiled one's size over this (at least 1 sample);
-#: each time's fixed part is the line through the two sizes, at 0 samples ([Note: fixed part])
-SMALL_DIVISOR = 4
+#: the second micro-batch timed is this many times the profiled one's size, within the
+#: job's batch, else this many times smaller (at least 1 sample); each time's fixed part
+#: is the line through the two sizes, at 0 samples ([Note: fixed part])
+SECOND_FACTOR = 4
+MIN_SECOND_ROUNDS = 2  # timed rounds at a larger second size, at least
 DATA_STEP = 0  # shapes come from step 0's micro-batch 0; round r runs step DATA_STEP + r
 _EXAMPLE_SEED = 0  # seeds the example inputs of the analytic stash (never the global RNG)
 
@@ -178,9 +185,9 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
     as a split rank runs it (random ops seeded as the runtime seeds them), on the job's
     device. Each time is the mean over `repeats` rounds of `IN_FLIGHT` micro-batches, after
     `warmup` untimed rounds (on CUDA each call waits for its kernels); the fixed parts
-    come from the same timed at `small_size(microbatch_size)` samples ([Note: fixed
-    part]). The torch thread count is the caller's; the caller's random generator state
-    is left unchanged.
+    come from the same timed at `second_size(microbatch_size, job.batch_size)` samples
+    ([Note: fixed part]). The torch thread count is the caller's; the caller's random
+    generator state is left unchanged.
 
     Args:
         job: the job whose layers, data, seed and optimizer to profile.
@@ -209,13 +216,14 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
         caches = _Caches(device)
         full = _pipeline(seq, dataset, microbatch_size, timed, len(seq.layers), job.seed,
                          warmup, repeats, caches)
-        size = small_size(microbatch_size)
-        small = (full if microbatch_size == size else
-                 _pipeline(_sequence(seq.layers, dataset, size), dataset, size,
-                           timed, timed.stop, job.seed, warmup, repeats, caches))
+        size = second_size(microbatch_size, job.batch_size)
+        rounds = _second_rounds(warmup, repeats, microbatch_size, size)
+        second = (full if microbatch_size == size else
+                  _pipeline(_sequence(seq.layers, dataset, size), dataset, size,
+                            timed, timed.stop, job.seed, *rounds, caches))
         params = _params([seq.layers[i] for i in timed]) or _params(seq.layers)
         optimizer = _optimizer_costs(job, params, warmup, repeats, caches)
-    runs, fixed = full.runs(len(seq.layers)), small.runs(timed.stop)
+    runs, fixed = full.runs(len(seq.layers)), second.runs(timed.stop)
     sizes = (size, microbatch_size)
     rows = (_measured_layer(seq, i, out, runs[i], fixed[i] if i in timed else None, sizes)
             for i, out in enumerate(seq.output_specs()))
@@ -398,33 +406,50 @@ def _optimizer_step(job: JobConfig, params: list[torch.Tensor], warmup: int, rep
     return seconds, optimizer_state_bytes(optimizer) / tensor_bytes(params)
 
 
-def small_size(microbatch_size: int) -> int:
-    """Samples of the second micro-batch the profiler times ([Note: fixed part])."""
-    return max(1, microbatch_size // SMALL_DIVISOR)
+def second_size(microbatch_size: int, batch_size: int) -> int:
+    """Samples of the second micro-batch the profiler times ([Note: fixed part]): up to
+    `SECOND_FACTOR` times the profiled size within the batch; at the whole batch (or
+    beyond), `SECOND_FACTOR` times smaller, at least 1."""
+    larger = min(batch_size, SECOND_FACTOR * microbatch_size)
+    return larger if larger > microbatch_size else max(1, microbatch_size // SECOND_FACTOR)
 
 
-def fixed_part(small: float, full: float, sizes: tuple[int, int]) -> float:
-    """The part of a time that does not scale with samples: the line through `small`
-    seconds at `sizes[0]` samples and `full` at `sizes[1]`, at 0 samples, within
-    [0, full]; `full` itself when the sizes are the same (a one-sample micro-batch is all
-    fixed part; [Note: fixed part])."""
+def _second_rounds(warmup: int, repeats: int, microbatch_size: int, size: int
+                   ) -> tuple[int, int]:
+    """Warm-up and timed rounds at the second size: as many when it is smaller; when it
+    is larger, the same warm-up (a new size first meets page faults and a growing
+    allocator: with one warm-up round the bench `gpt`'s forward at 32 samples came out
+    13% over) and timed rounds of about as many samples as the profiled size's, at least
+    `MIN_SECOND_ROUNDS` (each call starts by evicting the caches, which costs more than a
+    small layer's compute)."""
+    if size <= microbatch_size:
+        return warmup, repeats
+    return warmup, max(MIN_SECOND_ROUNDS, math.ceil(repeats * microbatch_size / size))
+
+
+def fixed_part(other: float, full: float, sizes: tuple[int, int]) -> float:
+    """The part of a time that does not scale with samples: the line through `other`
+    seconds at `sizes[0]` samples and `full` (the profiled size's) at `sizes[1]`, at 0
+    samples, within [0, full]; `full` itself when the sizes are the same (a one-sample
+    micro-batch is all fixed part; [Note: fixed part])."""
     n, m = sizes
     if n == m:
         return full
-    slope = (full - small) / (m - n)
-    return min(max(small - slope * n, 0.0), full)
+    slope = (full - other) / (m - n)
+    return min(max(other - slope * n, 0.0), full)
 
 
-def _measured_layer(seq: _Sequence, i: int, out: TensorSpec, full: _Run, small: _Run | None,
+def _measured_layer(seq: _Sequence, i: int, out: TensorSpec, full: _Run, other: _Run | None,
                     sizes: tuple[int, int]) -> LayerProfile:
-    """Layer i's row: times from the full and the small runs, bytes from shapes."""
+    """Layer i's row: times from the profiled size's run and the second size's, bytes
+    from shapes."""
     layer = seq.layers[i]
     return LayerProfile(
         name=type(layer).__name__, forward_seconds=full.forward, backward_seconds=full.backward,
         input_bytes=sum(s.nbytes for s in seq.specs[i]), output_bytes=out.nbytes,
         saved_bytes=full.saved_bytes, param_bytes=tensor_bytes(layer.parameters()),
-        forward_fixed_seconds=fixed_part(small.forward, full.forward, sizes) if small else 0.0,
-        backward_fixed_seconds=(fixed_part(small.backward, full.backward, sizes) if small
+        forward_fixed_seconds=fixed_part(other.forward, full.forward, sizes) if other else 0.0,
+        backward_fixed_seconds=(fixed_part(other.backward, full.backward, sizes) if other
                                 else 0.0),
         weight_grad_seconds=min(full.weights, full.backward))
 

@@ -20,7 +20,8 @@ the bubble fraction and each worker's peak memory as the runtime accounts it.
   (the runtime prefetches).
 - RECV_* and RECV_W wait for the arrival; every action adds the cluster's action
   overhead, every iteration its step overhead (and, on a loopback host, its Step call's
-  CPU beside it: [Note: step calls]).
+  CPU beside it: [Note: step calls]). On a loopback host a send followed by compute
+  starts later ([Note: busy senders]).
 
 [Note: flush]
 A rank ends each step by waiting until every transfer it sent has left
@@ -69,6 +70,19 @@ rank itself waits). Measured in a 4-worker `mlp` pipedream run here (about 110 s
 second): the coordinator used 0.2 of a core, 0.44 ms per rank and step, and each worker
 0.12 ms per Step call beyond its actions; the calibration measures the call on both ends.
 
+[Note: busy senders]
+A worker's gRPC threads hand its sends on under its process's Python lock (the GIL).
+When the worker computes right after a send, torch drops and retakes that lock around
+each operator, and CPython asks a holder to let go only after a switch interval in which
+the lock never changed hands, so a waiting thread can wait out the whole compute.
+Measured here with 64 KB on the calibration's stream, the sender then running 1-4 ms of a
+512-wide Linear's forward and backward: one way 0.76-1.2 ms on average against 0.34 ms
+idle, in two modes (most hops about 0.4 ms; 8-37% wait for the compute's end); the
+receiver computing instead changed nothing (0.37 ms), nor did the switch interval
+(0.02-5 ms). On a loopback host the simulator starts such a transfer `Cluster.busy_send`
+later (the calibration's mean extra delay), or when that compute would end at full speed
+if sooner; an early send ([Note: early sends]) is followed by its B's weight halves.
+
 [Note: early sends]
 A rank of backward stage s > 0 in sync mode sends its input gradient before its weight
 grads ([Note: input grads first] in pipefb.runtime): its B sends the gradient after the
@@ -113,6 +127,7 @@ SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L})
 STORE_KINDS = frozenset({Kind.STASH, Kind.FETCH})
 LOSS_BYTES = 4  # a float32 scalar
 _EPSILON = 1e-12  # seconds of work left that count as none
+_TIMER = -2  # the rank field of a heap entry that runs a callback of `_Engine.timers`
 
 
 @dataclass
@@ -575,6 +590,7 @@ class _Engine:
         self.flushed: dict[int, float] = defaultdict(float)
         self.flushing: set[int] = set()  # ranks whose next step waits for those transfers
         self.heap: list[tuple[float, int, int, str, int]] = []
+        self.timers: dict[int, Callable[[float], None]] = {}  # by heap sequence number
         self.spans: list[Span] = []
         self.last_b: dict[int, float] = {}
         self.seq = 0
@@ -622,7 +638,10 @@ class _Engine:
             self._schedule(r)
         ops = self.program.ops
         while self.heap:
-            t, _, r, name, version = heapq.heappop(self.heap)
+            t, seq, r, name, version = heapq.heappop(self.heap)
+            if r == _TIMER:
+                self.timers.pop(seq)(t)
+                continue
             if r < 0:
                 host = self.hosts[name]
                 if version == host.version:
@@ -703,6 +722,26 @@ class _Engine:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, r, "", 0))
 
+    def _after(self, t: float, callback: Callable[[float], None]) -> None:
+        """Runs `callback(t)` at time `t`."""
+        self.seq += 1
+        self.timers[self.seq] = callback
+        heapq.heappush(self.heap, (t, self.seq, _TIMER, "", 0))
+
+    def _busy_send(self, r: int, op: _Op) -> float:
+        """How much later rank `r`'s transfers from `op` start on a loopback host: the
+        compute right after them holds the sender's Python lock ([Note: busy senders])."""
+        if self.cluster.busy_send <= 0:
+            return 0.0
+        if op.tail:  # an early send: the B's weight halves follow
+            return min(self.cluster.busy_send, op.tail)
+        run, ops, p = self.runs[r], self.program.ops[r], self.pos[r] + 1
+        while p < len(run) and ops[run[p][2]].action.kind in SENDS:
+            p += 1  # further sends only queue their bytes
+        after = ops[run[p][2]] if p < len(run) else None
+        return (min(self.cluster.busy_send, after.seconds)
+                if after is not None and after.action.kind in COMPUTE else 0.0)
+
     def _missing(self, step: int, op: _Op) -> tuple[int, float]:
         """The first awaited key not yet available (-1: none) and when all are."""
         ready = 0.0
@@ -776,9 +815,10 @@ class _Engine:
         """Starts the action's transfers at `at`; returns the ranks their arrival wakes."""
         base = step * self.stride
         woken: list[int] = []
+        wait = self._busy_send(r, op) if op.sends else 0.0
         for dst, nbytes, key in op.sends:
             if self.cluster.on_loopback(r, dst):
-                self._loopback_transfer(r, dst, nbytes, base + key, at)
+                self._loopback_transfer(r, dst, nbytes, base + key, at, wait)
                 continue
             self.avail[base + key] = self._transfer(r, dst, nbytes, at)
             self.flushed[r] = max(self.flushed[r], self.links[(r, dst)])  # last byte sent
@@ -798,10 +838,11 @@ class _Engine:
             link = self.link_of[(src, dst)] = self.cluster.link(src, dst)
         return link
 
-    def _loopback_transfer(self, src: int, dst: int, nbytes: int, slot: int, sent: float
-                           ) -> None:
+    def _loopback_transfer(self, src: int, dst: int, nbytes: int, slot: int, sent: float,
+                           wait: float = 0.0) -> None:
         """Bytes between ranks of a loopback host: CPU work on the host's cores, the
-        link's latency plus the bytes over its bandwidth (see [Note: shared hosts])."""
+        link's latency plus the bytes over its bandwidth (see [Note: shared hosts]),
+        starting `wait` after `sent` ([Note: busy senders])."""
         def arrived(end: float) -> None:
             self.avail[slot] = end
             self.sending[src] -= 1
@@ -812,10 +853,16 @@ class _Engine:
                 self.flushing.discard(src)
                 self._schedule(src)
 
+        def start(at: float) -> None:
+            link, name = self._link(src, dst), self.host[src][0]
+            self._start_job(name, at, link.seconds(nbytes), arrived)
+            self._other_end(name, at, link, link.seconds(nbytes))
+
         self.sending[src] += 1
-        link, name = self._link(src, dst), self.host[src][0]
-        self._start_job(name, sent, link.seconds(nbytes), arrived)
-        self._other_end(name, sent, link, link.seconds(nbytes))
+        if wait > 0:
+            self._after(sent + wait, start)
+        else:
+            start(sent)
 
     def _deadlock(self, stuck: dict[int, tuple[int, int, int]]) -> ScheduleError:
         names = {v: k for k, v in self.program.keys.items()}

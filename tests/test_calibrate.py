@@ -20,7 +20,7 @@ from pipefb.errors import ConfigError
 from pipefb.memory import KINDS
 
 FAST = Settings(small_repeats=20, large_bytes=4 << 20, large_repeats=3, warmup=2,
-                rpc_repeats=10, steps=4, step_calls=30, crowd_seconds=0.3)
+                rpc_repeats=10, steps=4, step_calls=30, crowd_seconds=0.3, busy_repeats=20)
 PROC = Path(f"/proc/{os.getpid()}/task").is_dir()  # where the calibration reads CPU time
 OTHER = Measured(Link(2e9, 3e-5), Link(1e9, 4e-5), 5e-6, 6e-4)  # a re-measurement's result
 
@@ -69,6 +69,9 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
     # twice as many busy processes as cores run slower in all (0.87-0.94 here)
     speed = cluster.oversubscribed_of(calibrate.HOST)
     assert 0.5 <= speed <= 1.0 and cached["hosts"][0]["oversubscribed"] == speed
+    # a send followed by compute arrives later (0.3-0.7 ms here), never earlier
+    assert 0.0 <= cluster.busy_send < 0.05
+    assert cached["overheads"].get("busy_send", 0.0) == cluster.busy_send
 
 
 def test_the_step_probe_answers_as_a_worker_does() -> None:

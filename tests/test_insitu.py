@@ -84,6 +84,31 @@ def test_each_step_call_takes_step_cpu_from_a_loopback_hosts_cores():
     assert "step_cpu" not in box(2, 1).to_dict()["overheads"]  # the default, 0, is left out
 
 
+def test_a_send_followed_by_compute_starts_busy_send_later_on_a_loopback_host():
+    """[Note: busy senders]: in GPipe with 4 micro-batches the first forward and the first
+    backward transfer are followed by compute and gate the other rank's chain, so the step
+    grows by 2 x busy_send; a longer delay is cut to the compute after the send;
+    where the host is not loopback, or a send is followed by a receive, nothing changes."""
+    profile = uniform_profile(4, activation=8, params=0)
+    plan = balanced_plan("gpipe", 2, [1.0] * 4, 8, 4)
+
+    def extra(cluster: Cluster, delay: float, on: object = plan) -> float:
+        later = replace(cluster, busy_send=delay)
+        return (simulate(on, profile, later).step_seconds  # type: ignore[arg-type]
+                - simulate(on, profile, cluster).step_seconds)  # type: ignore[arg-type]
+
+    loopback = box(2, 4, loopback=True)
+    assert extra(loopback, 1e-4) == pytest.approx(2e-4, rel=1e-6)
+    # cut to the compute after the send: a stage's F (2 layers x 2 samples x 1 ms), its B
+    assert extra(loopback, 1.0) == pytest.approx(4e-3 + 8e-3, rel=1e-6)
+    assert extra(box(2, 4), 1e-4) == pytest.approx(0.0, abs=1e-12)
+    one = balanced_plan("gpipe", 2, [1.0] * 4, 2, 1)  # each send is followed by a receive
+    assert extra(loopback, 1e-4, one) == pytest.approx(0.0, abs=1e-12)
+    text = replace(loopback, busy_send=5e-4).to_dict()
+    assert Cluster.from_dict(text).busy_send == 5e-4
+    assert "busy_send" not in loopback.to_dict()["overheads"]
+
+
 def test_oversubscribed_cores_do_less_work_in_all():
     """[Note: oversubscribed cores]: two stages always computing on one core whose
     oversubscribed speed is 0.8 take 1/0.8 as long as on one losing nothing; with a core

@@ -32,7 +32,7 @@ from pipefb.profiler import (
     measure_profile,
     median_profile,
     relative_speeds,
-    small_size,
+    second_size,
 )
 from pipefb.runtime import _needs_grad
 from pipefb.shapes import TensorSpec, infer_input_specs, spec_of
@@ -163,7 +163,11 @@ def test_the_fixed_part_is_the_line_through_two_sizes_at_zero_samples() -> None:
     assert fixed_part(1e-3, 5e-3, (2, 8)) == 0.0  # steeper than proportional: none fixed
     assert fixed_part(6e-3, 5e-3, (2, 8)) == 5e-3  # the small call slower: all fixed
     assert fixed_part(3e-3, 3e-3, (1, 1)) == 3e-3  # one sample: the call is all fixed
-    assert [small_size(n) for n in (1, 3, 4, 8, 9, 32)] == [1, 1, 1, 2, 2, 8]
+    # the line from a larger second size: 5 ms at 8 samples, 11 ms at 32
+    assert fixed_part(11e-3, 5e-3, (32, 8)) == pytest.approx(3e-3)
+    # four times the size within the batch, else a quarter of it
+    assert [second_size(n, 32) for n in (1, 3, 8, 9, 16, 32, 64)] == [4, 12, 32, 32, 32, 8, 16]
+    assert [second_size(n, n) for n in (1, 3, 4, 8)] == [1, 1, 1, 2]
 
 
 def test_at_scales_bytes_by_samples_and_times_beyond_the_fixed_part(
