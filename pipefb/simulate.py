@@ -81,7 +81,8 @@ idle, in two modes (most hops about 0.4 ms; 8-37% wait for the compute's end); t
 receiver computing instead changed nothing (0.37 ms), nor did the switch interval
 (0.02-5 ms). On a loopback host the simulator starts such a transfer `Cluster.busy_send`
 later (the calibration's mean extra delay), or when that compute would end at full speed
-if sooner; an early send ([Note: early sends]) is followed by its B's weight halves.
+if sooner; an early send ([Note: early sends]) is followed by its B's weight halves. A
+step's last sends are not: its flush waits, the lock free, until they left.
 
 [Note: early sends]
 A rank of backward stage s > 0 in sync mode sends its input gradient before its weight
@@ -738,9 +739,10 @@ class _Engine:
         run, ops, p = self.runs[r], self.program.ops[r], self.pos[r] + 1
         while p < len(run) and ops[run[p][2]].action.kind in SENDS:
             p += 1  # further sends only queue their bytes
-        after = ops[run[p][2]] if p < len(run) else None
-        return (min(self.cluster.busy_send, after.seconds)
-                if after is not None and after.action.kind in COMPUTE else 0.0)
+        if p == len(run) or run[p][0] != run[self.pos[r]][0]:
+            return 0.0  # the step ends: its flush waits, the lock free, until they left
+        after = ops[run[p][2]]
+        return min(self.cluster.busy_send, after.seconds) if after.action.kind in COMPUTE else 0.0
 
     def _missing(self, step: int, op: _Op) -> tuple[int, float]:
         """The first awaited key not yet available (-1: none) and when all are."""
