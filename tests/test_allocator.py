@@ -39,6 +39,10 @@ print(json.dumps([applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt -
 """
 
 
+#: 4 KiB pages of one micro-batch's logits (8 x 64 x 4096 fp32)
+LOGITS_PAGES = 8 * 64 * 4096 * 4 // 4096
+
+
 def faults_per_step(mode: str, script: str = STEPS) -> tuple[bool, float]:
     """Runs `script` in a fresh process with or without the settings: (applied, faults)."""
     out = subprocess.run([sys.executable, "-c", script, mode], cwd=ROOT, check=True,
@@ -52,9 +56,12 @@ def test_kept_freed_memory_spares_a_step_its_page_faults() -> None:
     default_applied, default = faults_per_step("default")
     assert tuned_applied and not default_applied
     # 2 micro-batches x 8 MiB of logits (and their gradients) are 4 KiB pages by the
-    # thousand when fresh each step; reused, a step touches only a handful of new ones
-    assert default > 4000, default
-    assert tuned < default / 10, (tuned, default)
+    # thousand when fresh each step; reused, a step touches only a few new ones. glibc's
+    # dynamic mmap threshold moves the default between 3,750 and 14,000 a step and the
+    # tuned heap between 0 and 820 (an occasional fresh block), so one micro-batch's
+    # logits (2,048 pages) parts them
+    assert default > LOGITS_PAGES, default
+    assert tuned < LOGITS_PAGES, (tuned, default)
 
 
 #: a fresh process: optionally keep_freed_memory, then threads that come and go, each
