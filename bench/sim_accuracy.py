@@ -34,6 +34,10 @@ from pipefb.insitu import STEPS as IN_SITU
 from pipefb.insitu import median_action_seconds
 
 TARGET = 0.15  # |simulated / measured - 1|
+#: timed steps per run by model: about 1.5-2 s of steps each, so a short step's run is not
+#: a tenth of a second that one scheduler hiccup moves by 20% (gpt steps take about 100 ms
+#: here, mlp's 5-15 ms: 16 mlp steps had single gaps of 0.1-32 ms)
+STEPS = {"gpt": 16, "mlp": 160}
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipefb")
 # the throughput bench's models; the quick mlp (all that quick mode runs) is a little wider
 QUICK_MODELS: dict[str, dict[str, Any]] = {
@@ -44,8 +48,14 @@ def make_job(args: argparse.Namespace, model: str, schedule: str, workers: int) 
     """One run: `plan: auto` with the schedule fixed (pipefb needs an even worker count)."""
     spec = (QUICK_MODELS if args.quick else MODELS)[model]
     return JobConfig(schedule=schedule, plan="auto", workers=workers, batch_size=args.batch,
-                     microbatches=args.microbatches, steps=args.warmup + args.steps,
+                     microbatches=args.microbatches,
+                     steps=args.warmup + timed_steps(args, model),
                      optimizer="adamw", lr=1e-3, seed=0, **spec)
+
+
+def timed_steps(args: argparse.Namespace, model: str) -> int:
+    """Timed steps of a run of `model`: `--steps`, else the model's `STEPS`."""
+    return int(args.steps or STEPS[model])
 
 
 def runs(args: argparse.Namespace) -> list[tuple[str, str, int]]:
@@ -91,7 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             local_client(n_max, Path(tmp), threads=args.threads, calibrated=True) as client:
         for k, (model, schedule, n) in enumerate(todo):
             res = run_job(client, make_job(args, model, schedule, n), args.warmup)
-            results.append({"model": model, "schedule": schedule, "workers": n, **res})
+            results.append({"model": model, "schedule": schedule, "workers": n,
+                            "steps": timed_steps(args, model), **res})
             print(f"[{k + 1}/{len(todo)}] {model} {schedule} x{n}: simulated "
                   f"{res['predicted'] * 1e3:.1f} ms ({res['error']:+.0%}), in situ "
                   f"{res['in_situ']['step_seconds'] * 1e3:.1f} ms "
@@ -175,7 +186,7 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     a = res["args"]
     lines = ["## Simulator against measured local runs", "", f"`{cmd}`", "",
              f"`plan: auto` with the schedule fixed, batch {a['batch']}, {a['microbatches']} "
-             f"micro-batches where the planner keeps them, {a['steps']} timed steps after "
+             f"micro-batches where the planner keeps them, {_steps_text(res)} timed steps after "
              f"{a['warmup']}; measured = the timed steps' wall time over their count (the "
              "range is of single step gaps, bursty since steps overlap); error = simulated / "
              "measured - 1. *Profile*: the "
@@ -203,6 +214,14 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     return [*lines, "", f"![sim accuracy]({png})", ""]
 
 
+def _steps_text(res: dict[str, Any]) -> str:
+    """The timed steps of the runs, by model where they differ ("16 (gpt) or 160 (mlp)")."""
+    by_model = {r["model"]: r.get("steps", res["args"]["steps"]) for r in res["runs"]}
+    if len(set(by_model.values())) == 1:
+        return str(next(iter(by_model.values())))
+    return " or ".join(f"{n} ({m})" for m, n in by_model.items())
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's flags; `--quick` picks tiny sizes for CI."""
     p = argparse.ArgumentParser(description=__doc__)
@@ -212,7 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", default="2,3,4", help="comma-separated worker counts")
     p.add_argument("--batch", type=int, default=32, help="samples per step")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--steps", type=int, default=16, help="timed steps per run")
+    p.add_argument("--steps", type=int, default=0,
+                   help="timed steps per run (default: by model, " +
+                        ", ".join(f"{m} {n}" for m, n in STEPS.items()) + ")")
     p.add_argument("--warmup", type=int, default=IN_SITU.stop,
                    help=f"untimed steps first (the in-situ fit uses steps {IN_SITU.start}-"
                         f"{IN_SITU.stop - 1}; default {IN_SITU.stop})")

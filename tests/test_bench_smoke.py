@@ -134,6 +134,7 @@ def test_sim_accuracy_quick(suite: Path) -> None:
         m = r["measured"]
         assert_summary({k: m[k] for k in ("median", "min", "max", "n")})
         assert m["min"] <= m["mean"] <= m["max"]  # the timed steps' wall time over their count
+        assert m["n"] == r["steps"] == 2  # quick mode's `--steps 2` overrides the model's
         assert r["predicted"] > 0 and r["in_situ"]["step_seconds"] > 0
         assert r["error"] == pytest.approx(r["predicted"] / m["mean"] - 1)
         assert all(f > 0 for f in r["in_situ"]["factors"].values())
