@@ -11,7 +11,8 @@ from pipefb.cluster import Cluster, Link, WorkerSpec
 from pipefb.costs import uniform_profile
 from pipefb.errors import ConfigError
 from pipefb.insitu import FITTED, ITERATIONS, LATENCY, fit, measured_kinds, scaled, simulated_kinds
-from pipefb.plan import balanced_plan
+from pipefb.plan import balanced_plan, lowered_schedule
+from pipefb.schedule import Kind
 from pipefb.simulate import simulate
 
 
@@ -107,6 +108,34 @@ def test_a_send_followed_by_compute_starts_busy_send_later_on_a_loopback_host():
     text = replace(loopback, busy_send=5e-4).to_dict()
     assert Cluster.from_dict(text).busy_send == 5e-4
     assert "busy_send" not in loopback.to_dict()["overheads"]
+
+
+def test_a_steps_last_send_starts_at_once_though_the_next_step_computes():
+    """[Note: busy senders]: a send followed by compute starts busy_send later, but not a
+    step's last send, whose flush waits with the lock free. Rank 0 of an async PipeDream
+    here sends the next step's F0 last (after OPT), then begins the next step with F1: that
+    hop stays at the link's latency, while step 0's F0, followed by F1, waits busy_send."""
+    profile = uniform_profile(4, forward=2e-3, backward=1e-4, activation=8, params=0)
+    plan = balanced_plan("pipedream", 2, [1.0] * 4, 8, 4, mode="async")
+    schedule = lowered_schedule(plan)
+    lead = next(a for a in schedule[0] if a.kind is Kind.SEND_F and a.lead)
+    schedule[0] = [a for a in schedule[0] if a != lead] + [lead]
+    loopback = box(2, 4, loopback=True)
+
+    def first_hops(cluster: Cluster) -> list[float]:
+        """Per step, from rank 0's SEND_F of micro-batch 0 to the end of rank 1's wait."""
+        spans = simulate(plan, profile, cluster, 4, schedule=schedule).spans
+        sent = {s.step: s.start for s in spans
+                if s.rank == 0 and s.action.kind is Kind.SEND_F and s.action.microbatch == 0}
+        got = {s.step: s.end for s in spans
+               if s.rank == 1 and s.action.kind is Kind.RECV_F and s.action.microbatch == 0}
+        return [got[k] - sent[k] for k in sorted(sent)]
+
+    delay = 1e-3  # under F1 (2 layers x 2 ms)
+    quick, late = first_hops(loopback), first_hops(replace(loopback, busy_send=delay))
+    assert quick == pytest.approx([50e-6] * 4, abs=1e-7)  # the box's link latency
+    assert [b - a for a, b in zip(quick, late, strict=True)] == pytest.approx(
+        [delay, 0.0, 0.0, 0.0], abs=1e-12)
 
 
 def test_oversubscribed_cores_do_less_work_in_all():
