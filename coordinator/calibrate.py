@@ -33,7 +33,7 @@ Every figure comes from the parts a local run uses:
 - **busy senders** (`overheads.busy_send`): 64 KiB probes whose sender then computes for
   `Settings.busy_seconds` (a 512-wide Linear's forward and backward, one torch thread)
   against probes whose sender waits; the echo peer stamps when each arrived, and the mean
-  one-way difference is how much later a send followed by compute starts (0.3-0.7 ms
+  one-way difference is how much later a send followed by compute starts (0.3-0.9 ms
   here: [Note: busy senders] in pipefb.simulate).
 - **overheads**: `action` is the median gap between consecutive actions of a real
   `StageRuntime` step (clocks, span label, memory accounting); `step` is a unary RPC round

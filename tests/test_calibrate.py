@@ -69,7 +69,7 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
     # twice as many busy processes as cores run slower in all (0.87-0.94 here)
     speed = cluster.oversubscribed_of(calibrate.HOST)
     assert 0.5 <= speed <= 1.0 and cached["hosts"][0]["oversubscribed"] == speed
-    # a send followed by compute arrives later (0.3-0.7 ms here), never earlier
+    # a send followed by compute arrives later (0.3-0.9 ms here), never earlier
     assert 0.0 <= cluster.busy_send < 0.05
     assert cached["overheads"].get("busy_send", 0.0) == cluster.busy_send
 
