@@ -48,7 +48,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "replan": ("replan", ["--steps", "80"]),
     "replan_layer": ("replan", ["--scenario", "layer", "--factor", "4", "--batch", "64",
                                 "--steps", "80", "--repeats", "2"]),
-    "matrix_cuda": ("matrix", ["--device", "cuda", "--threads", "2"]),
+    "matrix_cuda": ("matrix", ["--device", "cuda", "--threads", "2", "--repeats", "2"]),
     "schedules_cuda": ("schedules", ["--device", "cuda", "--threads", "2", "--repeats", "2",
                                      "--steps", "6"]),
 }

@@ -315,3 +315,19 @@ def test_a_whole_run_records_the_cluster_it_measured_and_its_page_says_so(tmp_pa
     assert "step call 0.50 ms of CPU, 2 cores at 0.90" in line
     assert record_run(tmp_path, {"store": 1.0}, complete=False)["cluster"] == extra["cluster"]
     assert cluster_lines({}) == []  # a quick run measures nothing
+
+
+def test_the_matrix_page_drops_the_torch_column_where_torch_did_not_run() -> None:
+    """The GPU run (committed results) skips torch's systems: its tables have no
+    `vs torch-1f1b` column, and every row has as many cells as the header."""
+    from bench.matrix import TORCH, doc_section
+
+    res = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results"
+                      / "matrix_cuda" / "results.json").read_text())
+    assert set(res["skipped"]) == set(TORCH)
+    lines = doc_section("cmd", res, "m.png")
+    table = [ln for ln in lines if ln.startswith("|")]
+    header = table[0]
+    assert "vs single" in header and "torch" not in header
+    assert all(ln.count("|") == header.count("|") for ln in table)
+    assert len(table) == len(res["models"]) * (2 + len(res["systems"]))
