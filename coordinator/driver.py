@@ -37,7 +37,7 @@ from redis.retry import Retry
 
 from coordinator.journal import Entry, Journal
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.profiling import profile_workers
+from coordinator.profiling import ProfileCache, profile_workers
 from coordinator.registry import Registry, WorkerRecord
 from coordinator.rendezvous import Rendezvous
 from coordinator.stepping import IN_FLIGHT, StepPump
@@ -173,6 +173,7 @@ class Driver:
         self._rendezvous: Rendezvous | None = None
         self._rendezvous_lock = threading.Lock()
         self.draining = threading.Event()  # SIGTERM: jobs pause, checkpoint and stay journaled
+        self.profiles = ProfileCache()  # workers' Profile replies ([Note: profile reuse])
         self._threads: list[threading.Thread] = []
 
     def rendezvous(self) -> str:
@@ -468,6 +469,7 @@ class Driver:
         for r in dead:
             assert ranks is not None
             self.registry.forget(ranks.workers[r].worker_id)
+            self.profiles.forget(ranks.workers[r].address)
 
     def _wait_for_store(self, job: Job) -> None:
         """Waits until the offload store answers (a restarted one comes back empty).
@@ -494,17 +496,21 @@ class Driver:
 
     def _auto_plan(self, job: Job, ranks: Ranks) -> Plan:
         """Profiles the layers on the job's workers (one after another), then searches
-        and simulates (pipefb.planning); the search's summary goes into the job status."""
+        and simulates (pipefb.planning); the search's summary goes into the job status.
+        A worker asked the same before answers from the cache ([Note: profile reuse])."""
         cfg = job.config
-        profile, speeds = profile_workers(ranks.stubs, cfg, cfg.microbatch_size)
+        names = [w.address for w in ranks.workers]
+        profile, speeds, reused = profile_workers(ranks.stubs, cfg, cfg.microbatch_size,
+                                                  cache=(self.profiles, names))
         base = self.cluster or Cluster.uniform(cfg.workers)
         cluster = job_cluster(base, cfg.workers, speeds, cfg.memory_cap)
         result = plan_job(cfg, profile, cluster)
         job.costs = (profile, cluster)
         job.planner = {**summary(result), "profile": profile.to_dict(),
-                       "speeds": speeds}
-        log.info("job %s: planned %s, predicted %.2f ms/step", job.job_id, label(result),
-                 result.best.step_seconds * 1e3)
+                       "speeds": speeds, "profiles_reused": reused}
+        log.info("job %s: planned %s, predicted %.2f ms/step (%d of %d workers' profiles "
+                 "reused)", job.job_id, label(result), result.best.step_seconds * 1e3, reused,
+                 len(names))
         return result.plan
 
     def _run_steps(self, job: Job, ranks: Ranks) -> None:

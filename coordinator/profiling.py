@@ -1,10 +1,11 @@
-"""Asks workers to profile a job's layers (the Profile RPC, one worker after another) and
-combines their replies into one profile and relative speeds; the messages' conversions
-live in `protos.convert`."""
+"""Asks workers to profile a job's layers (the Profile RPC, one worker after another),
+reusing a worker's earlier reply to the same question, and combines the replies into one
+profile and relative speeds; the messages' conversions live in `protos.convert`."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 from pipefb.config import JobConfig
@@ -18,11 +19,62 @@ log = logging.getLogger(__name__)
 
 PROFILE_TIMEOUT_SECONDS = 600.0  # one worker's whole profile (tracing included)
 
+# [Note: profile reuse]
+# A worker's reply to a Profile request depends on the worker and on what the request
+# asks: the model, data, loss, optimizer, device, seed, batch and micro-batch sizes, the
+# layers, warm-up and repeats, and any injected slowdown. It does not depend on how the
+# job would be planned or run (PLAN_ONLY), so `plan: auto` jobs that differ only in
+# those (a sweep over schedules, steps or caps) reuse the first one's replies: a
+# 4-worker `plan: auto` job here spent about 20 s profiling and 0.1 s planning. The
+# cache lives as long as the coordinator, keyed by worker address and question; a
+# worker that registers (a new process) or is found dead loses its replies (`forget`).
+
+#: JobSpec fields that shape the plan or the run, never a layer's measured cost
+PLAN_ONLY = ("job_id", "schedule", "workers", "microbatches", "steps", "mode", "staleness",
+             "policy", "eval_every", "plan", "memory_cap", "groups", "checkpoint_every",
+             "checkpoint_dir", "resume", "max_restarts", "replan", "check_groups_every")
+
+
+class ProfileCache:
+    """Workers' Profile replies by worker and request ([Note: profile reuse]);
+    thread-safe."""
+
+    def __init__(self) -> None:
+        self._replies: dict[tuple[str, bytes], Profile] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def question(query: ProfileQuery) -> bytes:
+        """The request with its job's plan-only fields cleared, as deterministic bytes."""
+        request = query.to_proto()
+        for name in PLAN_ONLY:
+            request.job.ClearField(name)
+        question: bytes = request.SerializeToString(deterministic=True)
+        return question
+
+    def get(self, worker: str, question: bytes) -> Profile | None:
+        """`worker`'s reply to `question` (see `question`), or None."""
+        with self._lock:
+            return self._replies.get((worker, question))
+
+    def put(self, worker: str, question: bytes, profile: Profile) -> None:
+        """Keeps `worker`'s reply to `question`."""
+        with self._lock:
+            self._replies[(worker, question)] = profile
+
+    def forget(self, worker: str) -> None:
+        """Drops every reply of `worker` (it went away)."""
+        with self._lock:
+            for key in [k for k in self._replies if k[0] == worker]:
+                del self._replies[key]
+
 
 def profile_workers(stubs: Sequence[worker_pb2_grpc.StageWorkerStub], job: JobConfig,
                     microbatch_size: int, *, layers: range | None = None,
                     warmup: int = WARMUP, repeats: int = REPEATS,
-                    timeout: float = PROFILE_TIMEOUT_SECONDS) -> tuple[Profile, list[float]]:
+                    timeout: float = PROFILE_TIMEOUT_SECONDS,
+                    cache: tuple[ProfileCache, Sequence[str]] | None = None
+                    ) -> tuple[Profile, list[float], int]:
     """Profiles `job` on every worker, one after another (local workers share cores).
 
     Args:
@@ -33,10 +85,13 @@ def profile_workers(stubs: Sequence[worker_pb2_grpc.StageWorkerStub], job: JobCo
         warmup: untimed rounds before the timed ones.
         repeats: timed rounds (each time is their mean).
         timeout: seconds one worker may take.
+        cache: a cache and each stub's worker address: a worker that answered the same
+            question before is not asked again ([Note: profile reuse]).
 
     Returns:
-        The per-layer median profile, and each worker's relative speed (the median
-        total layer time over its own: 2.0 is twice as fast as the median worker).
+        The per-layer median profile, each worker's relative speed (the median total
+        layer time over its own: 2.0 is twice as fast as the median worker), and how
+        many workers' profiles came from the cache.
 
     Raises:
         ConfigError: no worker, or workers whose profiles disagree on bytes.
@@ -44,11 +99,22 @@ def profile_workers(stubs: Sequence[worker_pb2_grpc.StageWorkerStub], job: JobCo
     """
     if not stubs:
         raise ConfigError("profile_workers needs at least one worker")
-    request = ProfileQuery(job, microbatch_size, layers, warmup, repeats).to_proto()
+    query = ProfileQuery(job, microbatch_size, layers, warmup, repeats)
+    request = query.to_proto()
+    store, names = cache or (None, [])
+    question = ProfileCache.question(query) if store else b""
     profiles: list[Profile] = []
+    reused = 0
     for k, stub in enumerate(stubs):  # in turn: concurrent profiles would time each other
+        known = store.get(names[k], question) if store else None
+        if known is not None:
+            profiles.append(known)
+            reused += 1
+            continue
         reply = stub.Profile(request, timeout=timeout)
         log.info("worker %d profiled %d layers with %d torch threads", k, len(reply.layers),
                  reply.torch_threads)
         profiles.append(profile_from_proto(reply))
-    return median_profile(profiles), relative_speeds(profiles)
+        if store:
+            store.put(names[k], question, profiles[-1])
+    return median_profile(profiles), relative_speeds(profiles), reused

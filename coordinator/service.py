@@ -45,6 +45,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if not request.address:
             raise ValueError("RegisterWorker needs an address")
         worker_id = self.registry.register(request.address, request.name)
+        self.driver.profiles.forget(request.address)  # a new process: profile it anew
         return coordinator_pb2.RegisterWorkerReply(
             worker_id=worker_id, heartbeat_seconds=self.registry.heartbeat_seconds)
 

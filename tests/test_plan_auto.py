@@ -44,6 +44,20 @@ def test_auto_plan_trains_like_one_process_within_its_cap(client):
                                  microbatches=plan.microbatches), reports, weights)
 
 
+def test_a_second_auto_job_reuses_the_workers_profiles(client):
+    """[Note: profile reuse]: the same model, data and sizes planned otherwise are not
+    profiled again; the job's planner summary says how many workers' replies it reused."""
+    job = JobConfig(model="mlp", dataset="digits", schedule="auto", plan="auto", workers=2,
+                    batch_size=8, microbatches=4, steps=1, seed=11)
+    planners = []
+    for config in (job, replace(job, steps=2, schedule="gpipe", memory_cap=64 << 20)):
+        job_id = client.submit(config).job_id
+        list(client.train(job_id))
+        planners.append(json.loads(client.status(job_id).planner_json))
+    assert planners[1]["profiles_reused"] == 2
+    assert planners[1]["profile"] == planners[0]["profile"]
+
+
 def test_auto_plan_refuses_an_impossible_cap(client):
     job = JobConfig(model="mlp", dataset="digits", schedule="auto", plan="auto", workers=2,
                     batch_size=8, microbatches=4, steps=1, memory_cap=1000)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.profiling import profile_workers
+from coordinator.profiling import ProfileCache, profile_workers
 from pipefb import profiler
 from pipefb.config import JobConfig, build_layers
 from pipefb.costs import Profile, uniform_profile
@@ -364,7 +364,8 @@ def test_bad_profile_job_is_invalid_argument(stubs: list[worker_pb2_grpc.StageWo
 def test_profile_workers_gives_a_complete_profile_and_even_speeds(
         stubs: list[worker_pb2_grpc.StageWorkerStub]) -> None:
     job = replace(MLP, model_config={"hidden": 256})  # layers long enough to time evenly
-    profile, speeds = profile_workers(stubs, job, 32, repeats=5)
+    profile, speeds, reused = profile_workers(stubs, job, 32, repeats=5)
+    assert reused == 0
     assert profile.n_layers == 5 and profile.microbatch_size == 32
     assert all(x.forward_seconds > 0 and x.backward_seconds > 0 for x in profile.layers)
     assert profile.layers[1].param_bytes == (256 * 256 + 256) * F32
@@ -372,3 +373,26 @@ def test_profile_workers_gives_a_complete_profile_and_even_speeds(
     assert len(speeds) == 2
     assert all(1 / 3 < s < 3 for s in speeds), speeds
     assert sum(1 / s for s in speeds) == pytest.approx(2.0)  # own totals over their median
+
+
+def test_a_worker_asked_the_same_again_answers_from_the_cache(
+        stubs: list[worker_pb2_grpc.StageWorkerStub], workers: list[str]) -> None:
+    """[Note: profile reuse]: a job that differs only in how it would be planned or run
+    reuses each worker's reply; another seed, or a forgotten worker, asks again."""
+    cache = ProfileCache()
+    job = replace(MLP, schedule="gpipe", workers=2, steps=3)
+    first, speeds, reused = profile_workers(stubs, job, MB, warmup=0, repeats=1,
+                                            cache=(cache, workers))
+    assert reused == 0
+    planned_otherwise = replace(job, schedule="1f1b", workers=4, steps=9, microbatches=2,
+                                plan="auto", memory_cap=1 << 30, groups=2)
+    again, speeds_again, reused = profile_workers(stubs, planned_otherwise, MB, warmup=0,
+                                                  repeats=1, cache=(cache, workers))
+    assert reused == 2 and again == first and speeds_again == speeds  # timings reused
+    _, _, reused = profile_workers(stubs, replace(job, seed=1), MB, warmup=0, repeats=1,
+                                   cache=(cache, workers))
+    assert reused == 0  # other data: asked again
+    cache.forget(workers[0])
+    remeasured, _, reused = profile_workers(stubs, job, MB, warmup=0, repeats=1,
+                                            cache=(cache, workers))
+    assert reused == 1 and remeasured != first  # worker 0 timed anew
