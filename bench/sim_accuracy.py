@@ -1,7 +1,8 @@
 """Simulated against measured step time of local runs: gpt and mlp, 2-4 workers, every schedule.
 
 Each run is one `plan: auto` job with its schedule fixed: the coordinator profiles the
-layers on its workers, plans the partition and policy, simulates the plan on this machine's
+layers on its workers (each worker once per model: later runs reuse its reply, [Note:
+profile reuse]), plans the partition and policy, simulates the plan on this machine's
 calibrated cluster (`coordinator.calibrate`) and trains it. Two predictions are compared
 with the measured step time of the steps after warm-up (their wall time over their count:
 steps overlap, so single gaps come in bursts; error: simulated / measured - 1): the
@@ -190,7 +191,9 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
              f"{a['warmup']}; measured = the timed steps' wall time over their count (the "
              "range is of single step gaps, bursty since steps overlap); error = simulated / "
              "measured - 1. *Profile*: the "
-             "planner's prediction from layers profiled on idle workers. *In situ*: the same "
+             "planner's prediction from layers profiled on idle workers (each worker once, "
+             "by the first run that uses it: the coordinator reuses its reply for the "
+             "model's later runs). *In situ*: the same "
              "plan simulated with per-kind costs and a link-latency factor fitted to the busy "
              f"and waiting times of steps {IN_SITU.start}-{IN_SITU.stop - 1} (`pipefb.insitu`; "
              "the step time is not fitted).", "",
