@@ -17,6 +17,7 @@ from pipefb.errors import ConfigError
 from pipefb.insitu import STEPS
 from pipefb.plan import Plan
 from pipefb.planning import job_cluster, plan_job
+from protos import coordinator_pb2
 from protos.convert import plan_from_proto
 from tests.test_transparency import assert_same_training
 
@@ -56,6 +57,13 @@ def test_a_second_auto_job_reuses_the_workers_profiles(client):
         planners.append(json.loads(client.status(job_id).planner_json))
     assert planners[1]["profiles_reused"] == 2
     assert planners[1]["profile"] == planners[0]["profile"]
+    # a worker that registers again (a restarted process at the same address) is asked anew
+    for w in client.workers():
+        client.stub.RegisterWorker(coordinator_pb2.RegisterWorkerRequest(
+            address=w.address, name=w.name), timeout=10)
+    job_id = client.submit(replace(job, steps=3)).job_id
+    list(client.train(job_id))
+    assert json.loads(client.status(job_id).planner_json)["profiles_reused"] == 0
 
 
 def test_auto_plan_refuses_an_impossible_cap(client):
