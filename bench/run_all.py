@@ -368,7 +368,10 @@ def write_gpu_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, 
     lines = ["# Benchmarks on a GPU", "", "The GPU entries of `bench/run_all.py`, which "
              "`make bench` runs on a machine with a CUDA device; each section gives its "
              "command, and the date below is the first entry's (CPU tables: "
-             "[benchmarks.md](benchmarks.md)).", "", *machine_lines(first["machine"]), ""]
+             "[benchmarks.md](benchmarks.md)). They run pipefb's systems and `single` with "
+             "CUDA tensors; the transport, store, scaling, planner, simulator and "
+             "re-planning benches time CPU tensors wherever they run and are on the CPU "
+             "page.", "", *machine_lines(first["machine"]), ""]
     missing = [n for n in sorted(NEEDS_CUDA) if n not in results]
     lines += [f"- not in this page yet: `{n}` (no GPU run of it recorded)" for n in missing]
     lines += [""] if missing else []
