@@ -12,7 +12,7 @@ from pipefb.config import JobConfig
 from pipefb.costs import Profile
 from pipefb.errors import ConfigError
 from pipefb.profiler import REPEATS, WARMUP, median_profile, relative_speeds
-from protos import worker_pb2_grpc
+from protos import worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, profile_from_proto
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,13 @@ class ProfileCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def question(query: ProfileQuery) -> bytes:
+    def question(request: worker_pb2.ProfileRequest) -> bytes:
         """The request with its job's plan-only fields cleared, as deterministic bytes."""
-        request = query.to_proto()
+        blank = worker_pb2.ProfileRequest()
+        blank.CopyFrom(request)
         for name in PLAN_ONLY:
-            request.job.ClearField(name)
-        question: bytes = request.SerializeToString(deterministic=True)
+            blank.job.ClearField(name)
+        question: bytes = blank.SerializeToString(deterministic=True)
         return question
 
     def get(self, worker: str, question: bytes) -> Profile | None:
@@ -99,10 +100,9 @@ def profile_workers(stubs: Sequence[worker_pb2_grpc.StageWorkerStub], job: JobCo
     """
     if not stubs:
         raise ConfigError("profile_workers needs at least one worker")
-    query = ProfileQuery(job, microbatch_size, layers, warmup, repeats)
-    request = query.to_proto()
+    request = ProfileQuery(job, microbatch_size, layers, warmup, repeats).to_proto()
     store, names = cache or (None, [])
-    question = ProfileCache.question(query) if store else b""
+    question = ProfileCache.question(request) if store else b""
     profiles: list[Profile] = []
     reused = 0
     for k, stub in enumerate(stubs):  # in turn: concurrent profiles would time each other
