@@ -7,16 +7,15 @@ Every figure comes from the parts a local run uses:
   `Activations` stream that decodes with `protos.wire.decode_transfers` into a
   `worker.inbox.Inbox`, and send with `worker.transport.GrpcTransport.send` (one
   `PeerStream`, `wire.encode_stream`). A tensor goes to the peer, whose receive loop takes
-  it from its inbox and sends it back; half the round trip is one delivery, send call to
-  `recv` return. Small tensors give the latency, large ones the bandwidth.
+  it from its inbox, stamps when it did and sends it back: a delivery is send call to the
+  peer's `recv` return, one way. Small tensors give the latency, large ones the bandwidth.
+- **idle links** ([Note: idle links]): each probe leaves after the link sat idle
+  `Settings.idle_gap` (2 ms), as a pipeline's links do between micro-batches.
 - **store**: a Redis started as `LocalCluster` starts it (`python -m offload_store`) and
   `OffloadStore.put` / `take`, the worker's stash and fetch, of stashes shaped as a
   stage's: `STASH_TENSORS` fresh tensors over `STASH_LAYERS` layers, `STASH_DEPTH`
-  stashes put before the first is taken (micro-batches in flight); a link's time is the
-  mean of one put and one take. Here one tensor put and taken back at once gave 3.9 GB/s
-  and 0.10 ms; stashes so shaped give 2.2-2.9 GB/s and 0.38 ms, closer to what the
-  pipefb runs' STASH and FETCH actions take (the simulated sync pipefb steps of the
-  simulator-accuracy bench moved from 9-38% under the measured ones to 3-32% under).
+  stashes put before the first is taken (micro-batches in flight), each put and take
+  after the idle gap; a link's time is the mean of one put and one take.
 - **CPU of a transfer** (`Link.cpu`): during the large probes, the CPU seconds of every
   thread of both processes (this one and the peer, or this one and redis-server; Linux
   `/proc/PID/task/*/schedstat`) over the wall seconds. Both ends work at once: 1.5 for the
@@ -39,6 +38,21 @@ Every figure comes from the parts a local run uses:
   `StageRuntime` step (clocks, span label, memory accounting); `step` is a unary RPC round
   trip to the peer's server plus what `run_step` spends outside its actions (flush, report).
 
+[Note: idle links]
+A transfer is slower when its link has been idle: the threads that carry it (the sender's
+gRPC thread, the receiver's handler and compute threads, redis-server) were asleep, and
+every part of the hop takes longer (measured here with per-part timestamps: enqueue,
+encode, delivery and hand-off each 1.5-2.5x a back-to-back probe's). A 64 KiB one-way
+to a waiting peer took 0.62-0.64 ms right after the last, 0.75 after 1 ms idle, 0.81-0.86
+after 3 ms, 1.05-1.2 after 10 ms and 1.4-1.6 after 30 ms, with or without other
+processes spinning on the cores; a 1 MiB stash put and taken 1.2 ms back to back, 2.0
+after 2 ms idle. A pipeline's links sit idle between its micro-batches (inside a
+4-worker `mlp` run here, hops to a waiting receiver took 0.85-0.9 ms), and half a
+back-to-back round trip (the earlier probes: 0.33-0.47 ms) put the simulated steps of the
+bench's one-micro-batch runs 14-34% under the measured ones. So every link probe leaves
+after `Settings.idle_gap` (2 ms, about a stage's compute between two micro-batches
+here) and a gRPC probe is timed one way, from the send to the peer's stamp.
+
 The cache is YAML in the `Cluster.to_dict` form under a comment header, one file per host
 in `$PIPEFB_CACHE_DIR` (default `~/.cache/pipefb/`); the links are reused for any worker
 count. A cache whose header lacks this code's `probe version` was measured by older probes
@@ -51,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import itertools
 import os
 import platform
@@ -92,7 +107,7 @@ STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
 PROBE_SPANS = 16  # actions of the probe's Step reply
-PROBE_VERSION = 6  # bumped when a probe measures differently: older caches are re-measured
+PROBE_VERSION = 7  # bumped when a probe measures differently: older caches are re-measured
 PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
 MiB = 1 << 20
 BUSY_WIDTH = 512  # features of the Linear a busy sender runs
@@ -119,6 +134,7 @@ class Settings:
     busy_bytes: int = 64 * 1024  # tensor size of the busy-sender probes
     busy_repeats: int = 200  # busy-sender probes, and as many with an idle sender
     busy_seconds: float = 2e-3  # how long a busy sender computes after each send
+    idle_gap: float = 2e-3  # how long a link sits idle before each probe ([Note: idle links])
     steps: int = 20  # runtime steps for the action and step overheads
 
 
@@ -230,13 +246,6 @@ class _Pinger:
     def __init__(self, transport: GrpcTransport, peer: Process) -> None:
         self.transport, self.peer, self.step = transport, peer, 0
 
-    def round_trip(self, tensor: torch.Tensor) -> float:
-        """Seconds from `send` to the `recv` of the echo."""
-        started = time.perf_counter()
-        self.transport.send(Kind.RECV_F, 0, self.step, 0, 0, 0, {"x": tensor})
-        self._echo()
-        return time.perf_counter() - started
-
     def _echo(self) -> dict[str, torch.Tensor]:
         try:
             tensors = self.transport.recv(Kind.RECV_F, self.step, 0, 0)
@@ -255,12 +264,22 @@ class _Pinger:
         then()
         return float(self._echo()[STAMP][0]) - sent
 
-    def one_way(self, size: int, repeats: int, warmup: int) -> float:
-        """Median one-way seconds of a `size`-byte tensor: half the round trip."""
+    def one_way(self, size: int, repeats: int, warmup: int, gap: float,
+                meter: CpuMeter | None = None) -> float:
+        """Median one-way seconds of a `size`-byte tensor to the waiting peer, each probe
+        sent after the stream sat idle `gap` seconds ([Note: idle links]); `meter` times
+        the probes' round trips (not the gaps)."""
         tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
-        for _ in range(warmup):
-            self.round_trip(tensor)
-        return statistics.median(self.round_trip(tensor) for _ in range(repeats)) / 2
+        times = []
+        for _ in range(warmup + repeats):
+            time.sleep(gap)
+            with meter.span() if meter is not None else contextlib.nullcontext():
+                times.append(self.stamped(tensor, _nothing))
+        return statistics.median(times[warmup:])
+
+
+def _nothing() -> None:
+    """What an idle sender does after a send."""
 
 
 class _Busy:
@@ -287,7 +306,7 @@ def _busy_send(pinger: _Pinger, settings: Settings) -> float:
     whose sender computes after each send less that of probes whose sender waits
     ([Note: busy senders] in pipefb.simulate), at least 0."""
     tensor = torch.ones(max(1, settings.busy_bytes // 4), dtype=torch.float32)
-    busy, idle = _Busy(settings.busy_seconds), lambda: None
+    busy, idle = _Busy(settings.busy_seconds), _nothing
     for then in (idle, busy):  # warm both paths
         for _ in range(settings.warmup):
             pinger.stamped(tensor, then)
@@ -305,10 +324,10 @@ def _network(peer: Process, inbox: Inbox, settings: Settings) -> tuple[Link, flo
     meter = CpuMeter([os.getpid(), peer.pid])
     try:
         pinger = _Pinger(transport, peer)
-        small = pinger.one_way(settings.small_bytes, settings.small_repeats, settings.warmup)
-        with meter.span():
-            large = pinger.one_way(settings.large_bytes, settings.large_repeats,
-                                   settings.warmup)
+        small = pinger.one_way(settings.small_bytes, settings.small_repeats, settings.warmup,
+                               settings.idle_gap)
+        large = pinger.one_way(settings.large_bytes, settings.large_repeats, settings.warmup,
+                               settings.idle_gap, meter)
         busy = _busy_send(pinger, settings)
         transport.flush()
     finally:
@@ -409,26 +428,32 @@ def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
             for layer in range(STASH_LAYERS)}
 
 
-def _store_round(store: OffloadStore, first_step: int, size: int, meter: CpuMeter | None = None
-                 ) -> float:
-    """Seconds of one put or take (their mean) of `STASH_DEPTH` fresh stashes, all put
-    before the first is taken; `meter` times the puts and takes (not the stashes' making)."""
+def _store_round(store: OffloadStore, first_step: int, size: int, gap: float,
+                 meter: CpuMeter | None = None) -> float:
+    """Mean seconds of one put or take of `STASH_DEPTH` fresh stashes, all put before the
+    first is taken, each after the store sat idle `gap` seconds ([Note: idle links]);
+    `meter` times the puts and takes alone (not the stashes' making, nor the gaps)."""
     stashes = [_probe_stash(size) for _ in range(STASH_DEPTH)]
     names = {layer: list(tensors) for layer, tensors in stashes[0].items()}
-    with meter.span() if meter is not None else contextlib.nullcontext():
-        started = time.perf_counter()
-        for k, stash in enumerate(stashes):
-            store.put(first_step + k, 0, 0, stash)
-        for k in range(STASH_DEPTH):
-            store.take(first_step + k, 0, 0, names)
-        seconds = (time.perf_counter() - started) / (2 * STASH_DEPTH)
-    return seconds
+    ops: list[Callable[[], object]] = [
+        functools.partial(store.put, first_step + k, 0, 0, stash)
+        for k, stash in enumerate(stashes)]
+    ops += [functools.partial(store.take, first_step + k, 0, 0, names)
+            for k in range(STASH_DEPTH)]
+    seconds = 0.0
+    for op in ops:
+        time.sleep(gap)
+        with meter.span() if meter is not None else contextlib.nullcontext():
+            started = time.perf_counter()
+            op()
+            seconds += time.perf_counter() - started
+    return seconds / len(ops)
 
 
 def _store_seconds(store: OffloadStore, size: int, repeats: int, warmup: int,
-                   first_step: int, meter: CpuMeter | None = None) -> float:
+                   first_step: int, gap: float, meter: CpuMeter | None = None) -> float:
     """Median seconds of one stash or fetch of `size` bytes (see `_store_round`)."""
-    times = [_store_round(store, first_step + i * STASH_DEPTH, size, meter)
+    times = [_store_round(store, first_step + i * STASH_DEPTH, size, gap, meter)
              for i in range(warmup + repeats)]
     return statistics.median(times[warmup:])
 
@@ -442,10 +467,11 @@ def _store(address: str, settings: Settings, pids: Sequence[int] = ()) -> Link:
                          max_wait_seconds=PROBE_TIMEOUT_S)
     try:
         small = _store_seconds(store, settings.small_bytes, settings.small_repeats,
-                               settings.warmup, 0)
+                               settings.warmup, 0, settings.idle_gap)
         large = _store_seconds(store, settings.large_bytes, settings.large_repeats,
                                settings.warmup,
-                               (settings.warmup + settings.small_repeats) * STASH_DEPTH, meter)
+                               (settings.warmup + settings.small_repeats) * STASH_DEPTH,
+                               settings.idle_gap, meter)
         store.clear_job()
     finally:
         store.close()
