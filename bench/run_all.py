@@ -126,6 +126,26 @@ def stream_section(cmd: str, res: dict[str, Any]) -> list[str]:
               "Where gRPC time goes (same tensor, one process, no network), ms:", "",
               "| piece | ms |", "| --- | --- |"]
     lines += [f"| {k} | {fmt(v, 1e3, 2)} |" for k, v in res["breakdown_seconds"].items()]
+    return [*lines, "", *push_section(res.get("weight_push", {}))]
+
+
+def push_section(pushes: dict[str, Any]) -> list[str]:
+    """Markdown of the weight pushes, packed against one tensor per message."""
+    if not pushes:
+        return []
+    lines = ["Weight push: every parameter of the bench's model on the same stream, packed "
+             "(`wire.encode_stream`: small tensors share a message, [Note: packed messages] "
+             "in protos/wire.py) against one tensor per message (the earlier layout), "
+             "interleaved; ms per push to the receiver's materialised tensors.", "",
+             "| model | tensors | MB | packed: messages, ms | one tensor per message: "
+             "messages, ms | speedup |", "| --- | --- | --- | --- | --- | --- |"]
+    for model, w in pushes.items():
+        sec, msgs = w["seconds"], w["messages"]
+        lines.append(f"| {model} | {w['tensors']} | {w['bytes'] / 1e6:.1f} | "
+                     f"{msgs['packed']}, {fmt(sec['packed'], 1e3)} | "
+                     f"{msgs['one_tensor_per_message']}, "
+                     f"{fmt(sec['one_tensor_per_message'], 1e3)} | "
+                     f"**{fmt(w['speedup'], digits=2)}** |")
     return [*lines, ""]
 
 

@@ -5,7 +5,11 @@ The receiver is a separate process holding both servers: a `StageWorker` service
 server that reads a length header, allocates the tensor and `recv_into`s its bytes. Both
 clocks stop when the receiver has materialised the tensor and acknowledged it. Also times
 each piece of the gRPC path in one process (encode, serialise, parse, decode) to show where
-time goes. Run: `python bench/stream_vs_tcp.py [--quick] [--out DIR]`. Target gRPC/TCP >= 0.5.
+time goes. Then a weight push: every parameter of the bench's `mlp` and `gpt` (what a
+1F+1B PipeFB backward worker pushes each step) on the same stream, packed as
+`wire.encode_stream` sends it ([Note: packed messages]) against one tensor per message
+(the earlier layout, still a valid stream). Run: `python bench/stream_vs_tcp.py [--quick]
+[--out DIR]`. Target gRPC/TCP >= 0.5.
 """
 
 from __future__ import annotations
@@ -132,6 +136,76 @@ def grpc_stream_sender(port: int, done: Any) -> tuple[Callable[[torch.Tensor], N
     return send, close
 
 
+def unpacked_stream(transfer: tensor_pb2.Transfer, tensors: dict[str, torch.Tensor]
+                    ) -> Iterator[tensor_pb2.TensorChunk]:
+    """The earlier layout: every tensor starts a message of its own (a valid stream)."""
+    transfer.tensor_count = len(tensors)
+    for k, (name, tensor) in enumerate(tensors.items()):
+        one = list(wire.encode_stream(tensor_pb2.Transfer(), {name: tensor}))
+        if k:
+            one[0].ClearField("transfer")
+        else:
+            one[0].transfer.CopyFrom(transfer)
+        yield from one
+
+
+def weights(model: str) -> dict[str, torch.Tensor]:
+    """Every parameter of the bench's `model`, named as a weight push names them."""
+    from bench.pipeline_throughput import MODELS
+    from pipefb.models import build_model
+
+    layers = build_model(model, MODELS[model]["model_config"])
+    return {f"{i}.{name}": p.detach() for i, layer in enumerate(layers)
+            for name, p in layer.named_parameters()}
+
+
+def push_sender(stream: PeerStream, done: Any, packed: bool
+                ) -> Callable[[dict[str, torch.Tensor]], None]:
+    """Sends one weight push on `stream` and waits until the receiver materialised it."""
+    encode = wire.encode_stream if packed else unpacked_stream
+
+    def send(tensors: dict[str, torch.Tensor]) -> None:
+        transfer = tensor_pb2.Transfer(job_id="bench", kind="RECV_F")
+        stream.put(encode(transfer, tensors))
+        _check(done, sum(t.nbytes for t in tensors.values()))
+
+    return send
+
+
+def push(port: int, done: Any, repeats: int) -> dict[str, Any]:
+    """Seconds of each model's weight push, packed and one tensor per message, interleaved
+    on one stream after a warm-up of each."""
+    chan = server.channel(f"127.0.0.1:{port}")
+    stream = PeerStream(worker_pb2_grpc.StageWorkerStub(chan).Activations, "bench receiver")
+    out: dict[str, Any] = {}
+    try:
+        for model in ("mlp", "gpt"):
+            tensors = weights(model)
+            senders = {k: push_sender(stream, done, k == "packed")
+                       for k in ("packed", "one_tensor_per_message")}
+            times: dict[str, list[float]] = {k: [] for k in senders}
+            for i in range(repeats + 1):
+                for name, send in senders.items():
+                    seconds = _timed(lambda send=send, w=tensors: send(w))
+                    if i:
+                        times[name].append(seconds)
+            speedup = [u / p for p, u in zip(times["packed"], times["one_tensor_per_message"],
+                                              strict=True)]
+            out[model] = {"tensors": len(tensors),
+                          "bytes": sum(t.nbytes for t in tensors.values()),
+                          "messages": {k: len(list(e(tensor_pb2.Transfer(), tensors)))
+                                       for k, e in (("packed", wire.encode_stream),
+                                                    ("one_tensor_per_message",
+                                                     unpacked_stream))},
+                          "seconds": {k: summary(v) for k, v in times.items()},
+                          "speedup": summary(speedup)}
+    finally:
+        stream.close()
+        stream.future.result(timeout=60)
+        chan.close()
+    return out
+
+
 def tcp_sender(port: int) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
     """(send one tensor's bytes and wait for the ack, close)."""
     conn = socket.create_connection(("127.0.0.1", port))
@@ -192,6 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     times[name].append(seconds)
         for _, close in senders.values():
             close()
+        pushes = push(grpc_port, done, args.repeats)
     finally:
         stop.set()
         proc.join(10)
@@ -206,7 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_grpc_over_tcp": summary(per_repeat),
             "ratio_grpc_call_per_transfer_over_tcp": summary(per_call),
             "pooled_ratio_range": ratio(mbps["grpc"], mbps["tcp"]),
-            "breakdown_seconds": breakdown(t, args.repeats)}
+            "breakdown_seconds": breakdown(t, args.repeats), "weight_push": pushes}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -235,6 +310,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"gRPC (a new call per transfer)/TCP {fmt(r, digits=2)}")
     for name, s in res["breakdown_seconds"].items():
         print(f"  {name:48s} {fmt(s, 1e3, 2)} ms")
+    for model, w in res["weight_push"].items():
+        sec, msgs = w["seconds"], w["messages"]
+        print(f"weight push, {model} ({w['tensors']} tensors, {w['bytes'] / 1e6:.1f} MB): "
+              f"packed {fmt(sec['packed'], 1e3)} ms in {msgs['packed']} messages, one tensor "
+              f"per message {fmt(sec['one_tensor_per_message'], 1e3)} ms in "
+              f"{msgs['one_tensor_per_message']}; speedup {fmt(w['speedup'], digits=2)}")
     write_results(args.out, res)
     return res
 

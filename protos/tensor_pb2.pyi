@@ -65,14 +65,14 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("transfer", "header", "data")
+    __slots__ = ("transfer", "data", "headers")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
-    HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
     transfer: Transfer
-    header: TensorHeader
     data: bytes
-    def __init__(self, transfer: _Optional[_Union[Transfer, _Mapping]] = ..., header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    headers: _containers.RepeatedCompositeFieldContainer[TensorHeader]
+    def __init__(self, transfer: _Optional[_Union[Transfer, _Mapping]] = ..., data: _Optional[bytes] = ..., headers: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("bytes", "tensors")

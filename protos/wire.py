@@ -1,4 +1,15 @@
-"""Named tensors <-> streams of `TensorChunk` messages, validated before any allocation."""
+"""Named tensors <-> streams of `TensorChunk` messages, validated before any allocation.
+
+[Note: packed messages]
+A message carries up to `codec.CHUNK_BYTES` of data, and the headers of the tensors that
+start in it: first the rest of the tensor under way, then each new tensor's bytes in
+order, the last of them possibly going on in the next messages. Each gRPC message costs
+the stream a hand-off between the sender's and the receiver's threads, about 0.15 ms on
+this 2-core machine: a 3.3 MB transfer took 3.7 ms one way as one tensor, 4.9 ms as 8 and
+7.4-8.5 ms as 32 when every tensor had its own messages. So a stage's weights (two
+tensors per Linear, a dozen per transformer block) go in as many messages as their bytes
+need, as one tensor of that size would.
+"""
 
 from __future__ import annotations
 
@@ -38,25 +49,32 @@ check_enum_matches_codec()
 def encode_stream(
     transfer: tensor_pb2.Transfer, tensors: Mapping[str, torch.Tensor]
 ) -> Iterator[tensor_pb2.TensorChunk]:
-    """Yields the messages of one transfer: header first, each tensor in <= 1 MiB chunks."""
+    """Yields the messages of one transfer, each up to `codec.CHUNK_BYTES` of data: small
+    tensors share a message (each message costs the stream a thread hand-off), a large one
+    spans several ([Note: packed messages])."""
     transfer.tensor_count = len(tensors)
-    first = True
-    if not tensors:
-        yield tensor_pb2.TensorChunk(transfer=transfer)
-        return
+    msg, pieces, room = tensor_pb2.TensorChunk(transfer=transfer), [], codec.CHUNK_BYTES
     for name, tensor in tensors.items():
-        dtype, shape, view = codec.raw_view(tensor)  # chunks are copied straight from it
-        header = tensor_pb2.TensorHeader(
-            name=name, dtype=_dtype_enum(dtype), shape=shape, nbytes=len(view)
-        )
-        for i, piece in enumerate(codec.chunks(view)):
-            msg = tensor_pb2.TensorChunk(data=bytes(piece))
-            if i == 0:
-                msg.header.CopyFrom(header)
-            if first:
-                msg.transfer.CopyFrom(transfer)
-                first = False
-            yield msg
+        if room == 0:
+            yield _sealed(msg, pieces)
+            msg, pieces, room = tensor_pb2.TensorChunk(), [], codec.CHUNK_BYTES
+        dtype, shape, view = codec.raw_view(tensor)  # data is copied straight from it
+        msg.headers.add(name=name, dtype=_dtype_enum(dtype), shape=shape, nbytes=len(view))
+        offset = min(room, len(view))
+        pieces.append(view[:offset])
+        room -= offset
+        while offset < len(view):  # the message is full: the tensor goes on in the next
+            yield _sealed(msg, pieces)
+            msg = tensor_pb2.TensorChunk()
+            piece = view[offset:offset + codec.CHUNK_BYTES]
+            pieces, room, offset = [piece], codec.CHUNK_BYTES - len(piece), offset + len(piece)
+    yield _sealed(msg, pieces)
+
+
+def _sealed(msg: tensor_pb2.TensorChunk, pieces: list[memoryview]) -> tensor_pb2.TensorChunk:
+    """`msg` with `pieces` as its data (one copy)."""
+    msg.data = b"".join(pieces)
+    return msg
 
 
 @dataclass
@@ -78,16 +96,6 @@ def _start_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> _Pending:
         raise CodecError("tensor header without a name")
     tensor = torch.empty(shape, dtype=codec.DTYPES[dtype])
     return _Pending(header.name, tensor, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-
-
-def _append(pending: _Pending, data: bytes) -> None:
-    if len(data) > codec.CHUNK_BYTES:
-        raise CodecError(f"chunk of {len(data)} bytes exceeds {codec.CHUNK_BYTES}")
-    end = pending.filled + len(data)
-    if end > len(pending.buffer):
-        raise CodecError(f"tensor {pending.name!r} got more than its {len(pending.buffer)} bytes")
-    pending.buffer[pending.filled : end] = data
-    pending.filled = end
 
 
 def _finish(pending: _Pending, out: dict[str, torch.Tensor]) -> None:
@@ -123,20 +131,39 @@ class TransferDecoder:
 
         Raises:
             CodecError: a message outside a transfer, a transfer header inside one, a bad
-                tensor header, too many bytes or tensors, a chunk over 1 MiB, a duplicate name.
+                tensor header, a header before the tensor under way has all its bytes, data
+                beyond the message's tensors, too many tensors, a chunk over 1 MiB, a
+                duplicate name.
         """
         count = self._start_transfer(msg)
-        if msg.HasField("header"):
+        data = memoryview(msg.data)
+        if len(data) > codec.CHUNK_BYTES:
+            raise CodecError(f"chunk of {len(data)} bytes exceeds {codec.CHUNK_BYTES}")
+        used = self._fill(data) if self.pending is not None else 0
+        for header in msg.headers:
             if self.pending is not None:
-                _finish(self.pending, self.out)
+                raise CodecError(f"tensor {self.pending.name!r} got {self.pending.filled} of "
+                                 f"{len(self.pending.buffer)} bytes before the next header")
             if len(self.out) >= count:
                 raise CodecError(f"more tensors than the announced {count}")
-            self.pending = _start_tensor(msg.header, self.max_bytes)
-        elif msg.data and self.pending is None:
-            raise CodecError("data chunk before any tensor header")
-        if self.pending is not None:
-            _append(self.pending, msg.data)
+            self.pending = _start_tensor(header, self.max_bytes)
+            used += self._fill(data[used:])
+        if used < len(data):
+            raise CodecError(f"{len(data) - used} bytes of a message belong to no tensor")
         return self._complete()
+
+    def _fill(self, data: memoryview) -> int:
+        """Gives the tensor under way what it still lacks from the front of `data`; a full
+        tensor is finished. Returns how many bytes it took."""
+        pending = self.pending
+        assert pending is not None
+        n = min(len(data), len(pending.buffer) - pending.filled)
+        pending.buffer[pending.filled:pending.filled + n] = data[:n]
+        pending.filled += n
+        if pending.filled == len(pending.buffer):
+            _finish(pending, self.out)
+            self.pending = None
+        return n
 
     def _start_transfer(self, msg: tensor_pb2.TensorChunk) -> int:
         """Opens a transfer on its header message; returns the current one's tensor count."""
@@ -153,14 +180,8 @@ class TransferDecoder:
 
     def _complete(self) -> tuple[tensor_pb2.Transfer, dict[str, torch.Tensor]] | None:
         assert self.transfer is not None
-        pending = self.pending
-        held = len(self.out) + (pending is not None)
-        if held < self.transfer.tensor_count:
+        if self.pending is not None or len(self.out) < self.transfer.tensor_count:
             return None
-        if pending is not None:
-            if pending.filled < len(pending.buffer):
-                return None
-            _finish(pending, self.out)
         done = (self.transfer, self.out)
         self._reset()
         return done

@@ -65,6 +65,13 @@ def test_stream_vs_tcp_quick(suite: Path) -> None:
         assert_summary(s)
     assert res["ratio_grpc_over_tcp"]["median"] > 0
     assert res["ratio_grpc_call_per_transfer_over_tcp"]["median"] > 0
+    for model, push in res["weight_push"].items():  # every parameter of the bench's model
+        assert push["tensors"] == {"mlp": 10, "gpt": 53}[model]
+        # packed: as many 1 MiB messages as the bytes need; else one (or more) per tensor
+        assert push["messages"]["packed"] == -(-push["bytes"] // (1 << 20))
+        assert push["messages"]["one_tensor_per_message"] >= push["tensors"]
+        for s in (*push["seconds"].values(), push["speedup"]):
+            assert_summary(s)
 
 
 def test_schedules_quick(suite: Path) -> None:

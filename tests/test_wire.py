@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -43,19 +45,57 @@ def test_large_tensor_is_chunked_at_one_mebibyte() -> None:
     torch.testing.assert_close(wire.decode_stream(messages)[1]["x"], big, rtol=0, atol=0)
 
 
+def test_small_tensors_share_messages_and_large_ones_span_several() -> None:
+    """[Note: packed messages]: 200 weights of 4 KiB go in one message; after a 2.5 MiB
+    tensor they fill the rest of its last message, then one more."""
+    small = {f"{i}.weight": torch.full((1024,), float(i)) for i in range(200)}
+    messages = list(wire.encode_stream(transfer(), small))
+    assert len(messages) == 1 and len(messages[0].headers) == 200
+    mixed = {"a": torch.ones(10), "big": torch.randn(5 * (1 << 20) // 8), **small}
+    messages = list(wire.encode_stream(transfer(), mixed))
+    assert [len(m.headers) for m in messages] == [2, 0, 128, 72]  # 40 B + 2.5 MiB + 800 KiB
+    assert [len(m.data) for m in messages] == [1 << 20] * 3 + [40 + 5 * (1 << 19) + 200 * 4096
+                                                                - 3 * (1 << 20)]
+    got = wire.decode_stream(messages)[1]
+    assert list(got) == list(mixed)
+    for name, t in mixed.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), max_size=12), chunk=st.integers(1, 33))
+def test_any_tensor_sizes_round_trip_through_any_chunk_size(sizes: list[int], chunk: int
+                                                            ) -> None:
+    """Every split of tensors over messages decodes to the same tensors, bit for bit, with
+    no message over the chunk size (patched small, so tensors straddle many messages)."""
+    tensors = {f"t{i}": torch.arange(n, dtype=torch.int8) + i for i, n in enumerate(sizes)}
+    with patch.object(codec, "CHUNK_BYTES", chunk):
+        messages = list(wire.encode_stream(transfer(), tensors))
+        assert all(len(m.data) <= chunk for m in messages)
+        assert sum(len(m.data) for m in messages) == sum(sizes)
+        got = wire.decode_stream(messages)[1]
+    assert list(got) == list(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t)
+
+
 def header(name: str = "x", dtype: int = 3, shape: tuple[int, ...] = (2,), nbytes: int = 8
            ) -> tensor_pb2.TensorHeader:
     return tensor_pb2.TensorHeader(name=name, dtype=dtype, shape=shape, nbytes=nbytes)
 
 
-def first(count: int = 1, **kw: object) -> tensor_pb2.TensorChunk:
+def first(count: int = 1, data: bytes = b"\0" * 8,
+          extra: list[tensor_pb2.TensorHeader] | None = None, **kw: object
+          ) -> tensor_pb2.TensorChunk:
+    """A transfer's first message: tensor "x" (of `header(**kw)`), then `extra` headers."""
     t = transfer()
     t.tensor_count = count
-    return tensor_pb2.TensorChunk(transfer=t, header=header(**kw), data=b"\0" * 8)  # type: ignore[arg-type]
+    return tensor_pb2.TensorChunk(transfer=t, headers=[header(**kw), *(extra or [])],  # type: ignore[arg-type]
+                                  data=data)
 
 
 HOSTILE = {
-    "no transfer header": [tensor_pb2.TensorChunk(header=header(), data=b"\0" * 8)],
+    "no transfer header": [tensor_pb2.TensorChunk(headers=[header()], data=b"\0" * 8)],
     "empty stream": [],
     "unspecified dtype": [first(dtype=0)],
     "unknown dtype": [first(dtype=99)],
@@ -66,9 +106,16 @@ HOSTILE = {
     "too many bytes": [first(), tensor_pb2.TensorChunk(data=b"\0")],
     "too few bytes": [first(shape=(4,), nbytes=16)],
     "count lies": [first(count=2)],
-    "more tensors than announced": [first(), tensor_pb2.TensorChunk(header=header("y"),
+    "more tensors than announced": [first(), tensor_pb2.TensorChunk(headers=[header("y")],
                                                                      data=b"\0" * 8)],
-    "duplicate name": [first(count=2), tensor_pb2.TensorChunk(header=header(), data=b"\0" * 8)],
+    "duplicate name": [first(count=2), tensor_pb2.TensorChunk(headers=[header()],
+                                                              data=b"\0" * 8)],
+    "duplicate name in one message": [first(count=2, data=b"\0" * 16, extra=[header()])],
+    "header before the last tensor is full": [first(count=2, shape=(4,), nbytes=16,
+                                                    extra=[header("y")])],
+    "bytes beyond its tensors": [first(data=b"\0" * 9)],
+    "data before any header": [
+        tensor_pb2.TensorChunk(transfer=tensor_pb2.Transfer(tensor_count=1), data=b"\0")],
     "chunk over 1 MiB": [first(shape=(1 << 19,), nbytes=1 << 21, count=1),
                          tensor_pb2.TensorChunk(data=b"\0" * ((1 << 20) + 1))],
     "nameless tensor": [first(name="")],

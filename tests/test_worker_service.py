@@ -45,7 +45,7 @@ def chunk(dtype: int = 3, shape: tuple[int, ...] = (2,), nbytes: int = 8, data: 
           job: str = "nojob") -> tensor_pb2.TensorChunk:
     return tensor_pb2.TensorChunk(
         transfer=tensor_pb2.Transfer(job_id=job, kind="RECV_F", tensor_count=1),
-        header=tensor_pb2.TensorHeader(name="x", dtype=dtype, shape=shape, nbytes=nbytes),
+        headers=[tensor_pb2.TensorHeader(name="x", dtype=dtype, shape=shape, nbytes=nbytes)],
         data=data)
 
 
