@@ -19,6 +19,12 @@ one thread at a time; the job's steps got faster with one arena, not slower.
 
 Workers call `keep_freed_memory` at start; benchmarks call it in their baselines' processes
 too, so comparisons stay like for like. Elsewhere (not glibc) it does nothing.
+
+Work that is not a step (a Profile RPC builds the model, loads data and times every layer,
+then drops it all) frees memory the next steps will not reuse; `release_freed_memory` then
+gives the free pages back (`malloc_trim`, which also returns free pages inside the heap).
+The fuzzing of the worker's Profile RPC (1,000 mutated jobs, tests/test_fuzz_rpc.py) saw
+its resident memory rise 309-394 MiB without it in three of four runs.
 """
 
 from __future__ import annotations
@@ -42,13 +48,28 @@ def keep_freed_memory() -> bool:
     Returns:
         True when all three took effect, False where the C library is not glibc.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     trim_ok = libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     arenas_ok = libc.mallopt(_M_ARENA_MAX, ARENAS)
     return bool(mmap_ok and trim_ok and arenas_ok)
 
 
-__all__ = ["ARENAS", "MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "keep_freed_memory"]
+def release_freed_memory() -> bool:
+    """Returns this process's free heap pages to the kernel (glibc's `malloc_trim`; see the
+    module docstring). Returns False where the C library is not glibc."""
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) in (0, 1)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc on Linux, else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+__all__ = ["ARENAS", "MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "keep_freed_memory",
+           "release_freed_memory"]

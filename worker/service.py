@@ -14,6 +14,7 @@ import torch
 
 from offload_store import OffloadStore, connect
 from pipefb import codec
+from pipefb.allocator import release_freed_memory
 from pipefb.allreduce import GroupAllReduce, rendezvous_key
 from pipefb.checkpoint import rank_file, resolve_under
 from pipefb.config import job_device
@@ -395,8 +396,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def Profile(self, request: worker_pb2.ProfileRequest, context: grpc.ServicerContext
                 ) -> worker_pb2.ProfileReply:
         query = ProfileQuery.from_proto(request)
-        profile = measure_profile(query.job, query.microbatch_size, query.layers, query.warmup,
-                                  query.repeats)
+        try:
+            profile = measure_profile(query.job, query.microbatch_size, query.layers,
+                                      query.warmup, query.repeats)
+        finally:
+            release_freed_memory()  # the model, data and activations it timed are gone
         return profile_to_proto(profile, torch.get_num_threads())
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext
