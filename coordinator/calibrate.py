@@ -10,7 +10,7 @@ Every figure comes from the parts a local run uses:
   it from its inbox, stamps when it did and sends it back: a delivery is send call to the
   peer's `recv` return, one way. Small tensors give the latency, large ones the bandwidth.
 - **idle links** ([Note: idle links]): each probe leaves after the link sat idle
-  `Settings.idle_gap` (2 ms), as a pipeline's links do between micro-batches.
+  `Settings.idle_gap` (5 ms), as a pipeline's links do between micro-batches.
 - **store**: a Redis started as `LocalCluster` starts it (`python -m offload_store`) and
   `OffloadStore.put` / `take`, the worker's stash and fetch, of stashes shaped as a
   stage's: `STASH_TENSORS` fresh tensors over `STASH_LAYERS` layers, `STASH_DEPTH`
@@ -42,16 +42,20 @@ Every figure comes from the parts a local run uses:
 A transfer is slower when its link has been idle: the threads that carry it (the sender's
 gRPC thread, the receiver's handler and compute threads, redis-server) were asleep, and
 every part of the hop takes longer (measured here with per-part timestamps: enqueue,
-encode, delivery and hand-off each 1.5-2.5x a back-to-back probe's). A 64 KiB one-way
-to a waiting peer took 0.62-0.64 ms right after the last, 0.75 after 1 ms idle, 0.81-0.86
-after 3 ms, 1.05-1.2 after 10 ms and 1.4-1.6 after 30 ms, with or without other
-processes spinning on the cores; a 1 MiB stash put and taken 1.2 ms back to back, 2.0
-after 2 ms idle. A pipeline's links sit idle between its micro-batches (inside a
-4-worker `mlp` run here, hops to a waiting receiver took 0.85-0.9 ms), and half a
-back-to-back round trip (the earlier probes: 0.33-0.47 ms) put the simulated steps of the
-bench's one-micro-batch runs 14-34% under the measured ones. So every link probe leaves
-after `Settings.idle_gap` (2 ms, about a stage's compute between two micro-batches
-here) and a gRPC probe is timed one way, from the send to the peer's stamp.
+encode, delivery and hand-off each 1.5-2.5x a back-to-back probe's). A 64 KiB one-way to
+a waiting peer took 0.62-0.64 ms right after the last, 0.75 after 1 ms idle, 0.81-0.86
+after 3 ms, 1.05-1.2 after 10 ms and 1.4-1.6 after 30 ms, with or without other processes
+spinning on the cores; a 1 MiB stash put and taken 1.2 ms back to back, 2.0 after 2 ms
+idle. Where the knee lies drifts with the machine's state: three rounds an hour later gave
+1 KiB one way 0.38-0.46 ms back to back, 0.49-0.61 after 2 ms, 0.74-0.96 after 5 ms and
+0.87-1.22 after 10 ms. A pipeline's links sit idle between its micro-batches (a stage's
+forward or backward of one, 1-10 ms in the bench's runs; a whole step in a one-micro-batch
+chain), and inside a 4-worker `mlp` run here hops to a waiting receiver took 0.85-0.9 ms,
+where half a back-to-back round trip (the earlier probes: 0.33-0.47 ms) had put the
+simulated steps of the bench's one-micro-batch runs 14-34% under the measured ones. So
+every link probe leaves after `Settings.idle_gap` (5 ms, past the knee: 2 ms gave 0.38 and
+0.70 ms of latency in two calibrations, 5 ms 0.55 and 0.88) and a gRPC probe is timed one
+way, from the send to the peer's stamp.
 
 The cache is YAML in the `Cluster.to_dict` form under a comment header, one file per host
 in `$PIPEFB_CACHE_DIR` (default `~/.cache/pipefb/`); the links are reused for any worker
@@ -134,7 +138,7 @@ class Settings:
     busy_bytes: int = 64 * 1024  # tensor size of the busy-sender probes
     busy_repeats: int = 200  # busy-sender probes, and as many with an idle sender
     busy_seconds: float = 2e-3  # how long a busy sender computes after each send
-    idle_gap: float = 2e-3  # how long a link sits idle before each probe ([Note: idle links])
+    idle_gap: float = 5e-3  # how long a link sits idle before each probe ([Note: idle links])
     steps: int = 20  # runtime steps for the action and step overheads
 
 

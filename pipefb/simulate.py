@@ -40,8 +40,10 @@ processor sharing, as an OS schedules threads: every busy action of its workers 
 and n jobs each progress at min(1, cores / n). On a loopback host a transfer between two
 of its workers is a job too, the link's whole time (latency plus bytes over bandwidth):
 copying and (de)serialising the bytes, and waking the threads that hand them on, all
-need a core, so a hop on a busy host takes longer (measured here: an echo's one-way
-0.35 ms idle, about 1 ms with two other processes half busy on the 2 cores). Both ends
+need a core, so a hop on a busy host takes longer (measured here with back-to-back
+probes: an echo's one-way 0.35 ms idle, about 1 ms with two other processes half busy on
+the 2 cores; the calibration's latency is of a link idle before the hop, [Note: idle
+links] in coordinator.calibrate). Both ends
 work at once, so a transfer keeps `Link.cpu` cores busy for its time, not one: a second
 job of (cpu - 1) times the work runs beside it, and a STASH or FETCH on a loopback host
 gets one for the local Redis's share (`store.cpu`). Measured here as the CPU of both
