@@ -1,7 +1,7 @@
 """The one tensor codec: dtype allow-list, shape and raw little-endian bytes; never pickles.
 
 `encode`/`decode` are the wire API (the header travels in protobuf fields, the bytes in
-chunks of at most `CHUNK_BYTES`); `pack`/`unpack` frame one tensor as a single
+messages of at most `CHUNK_BYTES`, `protos.wire`); `pack`/`unpack` frame one tensor as a single
 self-describing value for storage (the offload store). Every decode validates the dtype,
 the rank, each dimension and the byte count, overflow-checked, before allocating.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -185,13 +184,3 @@ def unpack(
         raise CodecError(f"frame of {len(view)} bytes is shorter than its {rank} dimensions")
     shape = tuple(_DIM.unpack_from(view, _HEADER.size + i * _DIM.size)[0] for i in range(rank))
     return decode(list(DTYPES)[code - 1], shape, view[start:], max_bytes=max_bytes)
-
-
-def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
-    """Splits bytes into views of at most `size` bytes; yields one empty view for no data."""
-    view = memoryview(data).cast("B")
-    if not len(view):
-        yield view
-        return
-    for start in range(0, len(view), size):
-        yield view[start : start + size]

@@ -97,21 +97,6 @@ def test_dtype_codes_are_stable() -> None:
 
 
 @pytest.mark.parametrize(
-    "nbytes", [0, 1, codec.CHUNK_BYTES - 1, codec.CHUNK_BYTES, 2 * codec.CHUNK_BYTES + 7]
-)
-def test_chunks(nbytes: int) -> None:
-    data = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
-    parts = list(codec.chunks(data))
-    assert all(len(p) <= codec.CHUNK_BYTES for p in parts)
-    assert len(parts) == max(1, -(-nbytes // codec.CHUNK_BYTES))
-    assert b"".join(parts) == data
-
-
-def test_chunks_small_size() -> None:
-    assert [bytes(p) for p in codec.chunks(b"abcdefg", 3)] == [b"abc", b"def", b"g"]
-
-
-@pytest.mark.parametrize(
     ("dtype", "shape", "nbytes", "needle"),
     [
         ("complex64", (1,), 8, "complex64"),
