@@ -12,7 +12,8 @@ from typing import Any
 
 @contextmanager
 def local_client(workers: int, folder: Path, *, threads: int = 0,
-                 env: dict[str, str] | None = None, calibrated: bool = False) -> Iterator[Any]:
+                 env: dict[str, str] | None = None, calibrated: bool = False,
+                 cluster_file: Path | None = None) -> Iterator[Any]:
     """A coordinator client of a fresh local cluster whose `workers` workers registered.
 
     Args:
@@ -22,12 +23,14 @@ def local_client(workers: int, folder: Path, *, threads: int = 0,
         env: extra environment of every process.
         calibrated: give the coordinator this machine's calibrated cluster description
             (what `plan: auto` plans on).
+        cluster_file: give the coordinator this cluster description instead.
     """
     from coordinator.client import CoordinatorClient
     from pipefb.local import LocalCluster
     from pipefb.train import local_cluster_file
 
-    cluster_file = local_cluster_file(workers, folder) if calibrated else None
+    if cluster_file is None and calibrated:
+        cluster_file = local_cluster_file(workers, folder)
     with LocalCluster(workers, folder, threads=threads, extra_env=env,
                       cluster_file=cluster_file) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:

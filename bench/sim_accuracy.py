@@ -14,14 +14,17 @@ Target: |error| <= 15% for every run.
 [Note: repeated runs]
 The same job measures 10-25% apart on this shared machine from one minute to the next
 (`gpt` 1F1B on 4 workers: 162 and 132 ms per step in two runs ten minutes apart, both
-predicted 124-126 ms), and a slow spell only ever slows: one run per job made the
-error of a bench run as much the machine's minute as the simulator's. So every job runs
-`--repeats` times (3 by default), in rounds: each round runs every job once, so a slow
-spell lands on one run of several jobs, not on every run of one. A job's row is its
-median run by measured step time, with that run's prediction and in-situ fit, and the
-range of all its runs' step times; `trials` keeps every run's. The workers' profiles
-are reused across rounds ([Note: profile reuse]), so a job's runs share one prediction
-unless its plan changed.
+predicted 124-126 ms), and a slow spell only ever slows; the calibration drifts too (the
+store's bandwidth came out 1.0-2.9 GB/s in calibrations of one morning, the gRPC latency
+0.55-1.0 ms), and every prediction of a round starts from one calibration. One run per
+job on one calibration made a bench run's errors as much the machine's minute as the
+simulator's. So every job runs `--repeats` times (5 by default), in rounds: each round
+starts a fresh local cluster, measures this machine again for it (`--cached-cluster`:
+the cached calibration instead; the user's cache is left alone), profiles afresh and runs
+every job once, so a slow spell or an odd calibration lands on one run of several jobs,
+not on every run of one. A job's row is its run of median error, with that run's step
+time, prediction and in-situ fit; `trials` keeps every run's, and the page gives the
+range of the step times.
 """
 
 from __future__ import annotations
@@ -108,62 +111,76 @@ def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every run on one local cluster with the calibrated cluster description, in
-    `--repeats` rounds ([Note: repeated runs])."""
+    """Every run, in `--repeats` rounds; each round on a fresh local cluster, planned on a
+    calibration of its own unless `--cached-cluster` ([Note: repeated runs])."""
     todo = runs(args)
     n_max = max(n for _, _, n in todo)
     trials: list[list[dict[str, Any]]] = [[] for _ in todo]
+    clusters: list[dict[str, Any]] = []
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as tmp, \
-            local_client(n_max, Path(tmp), threads=args.threads, calibrated=True) as client:
-        cluster = calibrated_cluster(Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as tmp:
         for round_ in range(args.repeats):
-            for k, (model, schedule, n) in enumerate(todo):
-                res = run_job(client, make_job(args, model, schedule, n), args.warmup)
-                trials[k].append(res)
-                print(f"[round {round_ + 1}/{args.repeats}, {k + 1}/{len(todo)}] {model} "
-                      f"{schedule} x{n}: simulated {res['predicted'] * 1e3:.1f} ms "
-                      f"({res['error']:+.0%}), in situ "
-                      f"{res['in_situ']['step_seconds'] * 1e3:.1f} ms "
-                      f"({res['in_situ_error']:+.0%}), measured "
-                      f"{res['measured']['mean'] * 1e3:.1f} ms "
-                      f"[{time.perf_counter() - started:.0f} s]",
-                      flush=True)
+            folder = Path(tmp) / f"round-{round_}"
+            cluster_file, links = round_cluster(folder, n_max, fresh=not args.cached_cluster)
+            clusters.append(links)
+            with local_client(n_max, folder, threads=args.threads,
+                              cluster_file=cluster_file) as client:
+                for k, (model, schedule, n) in enumerate(todo):
+                    res = run_job(client, make_job(args, model, schedule, n), args.warmup)
+                    trials[k].append({**res, "round": round_})
+                    _progress(args, round_, k, len(todo), (model, schedule, n), res,
+                              time.perf_counter() - started)
     results = [{"model": model, "schedule": schedule, "workers": n,
                 "steps": timed_steps(args, model), **middle_trial(t),
                 "trials": [_trial(r) for r in t]}
                for (model, schedule, n), t in zip(todo, trials, strict=True)]
     return {"bench": "sim_accuracy", "machine": machine.describe(),
             "args": args_json(args),
-            "target": TARGET, "cluster": cluster, "runs": results,
+            "target": TARGET, "clusters": clusters, "runs": results,
             "abs_error": _errors(results, "error"),
             "in_situ_abs_error": _errors(results, "in_situ_error"),
             "wall_seconds": time.perf_counter() - started}
 
 
-def calibrated_cluster(folder: Path) -> dict[str, Any]:
-    """The links the coordinator plans on (`local_client` wrote them to FOLDER/cluster.yaml
-    from the calibration cache) and when the cache was measured."""
-    from coordinator.calibrate import cache_path, read_cache
+def _progress(args: argparse.Namespace, round_: int, k: int, count: int,
+              job: tuple[str, str, int], res: dict[str, Any], seconds: float) -> None:
+    model, schedule, n = job
+    print(f"[round {round_ + 1}/{args.repeats}, {k + 1}/{count}] {model} {schedule} x{n}: "
+          f"simulated {res['predicted'] * 1e3:.1f} ms ({res['error']:+.0%}), in situ "
+          f"{res['in_situ']['step_seconds'] * 1e3:.1f} ms ({res['in_situ_error']:+.0%}), "
+          f"measured {res['measured']['mean'] * 1e3:.1f} ms [{seconds:.0f} s]", flush=True)
 
-    links = yaml.safe_load((folder / "cluster.yaml").read_text())
-    _, head = read_cache(cache_path())
+
+def round_cluster(folder: Path, workers: int, fresh: bool) -> tuple[Path, dict[str, Any]]:
+    """FOLDER/cluster.yaml, the cluster description a round plans on: this machine measured
+    again (cached in FOLDER alone, not in the user's cache) when `fresh`, else the cached
+    calibration; with its links and when they were measured."""
+    from coordinator.calibrate import cache_path, local_cluster, read_cache
+
+    cache = folder / "calibration" if fresh else None
+    cluster = local_cluster(workers, cache_dir=cache, refresh=fresh)
+    path = folder / "cluster.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cluster.to_dict(), sort_keys=False))
+    links = yaml.safe_load(path.read_text())
+    _, head = read_cache(cache_path(cache))
     found = re.search(r"measured (\S+)", head)
-    return {"network": links["network"], "store": links["store"],
-            "measured": found.group(1) if found else "unknown"}
+    return path, {"network": links["network"], "store": links["store"],
+                  "measured": found.group(1) if found else "unknown"}
 
 
 def middle_trial(trials: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run whose measured step time is the median of the runs' (the lower of the two
-    middle ones for an even count): a run's step time, its prediction and its in-situ fit
-    stay together ([Note: repeated runs])."""
-    ordered = sorted(trials, key=lambda t: t["measured"]["mean"])
+    """The run whose error is the median of the runs' (the lower of the two middle ones for
+    an even count): a run's step time, its prediction and its in-situ fit stay together
+    ([Note: repeated runs])."""
+    ordered = sorted(trials, key=lambda t: t["error"])
     return ordered[(len(ordered) - 1) // 2]
 
 
 def _trial(res: dict[str, Any]) -> dict[str, float]:
     """What the results keep of every run: its step times and errors."""
-    return {"measured": res["measured"]["mean"], "predicted": res["predicted"],
+    return {"round": res["round"], "measured": res["measured"]["mean"],
+            "predicted": res["predicted"],
             "in_situ": res["in_situ"]["step_seconds"], "error": res["error"],
             "in_situ_error": res["in_situ_error"]}
 
@@ -208,7 +225,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
         ax.scatter([], [], marker="o", color=c, label=name)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("measured ms/step (median run; bar: range of the runs)")
+    ax.set_xlabel("measured ms/step (run of median error; bar: range of the runs)")
     ax.set_ylabel("simulated ms/step")
     ax.set_title("Simulated against measured (hollow: idle-worker profile,\n"
                  "filled: in-situ costs; label: workers)", fontsize=10)
@@ -234,9 +251,8 @@ def print_results(results: dict[str, Any]) -> None:
 
 
 def runs_range(run: dict[str, Any]) -> tuple[float, float]:
-    """The lowest and highest measured step time of a job's runs (its one run's, twice, in
-    results from before `trials`)."""
-    times = [t["measured"] for t in run.get("trials", [])] or [run["measured"]["mean"]]
+    """The lowest and highest measured step time of a job's runs."""
+    times = [t["measured"] for t in run["trials"]]
     return min(times), max(times)
 
 
@@ -246,13 +262,13 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     lines = ["## Simulator against measured local runs", "", f"`{cmd}`", "",
              f"`plan: auto` with the schedule fixed, batch {a['batch']}, {a['microbatches']} "
              f"micro-batches where the planner keeps them, {_steps_text(res)} timed steps after "
-             f"{a['warmup']}; every job ran {a.get('repeats', 1)} times, in rounds; measured "
-             "= a run's timed steps' wall time over their count, of the job's median run "
-             "(the range is of its runs); error = simulated / measured - 1, with that run's "
-             "prediction. *Profile*: the "
-             "planner's prediction from layers profiled on idle workers (each worker once, "
-             "by the first run that uses it: the coordinator reuses its reply for the "
-             "model's later runs). *In situ*: the same "
+             f"{a['warmup']}; every job ran {a['repeats']} times, in rounds, each round on a "
+             "fresh local cluster ([Note: repeated runs] in the bench); a job's row is its "
+             "run of median error; measured = that run's timed steps' wall time over their "
+             "count (the range is of the job's runs); error = simulated / measured - 1. "
+             "*Profile*: the planner's prediction from layers profiled on idle workers (each "
+             "worker once per round, by the first run that uses it: the coordinator reuses "
+             "its reply for the model's later runs). *In situ*: the same "
              "plan simulated with per-kind costs and a link-latency factor fitted to the busy "
              f"and waiting times of steps {IN_SITU.start}-{IN_SITU.stop - 1} (`pipefb.insitu`; "
              "the step time is not fitted).", "", *_cluster_line(res),
@@ -277,15 +293,25 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
 
 
 def _cluster_line(res: dict[str, Any]) -> list[str]:
-    """What the predictions assumed of the links (none in results from before `cluster`)."""
-    c = res.get("cluster")
-    if not c:
-        return []
-    net, store = c["network"], c["store"]
-    return [f"Predicted on the local cluster calibrated at {c['measured']}: loopback gRPC "
-            f"{net['latency'] * 1e3:.2f} ms + bytes at {net['bandwidth'] / 1e9:.2f} GB/s, "
-            f"store {store['latency'] * 1e3:.2f} ms + bytes at "
-            f"{store['bandwidth'] / 1e9:.2f} GB/s.", ""]
+    """What the predictions assumed of the links, over the rounds' calibrations."""
+    clusters = res["clusters"]
+
+    def span(values: list[float], scale: float, digits: int) -> str:
+        low, high = min(values) * scale, max(values) * scale
+        return f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else \
+            f"{low:.{digits}f}-{high:.{digits}f}"
+
+    def link(name: str) -> str:
+        latency = span([c[name]["latency"] for c in clusters], 1e3, 2)
+        bandwidth = span([c[name]["bandwidth"] for c in clusters], 1e-9, 2)
+        return f"{latency} ms + bytes at {bandwidth} GB/s"
+
+    dates = sorted({c["measured"] for c in clusters})
+    when = (f"calibrated at {dates[0]}" if len(dates) == 1 else
+            f"measured again before each round ({len(dates)} calibrations, {dates[0]} to "
+            f"{dates[-1]})")
+    return [f"Predicted on the local cluster {when}: loopback gRPC {link('network')}, store "
+            f"{link('store')}.", ""]
 
 
 def _steps_text(res: dict[str, Any]) -> str:
@@ -312,15 +338,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"untimed steps first (the in-situ fit uses steps {IN_SITU.start}-"
                         f"{IN_SITU.stop - 1}; default {IN_SITU.stop})")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of every job, in rounds; a job's row is its median run "
-                        "(default 3)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs of every job, in rounds; a job's row is its run of median "
+                        "error (default 5)")
+    p.add_argument("--cached-cluster", action="store_true",
+                   help="plan every round on the cached calibration instead of measuring "
+                        "this machine again before each (--quick implies it)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.quick:
         args.steps, args.batch, args.workers, args.models = 2, 8, "2", "mlp"
-        args.repeats = min(args.repeats, 2)
+        args.repeats, args.cached_cluster = min(args.repeats, 2), True
     return args
 
 

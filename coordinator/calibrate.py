@@ -11,6 +11,10 @@ Every figure comes from the parts a local run uses:
   peer's `recv` return, one way. Small tensors give the latency, large ones the bandwidth.
 - **idle links** ([Note: idle links]): each probe leaves after the link sat idle
   `Settings.idle_gap` (5 ms), as a pipeline's links do between micro-batches.
+- **means**: a link's time at each size is the mean of its probes, not their median, as
+  the profile's times are means: a step's time is the sum of its actions' ([Note: timed
+  as a pipeline runs] in pipefb.profiler), and a store probe's times have a slow tail
+  (16 MiB: median 6.7 ms, mean 8.6, slowest tenth over 16 ms in one calibration here).
 - **store**: a Redis started as `LocalCluster` starts it (`python -m offload_store`) and
   `OffloadStore.put` / `take`, the worker's stash and fetch, of stashes shaped as a
   stage's: `STASH_TENSORS` fresh tensors over `STASH_LAYERS` layers, `STASH_DEPTH`
@@ -111,7 +115,7 @@ STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
 PROBE_SPANS = 16  # actions of the probe's Step reply
-PROBE_VERSION = 8  # bumped when a probe measures differently: older caches are re-measured
+PROBE_VERSION = 9  # bumped when a probe measures differently: older caches are re-measured
 PROBE_TIMEOUT_S = 60.0  # a probe that does not come back within this has failed
 MiB = 1 << 20
 BUSY_WIDTH = 512  # features of the Linear a busy sender runs
@@ -129,7 +133,7 @@ class Settings:
 
     small_bytes: int = 1024  # tensor size of the latency probes
     large_bytes: int = 16 * MiB  # tensor size of the bandwidth probes
-    small_repeats: int = 300  # latency probes per link (the median counts)
+    small_repeats: int = 300  # latency probes per link (their mean counts)
     large_repeats: int = 20  # bandwidth probes per link
     warmup: int = 5  # probes of each size run first and not counted
     rpc_repeats: int = 100  # unary round trips for the step overhead
@@ -270,7 +274,7 @@ class _Pinger:
 
     def one_way(self, size: int, repeats: int, warmup: int, gap: float,
                 meter: CpuMeter | None = None) -> float:
-        """Median one-way seconds of a `size`-byte tensor to the waiting peer, each probe
+        """Mean one-way seconds of a `size`-byte tensor to the waiting peer, each probe
         sent after the stream sat idle `gap` seconds ([Note: idle links]); `meter` times
         the probes' round trips (not the gaps)."""
         tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
@@ -279,7 +283,7 @@ class _Pinger:
             time.sleep(gap)
             with meter.span() if meter is not None else contextlib.nullcontext():
                 times.append(self.stamped(tensor, _nothing))
-        return statistics.median(times[warmup:])
+        return statistics.fmean(times[warmup:])
 
 
 def _nothing() -> None:
@@ -456,10 +460,10 @@ def _store_round(store: OffloadStore, first_step: int, size: int, gap: float,
 
 def _store_seconds(store: OffloadStore, size: int, repeats: int, warmup: int,
                    first_step: int, gap: float, meter: CpuMeter | None = None) -> float:
-    """Median seconds of one stash or fetch of `size` bytes (see `_store_round`)."""
+    """Mean seconds of one stash or fetch of `size` bytes (see `_store_round`)."""
     times = [_store_round(store, first_step + i * STASH_DEPTH, size, gap, meter)
              for i in range(warmup + repeats)]
-    return statistics.median(times[warmup:])
+    return statistics.fmean(times[warmup:])
 
 
 def _store(address: str, settings: Settings, pids: Sequence[int] = ()) -> Link:
