@@ -16,7 +16,7 @@ The same job measures 10-25% apart on this shared machine from one minute to the
 (`gpt` 1F1B on 4 workers: 162 and 132 ms per step in two runs ten minutes apart, both
 predicted 124-126 ms), and a slow spell only ever slows; the calibration drifts too (the
 store's bandwidth came out 1.0-2.9 GB/s in calibrations of one morning, the gRPC latency
-0.55-1.0 ms), and every prediction of a round starts from one calibration. One run per
+0.5-1.1 ms), and every prediction of a round starts from one calibration. One run per
 job on one calibration made a bench run's errors as much the machine's minute as the
 simulator's. So every job runs `--repeats` times (5 by default), in rounds: each round
 starts a fresh local cluster, measures this machine again for it (`--cached-cluster`:
