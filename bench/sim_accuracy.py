@@ -159,10 +159,9 @@ def round_cluster(folder: Path, workers: int, fresh: bool) -> tuple[Path, dict[s
 
     cache = folder / "calibration" if fresh else None
     cluster = local_cluster(workers, cache_dir=cache, refresh=fresh)
-    path = folder / "cluster.yaml"
+    path, links = folder / "cluster.yaml", cluster.to_dict()
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cluster.to_dict(), sort_keys=False))
-    links = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump(links, sort_keys=False))
     _, head = read_cache(cache_path(cache))
     found = re.search(r"measured (\S+)", head)
     return path, {"network": links["network"], "store": links["store"],
