@@ -80,6 +80,9 @@ class Profile:
         data_seconds: loading one micro-batch (inputs and targets), which the forward of
             the first stage and of the loss's stage each pay; `at` keeps it (loading costs
             mostly per call).
+        weight_copy_seconds_per_byte: copying parameters into fresh memory, per byte: an
+            OPT that keeps the weights it replaces pays it for the stage's parameters
+            ([Note: weight versions] in pipefb.simulate).
     """
 
     microbatch_size: int
@@ -89,6 +92,7 @@ class Profile:
     source: str = "measured"
     data_seconds: float = 0.0
     optimizer_fixed_seconds: float = 0.0
+    weight_copy_seconds_per_byte: float = 0.0
     _scaled: dict[int, Profile] = field(default_factory=dict, init=False, repr=False,
                                         compare=False)
 
@@ -97,7 +101,8 @@ class Profile:
             raise ConfigError(f"profile micro-batch size {self.microbatch_size} must be >= 1")
         if not self.layers:
             raise ConfigError("a profile needs at least one layer")
-        for key in ("data_seconds", "optimizer_seconds_per_byte", "optimizer_fixed_seconds"):
+        for key in ("data_seconds", "optimizer_seconds_per_byte", "optimizer_fixed_seconds",
+                    "weight_copy_seconds_per_byte"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"profile {key} = {getattr(self, key)!r} must be >= 0")
 
@@ -159,6 +164,10 @@ class Profile:
             return 0.0
         return self.optimizer_fixed_seconds + self.optimizer_seconds_per_byte * owned_bytes
 
+    def weight_copy_seconds(self, owned_bytes: int) -> float:
+        """Keeping a copy of `owned_bytes` of parameters as a weight version."""
+        return self.weight_copy_seconds_per_byte * owned_bytes
+
     def param_bytes(self, layers: Sequence[int] | range) -> int:
         """Parameter bytes of some layers, summed."""
         return sum(self.layers[i].param_bytes for i in layers)
@@ -170,7 +179,8 @@ class Profile:
                 "optimizer_seconds_per_byte": self.optimizer_seconds_per_byte,
                 "optimizer_state_ratio": self.optimizer_state_ratio, "source": self.source,
                 "data_seconds": self.data_seconds,
-                "optimizer_fixed_seconds": self.optimizer_fixed_seconds}
+                "optimizer_fixed_seconds": self.optimizer_fixed_seconds,
+                "weight_copy_seconds_per_byte": self.weight_copy_seconds_per_byte}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:

@@ -117,7 +117,9 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
                       optimizer_seconds_per_byte=(profile.optimizer_seconds_per_byte
                                                   * factors.get("OPT", 1.0)),
                       optimizer_fixed_seconds=(profile.optimizer_fixed_seconds
-                                               * factors.get("OPT", 1.0)))
+                                               * factors.get("OPT", 1.0)),
+                      weight_copy_seconds_per_byte=(profile.weight_copy_seconds_per_byte
+                                                    * factors.get("OPT", 1.0)))
     store = Link(cluster.store.bandwidth / factors.get("STASH", 1.0), cluster.store.latency)
     hop = factors.get(LATENCY, 1.0)
 

@@ -73,6 +73,12 @@ bytes. Measured here (AdamW, one torch thread, cold caches): 0.19 ms for 0.13 MB
 parameters, 0.24 ms for 1.05 MB, 0.51 ms for 3.2 MB. The bench `mlp`'s first stage (0.13
 MB) was predicted 0.02 ms per OPT from the per-byte figure alone, and measured 0.14-0.30
 ms in the simulator-accuracy runs.
+
+Where the parameters hold few bytes, their step is no slower than the smallest tensor's
+within the noise (the tests' one-block `gpt`, 0.12 MB: about 0.52 ms either way, and once
+the line had no slope, which made the whole step fixed and its bytes free). So the far
+point holds at least `CONTRAST_BYTES` (1 MiB, about 0.2 ms of AdamW here): fewer
+parameters are timed with a tensor of zeros beside them that makes up the rest.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -112,6 +119,10 @@ MAX_RUNS = 100  # warm-up or timed runs a request may ask for (bounds a Profile 
 #: is the line through the two sizes, at 0 samples ([Note: fixed part])
 SECOND_FACTOR = 4
 MIN_SECOND_ROUNDS = 2  # timed rounds at a larger second size, at least
+#: the optimizer's per-byte cost comes from a step over at least this many bytes: fewer
+#: parameters are padded with zeros up to it ([Note: optimizer fixed part])
+CONTRAST_BYTES = 1 << 20
+KEPT_COPIES = 2  # weight copies the profiler holds at once, as a PipeDream stage keeps
 DATA_STEP = 0  # shapes come from step 0's micro-batch 0; round r runs step DATA_STEP + r
 _EXAMPLE_SEED = 0  # seeds the example inputs of the analytic stash (never the global RNG)
 
@@ -223,6 +234,7 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
                             timed, timed.stop, job.seed, *rounds, caches))
         params = _params([seq.layers[i] for i in timed]) or _params(seq.layers)
         optimizer = _optimizer_costs(job, params, warmup, repeats, caches)
+        copy = _weight_copy_seconds_per_byte(params, warmup, repeats, caches)
     runs, fixed = full.runs(len(seq.layers)), second.runs(timed.stop)
     sizes = (size, microbatch_size)
     rows = (_measured_layer(seq, i, out, runs[i], fixed[i] if i in timed else None, sizes)
@@ -231,7 +243,7 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
                    optimizer_seconds_per_byte=optimizer.per_byte,
                    optimizer_fixed_seconds=optimizer.fixed,
                    optimizer_state_ratio=optimizer.state_ratio, source="measured",
-                   data_seconds=_mean(full.data))
+                   data_seconds=_mean(full.data), weight_copy_seconds_per_byte=copy)
 
 
 def _pipeline(seq: _Sequence, dataset: Dataset, size: int, timed: range, stop: int, seed: int,
@@ -371,11 +383,35 @@ def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, re
         return _OptimizerCosts()
     seconds, ratio = _optimizer_step(job, params, warmup, repeats, caches)
     smallest = [min(params, key=lambda p: tensor_bytes([p]))]
-    fixed = 0.0
-    if tensor_bytes(smallest) < nbytes:
-        small, _ = _optimizer_step(job, smallest, warmup, repeats, caches)
-        fixed = fixed_part(small, seconds, (tensor_bytes(smallest), nbytes))
+    if tensor_bytes(smallest) == nbytes:
+        return _OptimizerCosts(seconds / nbytes, 0.0, ratio)
+    if nbytes < CONTRAST_BYTES:  # too few bytes to show a slope: pad them with zeros
+        first = params[0]
+        pad = nn.Parameter(torch.zeros((CONTRAST_BYTES - nbytes) // first.element_size(),
+                                       dtype=first.dtype, device=first.device))
+        params = [*params, pad]
+        nbytes = tensor_bytes(params)
+        seconds, _ = _optimizer_step(job, params, warmup, repeats, caches)
+    small, _ = _optimizer_step(job, smallest, warmup, repeats, caches)
+    fixed = fixed_part(small, seconds, (tensor_bytes(smallest), nbytes))
     return _OptimizerCosts((seconds - fixed) / nbytes, fixed, ratio)
+
+
+def _weight_copy_seconds_per_byte(params: list[torch.Tensor], warmup: int, repeats: int,
+                                  caches: _Caches | None = None) -> float:
+    """Copying `params` into fresh memory, per byte, as an OPT that keeps a weight version
+    does ([Note: weight versions] in pipefb.simulate): each copy is held while the next
+    `KEPT_COPIES - 1` are made, and the caches are emptied (if given) before each."""
+    nbytes = tensor_bytes(params)
+    if not nbytes:
+        return 0.0
+    kept: deque[list[torch.Tensor]] = deque(maxlen=KEPT_COPIES)
+
+    def copy() -> None:
+        kept.append([p.detach().clone() for p in params])
+
+    evict = caches.evict if caches is not None else lambda: None
+    return _mean_seconds(copy, max(warmup, KEPT_COPIES), repeats, evict) / nbytes
 
 
 def _optimizer_step(job: JobConfig, params: list[torch.Tensor], warmup: int, repeats: int,
@@ -508,9 +544,11 @@ def analytic_profile(job: JobConfig, microbatch_size: int, flops_per_second: flo
                      for i, out in enumerate(seq.output_specs()))
         params = _params(seq.layers)
         ratio = _optimizer_step(job, params, 0, 1, None)[1] if params else 0.0
-    per_byte = (3 + 2 * ratio) / device.bytes_per_second if device.bytes_per_second else 0.0
+    rate = device.bytes_per_second
+    per_byte = (3 + 2 * ratio) / rate if rate else 0.0
     return Profile(microbatch_size, rows, optimizer_seconds_per_byte=per_byte,
-                   optimizer_state_ratio=ratio, source="analytic")
+                   optimizer_state_ratio=ratio, source="analytic",
+                   weight_copy_seconds_per_byte=2 / rate if rate else 0.0)
 
 
 def _analytic_layer(seq: _Sequence, i: int, out: TensorSpec, device: _Device, seed: int
@@ -599,7 +637,9 @@ def median_profile(profiles: Sequence[Profile]) -> Profile:
                        p.optimizer_fixed_seconds for p in profiles),
                    optimizer_state_ratio=statistics.median(
                        p.optimizer_state_ratio for p in profiles),
-                   data_seconds=statistics.median(p.data_seconds for p in profiles))
+                   data_seconds=statistics.median(p.data_seconds for p in profiles),
+                   weight_copy_seconds_per_byte=statistics.median(
+                       p.weight_copy_seconds_per_byte for p in profiles))
 
 
 def _median_layer(rows: list[LayerProfile]) -> LayerProfile:

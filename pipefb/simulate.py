@@ -10,7 +10,8 @@ the bubble fraction and each worker's peak memory as the runtime accounts it.
   profiled layer time over the worker's speed: F sums the stage's forwards (plus loading
   the micro-batch on the first stage and the loss's, `Profile.data_seconds`), B its
   backwards plus the forwards of its recomputed layers, OPT is the optimizer's fixed
-  seconds plus its seconds per byte times the bytes it updates (none without parameters).
+  seconds plus its seconds per byte times the bytes it updates (none without parameters),
+  plus the copy of those bytes where it keeps a weight version ([Note: weight versions]).
 - SEND_F, SEND_B, SEND_L and PUSH_W cost the sender only the action overhead; the bytes
   then cross the link between the two workers, one transfer at a time per direction
   (FIFO), arriving `latency + bytes / bandwidth` after they start.
@@ -94,6 +95,16 @@ halves of the micro-batches the runtime runs there (none for the first s, one ea
 all left at the last B; the saved tensors of a micro-batch are freed with its halves) and
 its SEND_B only costs the overhead. A profile without `weight_grad_seconds` (analytic)
 sends after the whole B.
+
+[Note: weight versions]
+An OPT that keeps the weights it replaces copies the stage's parameters first
+(`WeightVersions.keep`, into fresh memory): on a combined rank whose list runs a forward
+of the next step before its OPT (PipeDream: that forward's backward needs the old
+weights), and on a backward rank of an async plan (staleness >= 1: later steps' forwards
+ran on them). The profile's `weight_copy_seconds_per_byte` prices it. Measured here on a
+3-worker `mlp` PipeDream run: the copy took 0.12-0.16 ms of the thread's CPU per OPT for
+about 1.1 MB of a stage's parameters, and the in-situ fits of the bench's PipeDream runs
+had put every OPT 1.6-3.2x over the profiled step (1.0-1.8x under the other schedules).
 
 [Note: simulated memory]
 After every action the simulator sums, per worker, the same kinds the runtime accounts
@@ -261,6 +272,11 @@ class _Costs:
         owned = self.profile.param_bytes(t.layers_of_backward(a.stage))
         return self.profile.optimizer_seconds(owned)
 
+    def weight_copy(self, rank: int, stage: int) -> float:
+        """Seconds on `rank` to keep a copy of backward stage `stage`'s parameters."""
+        owned = self.profile.param_bytes(self.topology.layers_of_backward(stage))
+        return self.profile.weight_copy_seconds(owned) / self.cluster.workers[rank].speed
+
     def stash_bytes(self, a: Action) -> int:
         """Bytes a STASH puts into (a FETCH takes from) the store per micro-batch."""
         key = (a.kind, a.stage)
@@ -422,6 +438,8 @@ class _Program:
         self.needs: dict[tuple[Kind, int], list[tuple[int, Kind, int]]] = {}
         self.runs_weights = {r: _weight_halves_run(costs, r, actions)
                              for r, actions in schedule.items()}
+        self.keeps_versions = {r: _keeps_versions(r, actions, costs.topology, staleness)
+                               for r, actions in schedule.items()}
         self.ops = {r: [self._op(r, a, memory[r], staleness) for a in actions]
                     for r, actions in schedule.items()}
         self.index = {r: {a.base: i for i, a in enumerate(actions)}
@@ -447,6 +465,8 @@ class _Program:
             seconds = c.cluster.action_overhead
             if a.kind in COMPUTE:
                 seconds += c.compute(r, a)
+            if a.kind is Kind.OPT and self.keeps_versions[r]:
+                seconds += c.weight_copy(r, a.stage)
             elif a.kind in (Kind.STASH, Kind.FETCH):
                 seconds += c.cluster.store.seconds(c.stash_bytes(a))
             self.shapes[shape] = (seconds, memory.deltas(a))
@@ -506,6 +526,20 @@ def _weight_halves_run(costs: _Costs, r: int, actions: list[Action]) -> dict[int
     if order and order[-1] is not None:
         runs[order[-1]] = min(len(order) - 1, stage) + 1
     return runs
+
+
+def _keeps_versions(r: int, actions: list[Action], t: Topology, staleness: int) -> bool:
+    """Whether rank r's OPT copies the weights it replaces ([Note: weight versions])."""
+    if r not in t.backward_workers:
+        return False
+    if r not in t.forward_workers:
+        return staleness > 0
+    for a in actions:
+        if a.kind is Kind.OPT:
+            return False
+        if a.kind is Kind.F and a.lead:
+            return True
+    return False
 
 
 def _destination(t: Topology, a: Action) -> int:

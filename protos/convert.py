@@ -121,7 +121,8 @@ def profile_to_proto(profile: Profile, torch_threads: int) -> worker_pb2.Profile
         optimizer_seconds_per_byte=profile.optimizer_seconds_per_byte,
         optimizer_state_ratio=profile.optimizer_state_ratio, source=profile.source,
         torch_threads=torch_threads, data_seconds=profile.data_seconds,
-        optimizer_fixed_seconds=profile.optimizer_fixed_seconds)
+        optimizer_fixed_seconds=profile.optimizer_fixed_seconds,
+        weight_copy_seconds_per_byte=profile.weight_copy_seconds_per_byte)
 
 
 def profile_from_proto(reply: worker_pb2.ProfileReply) -> Profile:
@@ -131,7 +132,8 @@ def profile_from_proto(reply: worker_pb2.ProfileReply) -> Profile:
         layers=tuple(_layer_from_proto(x) for x in reply.layers),
         optimizer_seconds_per_byte=reply.optimizer_seconds_per_byte,
         optimizer_state_ratio=reply.optimizer_state_ratio, source=reply.source,
-        data_seconds=reply.data_seconds, optimizer_fixed_seconds=reply.optimizer_fixed_seconds)
+        data_seconds=reply.data_seconds, optimizer_fixed_seconds=reply.optimizer_fixed_seconds,
+        weight_copy_seconds_per_byte=reply.weight_copy_seconds_per_byte)
 
 
 def _layer_to_proto(x: LayerProfile) -> worker_pb2.LayerProfile:

@@ -252,7 +252,7 @@ class LayerProfile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., input_bytes: _Optional[int] = ..., output_bytes: _Optional[int] = ..., saved_bytes: _Optional[int] = ..., param_bytes: _Optional[int] = ..., forward_fixed_seconds: _Optional[float] = ..., backward_fixed_seconds: _Optional[float] = ..., weight_grad_seconds: _Optional[float] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
-    __slots__ = ("microbatch_size", "layers", "optimizer_seconds_per_byte", "optimizer_state_ratio", "source", "torch_threads", "data_seconds", "optimizer_fixed_seconds")
+    __slots__ = ("microbatch_size", "layers", "optimizer_seconds_per_byte", "optimizer_state_ratio", "source", "torch_threads", "data_seconds", "optimizer_fixed_seconds", "weight_copy_seconds_per_byte")
     MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_SECONDS_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class ProfileReply(_message.Message):
     TORCH_THREADS_FIELD_NUMBER: _ClassVar[int]
     DATA_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_COPY_SECONDS_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
     microbatch_size: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerProfile]
     optimizer_seconds_per_byte: float
@@ -269,4 +270,5 @@ class ProfileReply(_message.Message):
     torch_threads: int
     data_seconds: float
     optimizer_fixed_seconds: float
-    def __init__(self, microbatch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerProfile, _Mapping]]] = ..., optimizer_seconds_per_byte: _Optional[float] = ..., optimizer_state_ratio: _Optional[float] = ..., source: _Optional[str] = ..., torch_threads: _Optional[int] = ..., data_seconds: _Optional[float] = ..., optimizer_fixed_seconds: _Optional[float] = ...) -> None: ...
+    weight_copy_seconds_per_byte: float
+    def __init__(self, microbatch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerProfile, _Mapping]]] = ..., optimizer_seconds_per_byte: _Optional[float] = ..., optimizer_state_ratio: _Optional[float] = ..., source: _Optional[str] = ..., torch_threads: _Optional[int] = ..., data_seconds: _Optional[float] = ..., optimizer_fixed_seconds: _Optional[float] = ..., weight_copy_seconds_per_byte: _Optional[float] = ...) -> None: ...

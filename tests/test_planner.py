@@ -386,3 +386,27 @@ def test_an_opt_costs_the_optimizers_fixed_part_plus_its_bytes_and_nothing_witho
     assert profile.optimizer_seconds(0) == 0.0
     with pytest.raises(ConfigError, match="optimizer_fixed_seconds = -1"):
         replace(profile, optimizer_fixed_seconds=-1.0)
+
+
+@pytest.mark.parametrize(("schedule", "mode", "copies"), [
+    ("pipedream", "async", {0: True, 1: False}),  # rank 0 forwards step k+1 before its OPT
+    ("1f1b", "sync", {0: False, 1: False}),
+    ("pipefb", "sync", {2: False, 3: False}),
+    ("pipefb", "async", {2: True, 3: True}),  # staleness 1: step k+1 forwards on version k
+])
+def test_an_opt_that_keeps_the_weights_it_replaces_pays_their_copy(
+        schedule: str, mode: str, copies: dict[int, bool]) -> None:
+    layer = LayerProfile("owned", 1e-3, 2e-3, 64, 64, 64, 1 << 20)
+    profile = Profile(2, (layer,) * 4, optimizer_seconds_per_byte=1e-9,
+                      optimizer_fixed_seconds=3e-4, optimizer_state_ratio=2.0,
+                      weight_copy_seconds_per_byte=5e-10)
+    workers = 4 if schedule == "pipefb" else 2
+    plan = balanced_plan(schedule, workers, [1.0] * 4, 4, 2, mode=mode,
+                         staleness=1 if mode == "async" and schedule == "pipefb" else 0)
+    sim = simulate(plan, profile, Cluster.uniform(workers, network=Link(1e12, 0.0)))
+    opt = {s.rank: s.end - s.start for s in sim.spans if s.action.kind is Kind.OPT}
+    step = 3e-4 + 1e-9 * (2 << 20)  # each backward stage owns two 1 MB layers
+    assert opt == pytest.approx({r: step + (5e-10 * (2 << 20) if copy else 0.0)
+                                 for r, copy in copies.items()})
+    with pytest.raises(ConfigError, match="weight_copy_seconds_per_byte = -1"):
+        replace(profile, weight_copy_seconds_per_byte=-1.0)

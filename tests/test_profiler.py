@@ -140,8 +140,25 @@ def test_times_are_positive_and_fixed_parts_at_most_the_total(which: str, mlp_pr
                 else x.weight_grad_seconds < x.backward_seconds / 2), x
     assert profile.optimizer_seconds_per_byte > 0
     assert profile.optimizer_fixed_seconds > 0  # a step's per-call cost
+    # copying the weights into fresh memory: no faster than 20 GB/s (memory traffic both
+    # ways), no slower than a microsecond a byte
+    assert 5e-11 < profile.weight_copy_seconds_per_byte < 1e-6
     assert profile.optimizer_state_ratio == pytest.approx(2.0, abs=0.01)  # adamw: 2 moments
     assert profile.data_seconds > 0  # loading the micro-batch was timed
+
+
+def test_the_optimizer_step_has_a_cost_per_byte_where_the_parameters_are_too_few_to_show_it(
+) -> None:
+    """A step over two 8-float tensors is no slower than over one of them, within the
+    noise; the line is drawn to a step with zeros up to `CONTRAST_BYTES` beside them
+    ([Note: optimizer fixed part]), so neither part comes out zero."""
+    params = [nn.Parameter(torch.zeros(8)) for _ in range(2)]
+    with worker_threads():
+        for _ in range(3):
+            costs = profiler._optimizer_costs(MLP, params, warmup=1, repeats=3)
+            assert 0 < costs.per_byte < 1e-8, costs  # AdamW here: about 2e-10 s a byte
+            assert 0 < costs.fixed < 5e-3, costs
+            assert costs.state_ratio > 2  # two moments, and a step count per tensor
 
 
 def test_restricted_layers_are_timed_alone_and_leave_the_rng_alone(mlp_profile: Profile) -> None:
@@ -209,8 +226,11 @@ def test_every_timed_call_starts_from_overwritten_caches(monkeypatch: pytest.Mon
     # the warm-up round's calls are untimed: each timed round's are all cold
     n_layers = len(WIDTHS)  # 4 linear layers and the loss
     per_round = profiler.IN_FLIGHT * (1 + 2 * n_layers)  # load, forwards, backwards
-    # full and small runs; 1 + 2 OPT steps over every parameter, and over the smallest alone
-    assert len(evicted) == 2 * 2 * per_round + 2 * 3
+    # full and small runs; 1 + 2 OPT steps over every parameter (0.13 MB), over them with
+    # zeros up to CONTRAST_BYTES, and over the smallest alone; 2 + 2 weight copies
+    assert profiler.CONTRAST_BYTES > tensor_bytes(p for x in build_layers(MLP)
+                                                  for p in x.parameters())
+    assert len(evicted) == 2 * 2 * per_round + 3 * 3 + profiler.KEPT_COPIES + 2
     assert len(written) == len(evicted) and len(set(written)) > 1  # new bytes each time
     assert profiler.EVICT_BYTES >= 64 << 20
 
@@ -254,6 +274,7 @@ def test_analytic_optimizer_state_ratio_is_the_optimizer_s() -> None:
     sgd = analytic_profile(replace(MLP, optimizer="sgd"), MB, 1e9, bytes_per_second=1e9)
     assert sgd.optimizer_state_ratio == 1.0  # one momentum buffer per parameter
     assert sgd.optimizer_seconds_per_byte == pytest.approx(5 / 1e9)
+    assert sgd.weight_copy_seconds_per_byte == pytest.approx(2 / 1e9)  # read and written
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
