@@ -517,7 +517,8 @@ def analytic_profile(job: JobConfig, microbatch_size: int, flops_per_second: flo
     the captured split on example inputs. The optimizer moves its parameters (read and
     written), gradients and state (read and written): `(3 + 2 * state ratio) /
     bytes_per_second` seconds per byte, 0 without a bandwidth; the state ratio is measured
-    after one real step here.
+    after one real step here. A copy of the weights (a kept weight version) reads and
+    writes them: `2 / bytes_per_second` per byte.
 
     Args:
         job: the job whose layers and optimizer to profile.

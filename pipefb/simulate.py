@@ -465,8 +465,8 @@ class _Program:
             seconds = c.cluster.action_overhead
             if a.kind in COMPUTE:
                 seconds += c.compute(r, a)
-            if a.kind is Kind.OPT and self.keeps_versions[r]:
-                seconds += c.weight_copy(r, a.stage)
+                if a.kind is Kind.OPT and self.keeps_versions[r]:
+                    seconds += c.weight_copy(r, a.stage)
             elif a.kind in (Kind.STASH, Kind.FETCH):
                 seconds += c.cluster.store.seconds(c.stash_bytes(a))
             self.shapes[shape] = (seconds, memory.deltas(a))
