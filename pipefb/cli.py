@@ -1,18 +1,33 @@
 """The `pipefb` command: `local train`, `submit`, `status`, `stop`.
 
 Bad arguments exit with status 2 and one line naming the bad value; a failed job exits 1
-with the coordinator's message. Cluster commands import the gRPC client lazily, so the
-core never imports grpc.
+with the coordinator's message; Ctrl-C exits 130. Cluster commands import the gRPC client
+lazily, so the core never imports grpc.
+
+[Note: interrupt deadline]
+Ctrl-C raises KeyboardInterrupt where the main thread is, often inside a gRPC call, and the
+clean-up then closes the channel and stops the local cluster. gRPC Python's
+`Channel.close` can deadlock after an exception a signal handler raised while calls were
+in flight (grpc/grpc#19973, #20026), and once in this project's CI a Ctrl-C'd `local
+train` did not exit for 300 s. So the first Ctrl-C also starts a timer: if the command is
+still running `INTERRUPT_GRACE_SECONDS` later, it SIGKILLs the local clusters' processes
+(`pipefb.local.kill_running`), says so, and exits 130 at once. A clean stop takes about
+7 s here (the workers' own grace is 5 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipefb.config import DEVICES, SCHEDULES, JobConfig, check_job, job_device, parse_json_object
@@ -20,6 +35,9 @@ from pipefb.errors import ConfigError
 
 if TYPE_CHECKING:
     from pipefb.costs import Profile
+
+#: after a Ctrl-C, a command still running this long is cut short ([Note: interrupt deadline])
+INTERRUPT_GRACE_SECONDS = 60.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -365,11 +383,44 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _cut_short() -> None:
+    """The interrupt's deadline passed: kill the local clusters' processes and exit 130."""
+    from pipefb.local import kill_running
+
+    killed = kill_running()
+    print(f"pipefb: interrupted; the clean-up took over {INTERRUPT_GRACE_SECONDS:g} s, so "
+          f"{killed} local process(es) were killed", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGINT: KeyboardInterrupt, as Python's default, with a deadline on what follows."""
+    timer = threading.Timer(INTERRUPT_GRACE_SECONDS, _cut_short)
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _interrupt_deadline() -> Iterator[None]:
+    """Puts `_interrupted` on SIGINT for the command (main thread only; the previous
+    handler is restored after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pipefb` script."""
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        with _interrupt_deadline():
+            return COMMANDS[args.command](args)
     except ConfigError as error:
         print(f"pipefb: error: {error}", file=sys.stderr)
         return 2

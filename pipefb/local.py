@@ -9,7 +9,8 @@ its name on a new port (it registers again). Jobs with `max_restarts` then repla
 
 Only subprocesses: the core stays free of grpc and redis. Every process is stopped on
 exit, on Ctrl-C and on failure; children also get SIGTERM if this process dies
-(PR_SET_PDEATHSIG on Linux).
+(PR_SET_PDEATHSIG on Linux). `kill_running` is the last resort of an interrupted CLI
+whose clean-up hangs (see `pipefb.cli`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -33,6 +35,7 @@ READY_TIMEOUT_SECONDS = 120.0  # start-up of one process, torch import included
 SUPERVISE_SECONDS = 0.2  # with restart: how often dead processes are looked for
 STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no redis code)
 _PR_SET_PDEATHSIG = 1
+_RUNNING: weakref.WeakSet[LocalCluster] = weakref.WeakSet()  # started, not yet stopped
 
 
 def die_with_parent() -> None:
@@ -150,6 +153,16 @@ class Process:
         """The same process started again with `args` (its log continues)."""
         return Process(self.name, args, self.log_path.parent, self.env, self.metrics)
 
+    def kill(self) -> bool:
+        """SIGKILL now, without waiting; whether it was still running."""
+        if self.popen.returncode is not None:
+            return False
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds; always reaps."""
         if self.popen.poll() is None:
@@ -211,6 +224,7 @@ class LocalCluster:
 
     def start(self) -> None:
         """Starts every process and waits until each serves."""
+        _RUNNING.add(self)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0", "--acl",
                                            "--maxmemory", self.store_maxmemory]).wait_ready()
@@ -292,6 +306,23 @@ class LocalCluster:
         """Stops workers, then the coordinator, then Redis (no more relaunches)."""
         self._stopping.set()
         with self._lock:
-            procs, self.processes = list(self.processes), []
+            procs = list(self.processes)
         for proc in reversed(procs):
             proc.stop()
+        with self._lock:  # listed until stopped, so that `kill` still finds them
+            self.processes = []
+        _RUNNING.discard(self)
+
+    def kill(self) -> int:
+        """SIGKILLs every process still running, without waiting (Redis's server follows
+        its parent: PR_SET_PDEATHSIG); returns how many there were."""
+        self._stopping.set()
+        with self._lock:
+            procs = list(self.processes)
+        return sum(proc.kill() for proc in procs)
+
+
+def kill_running() -> int:
+    """SIGKILLs the processes of every local cluster this process started and has not
+    stopped (what an interrupted CLI does when its clean-up hangs); returns how many."""
+    return sum(cluster.kill() for cluster in list(_RUNNING))

@@ -73,6 +73,54 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     assert not [name for name, p in manifest.items() if alive(p["pid"])]
 
 
+# A `pipefb local train` whose clean-up never ends (as a deadlocked Channel.close would):
+# the command starts a real local cluster, says so, and hangs in its `finally`.
+HUNG_CLEAN_UP = """
+import sys, time
+from pathlib import Path
+from pipefb import cli
+from pipefb.local import LocalCluster
+
+def hang(args):
+    with LocalCluster(1, args.out / "logs"):
+        print("serving", file=sys.stderr, flush=True)
+        try:
+            time.sleep(300)
+        finally:
+            time.sleep(300)
+    return 0
+
+cli.INTERRUPT_GRACE_SECONDS = 3.0
+cli.COMMANDS["local"] = hang
+sys.exit(cli.main(["local", "train", "--out", sys.argv[1]]))
+"""
+
+
+def test_ctrl_c_ends_the_cli_and_its_processes_even_when_the_clean_up_hangs(
+        tmp_path: Path) -> None:
+    """[Note: interrupt deadline] in pipefb/cli.py: the deadline kills the cluster."""
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_CLEAN_UP, str(tmp_path)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            cwd=ROOT)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("serving"):
+            break
+    manifest = json.loads((tmp_path / "logs" / "cluster.json").read_text())
+    assert len(manifest) == 3  # redis, coordinator, 1 worker
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, err = finish(proc)
+    assert code == 130, err
+    assert time.monotonic() - started < 60  # the 3 s deadline, not the 300 s hang
+    assert err.strip().splitlines()[-1] == (
+        "pipefb: interrupted; the clean-up took over 3 s, so 3 local process(es) were killed")
+    deadline = time.monotonic() + 10  # SIGKILL is sent, not waited for
+    while time.monotonic() < deadline and any(alive(p["pid"]) for p in manifest.values()):
+        time.sleep(0.1)
+    assert not [name for name, p in manifest.items() if alive(p["pid"])]
+
+
 def test_sigterm_ends_workers_waiting_on_a_dead_peer(tmp_path: Path) -> None:
     """The coordinator, worker-0 and the CLI die at once (SIGKILL: none of their clean-up
     runs, and no one drains the job). Workers 1-3 get SIGTERM from the kernel (the CLI
