@@ -153,14 +153,16 @@ class Process:
         """The same process started again with `args` (its log continues)."""
         return Process(self.name, args, self.log_path.parent, self.env, self.metrics)
 
-    def kill(self) -> bool:
-        """SIGKILL now, without waiting; whether it was still running."""
+    def kill(self, wait: float = 5.0) -> bool:
+        """SIGKILL, reaped within `wait` seconds; whether it was still running."""
         if self.popen.returncode is not None:
             return False
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             return False
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(wait)
         return True
 
     def stop(self, grace: float = 5.0) -> None:
@@ -314,7 +316,7 @@ class LocalCluster:
         _RUNNING.discard(self)
 
     def kill(self) -> int:
-        """SIGKILLs every process still running, without waiting (Redis's server follows
+        """SIGKILLs every process still running, and reaps it (Redis's server follows
         its parent: PR_SET_PDEATHSIG); returns how many there were."""
         self._stopping.set()
         with self._lock:

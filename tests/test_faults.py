@@ -115,9 +115,6 @@ def test_ctrl_c_ends_the_cli_and_its_processes_even_when_the_clean_up_hangs(
     assert time.monotonic() - started < 60  # the 3 s deadline, not the 300 s hang
     assert err.strip().splitlines()[-1] == (
         "pipefb: interrupted; the clean-up took over 3 s, so 3 local process(es) were killed")
-    deadline = time.monotonic() + 10  # SIGKILL is sent, not waited for
-    while time.monotonic() < deadline and any(alive(p["pid"]) for p in manifest.values()):
-        time.sleep(0.1)
     assert not [name for name, p in manifest.items() if alive(p["pid"])]
 
 
