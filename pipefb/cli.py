@@ -9,8 +9,9 @@ Ctrl-C raises KeyboardInterrupt where the main thread is, often inside a gRPC ca
 clean-up then closes the channel and stops the local cluster. gRPC Python's
 `Channel.close` can deadlock after an exception a signal handler raised while calls were
 in flight (grpc/grpc#19973, #20026), and once in this project's CI a Ctrl-C'd `local
-train` did not exit for 300 s. So the first Ctrl-C also starts a timer: if the command is
-still running `INTERRUPT_GRACE_SECONDS` later, it SIGKILLs the local clusters' processes
+train` did not exit for 300 s. So the first Ctrl-C also starts a timer: if the process is
+still running `INTERRUPT_GRACE_SECONDS` later (the command's clean-up, or the
+interpreter's exit, which joins thread pools), it SIGKILLs the local clusters' processes
 (`pipefb.local.kill_running`), says so, and exits 130 at once. A clean stop takes about
 7 s here (the workers' own grace is 5 s).
 """

@@ -224,6 +224,18 @@ def test_fit_link_from_two_points() -> None:
         calibrate.fit_link("x", 1_000, 0.002, 1_001_000, 0.002)
 
 
+def test_probes_fit_through_means_or_through_medians_past_a_slow_small_probe() -> None:
+    small, large = [0.001, 0.001, 0.001], [0.002, 0.002, 0.002]
+    assert calibrate.fit_probes("x", 1_000, small, 1_001_000, large) == calibrate.fit_link(
+        "x", 1_000, 0.001, 1_001_000, 0.002)
+    # one 5 ms hiccup puts the small mean (2.33 ms) above the large one (2 ms)
+    slow = [0.001, 0.005, 0.001]
+    assert calibrate.fit_probes("x", 1_000, slow, 1_001_000, large).bandwidth == (
+        pytest.approx(1e9))
+    with pytest.raises(CalibrationError, match=r"x: 1001000 bytes took 0\.002000 s"):
+        calibrate.fit_probes("x", 1_000, [0.002, 0.005, 0.002], 1_001_000, large)
+
+
 def test_no_workers_is_a_config_error(measured: tuple[Path, Cluster],
                                       spy: list[Settings]) -> None:
     with pytest.raises(ConfigError, match="at least one worker"):

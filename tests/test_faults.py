@@ -77,7 +77,6 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
 # the command starts a real local cluster, says so, and hangs in its `finally`.
 HUNG_CLEAN_UP = """
 import sys, time
-from pathlib import Path
 from pipefb import cli
 from pipefb.local import LocalCluster
 
