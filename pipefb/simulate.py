@@ -123,8 +123,10 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import pairwise
+from operator import itemgetter
 from typing import Any
 
 from pipefb.cluster import MIN_OVERSUBSCRIBED, Cluster, Link, group_view, ring_link
@@ -144,7 +146,7 @@ _EPSILON = 1e-12  # seconds of work left that count as none
 _TIMER = -2  # the rank field of a heap entry that runs a callback of `_Engine.timers`
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     """One simulated action."""
 
@@ -162,6 +164,13 @@ class Span:
         return str(Action(a.stage, a.kind, a.microbatch, self.step - self.iteration))
 
 
+#: One simulated action, compactly: (rank, iteration, step, position in the rank's list,
+#: start, end). Atoms only, so Python's cyclic collector stops tracking them: a planner
+#: holding many simulations does not rescan their spans ([Note: collector] in
+#: pipefb.planner).
+_Record = tuple[int, int, int, int, float, float]
+
+
 @dataclass
 class Simulation:
     """What the simulator predicts for a plan.
@@ -169,20 +178,28 @@ class Simulation:
     Attributes:
         step_seconds: steady-state time per training step.
         iterations: simulated iterations of the step loop.
-        spans: every simulated action, in order of start.
         compute_seconds: per rank, compute (F, B, OPT) time per step.
         peak_memory: per rank, the peak of accounted bytes.
         peak_memory_by_kind: per rank, the bytes by kind at that peak.
         roles: per rank, (role, stage) as in the plan's assignment.
+        records: every simulated action as a `_Record`; `spans` reads them.
+        schedule: the lowered lists the records' positions index.
     """
 
     step_seconds: float
     iterations: int
-    spans: list[Span]
     compute_seconds: dict[int, float]
     peak_memory: dict[int, int]
     peak_memory_by_kind: dict[int, dict[str, int]]
     roles: dict[int, tuple[str, int]] = field(default_factory=dict)
+    records: list[_Record] = field(default_factory=list, repr=False, compare=False)
+    schedule: Schedule = field(default_factory=dict, repr=False, compare=False)
+
+    @cached_property
+    def spans(self) -> list[Span]:
+        """Every simulated action, in order of start (then rank)."""
+        return [Span(r, k, step, self.schedule[r][i].base, start, end)
+                for r, k, step, i, start, end in sorted(self.records, key=itemgetter(4, 0))]
 
     @property
     def bubble_fraction(self) -> float:
@@ -362,6 +379,9 @@ class _Memory:
 
     def _note(self) -> None:
         self._set("weight_versions", len(self.kept) * self.owned_bytes)
+        self._peak()
+
+    def _peak(self) -> None:
         if self.total > self.peak:
             self.peak, self.at_peak = self.total, dict(self.now)
 
@@ -371,16 +391,19 @@ class _Memory:
             self.now[kind] += delta
             self.total += delta
         a = op.action
-        if a.kind is Kind.F and self.combined:
-            self.forward_versions[(step, op.microbatch)] = self.version
-        elif a.kind is Kind.B:
+        if a.kind is Kind.B:
             self._set("gradients", self.owned_bytes)
             if self.combined:
                 self.forward_versions.pop((step, op.microbatch), None)
                 self.kept &= set(self.forward_versions.values())
+            self._note()
         elif a.kind is Kind.OPT:
             self._optimizer(step)
-        self._note()
+            self._note()
+        else:
+            if a.kind is Kind.F and self.combined:
+                self.forward_versions[(step, op.microbatch)] = self.version
+            self._peak()  # the kept versions change only at a B or an OPT
 
     def _optimizer(self, step: int) -> None:
         if self.combined:
@@ -416,6 +439,7 @@ class _Op:
     """
 
     action: Action
+    index: int  # position in the rank's list
     microbatch: int
     compute: bool
     seconds: float  # busy time, overhead included (FETCH on combined: before overlap)
@@ -427,90 +451,127 @@ class _Op:
     tail: float = 0.0  # seconds at the end that run after `sends` left ([Note: early sends])
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What every micro-batch's action of one kind and stage on one rank shares, its keys
+    by family (see `_Program`)."""
+
+    seconds: float
+    deltas: tuple[tuple[str, int], ...]
+    needs: tuple[tuple[int, int, bool], ...]  # (step offset, family, per micro-batch)
+    sends: tuple[tuple[int, int, int], ...]  # (destination, bytes, family)
+    family: int  # of what the action makes available; -1 if it sends instead
+    early: tuple[float, int, int, int, int] | None  # [Note: early sends]: a B's weight
+    #: halves' seconds, its stashed bytes, and its SEND_B's destination, bytes and family
+
+
 class _Program:
-    """Every rank's list as `_Op`s (see [Note: cost model])."""
+    """Every rank's list as `_Op`s (see [Note: cost model]).
+
+    A key is `family * width + micro-batch + 1` (+ 0 for per-stage kinds), where a family
+    is a (kind, stage) pair, or a (PUSH_W stage, "push", destination) triple: arithmetic
+    on the micro-batch, so each (rank, kind, stage) shape is costed once (`_Shape`)."""
 
     def __init__(self, schedule: Schedule, costs: _Costs, memory: dict[int, _Memory],
                  staleness: int) -> None:
-        self.costs, self.topology = costs, costs.topology
-        self.keys: dict[tuple[Any, ...], int] = {}
-        self.shapes: dict[tuple[Kind, int], tuple[float, tuple[tuple[str, int], ...]]] = {}
+        self.costs, self.topology, self.staleness = costs, costs.topology, staleness
+        self.families: dict[tuple[Any, ...], int] = {}
+        self.width = 2 + max((a.microbatch for actions in schedule.values() for a in actions
+                             if a.microbatch is not None), default=-1)
+        self.shapes: dict[tuple[int, Kind, int], _Shape] = {}
         self.needs: dict[tuple[Kind, int], list[tuple[int, Kind, int]]] = {}
         self.runs_weights = {r: _weight_halves_run(costs, r, actions)
                              for r, actions in schedule.items()}
         self.keeps_versions = {r: _keeps_versions(r, actions, costs.topology, staleness)
                                for r, actions in schedule.items()}
-        self.ops = {r: [self._op(r, a, memory[r], staleness) for a in actions]
+        self.ops = {r: [self._op(r, i, a, memory[r]) for i, a in enumerate(actions)]
                     for r, actions in schedule.items()}
         self.index = {r: {a.base: i for i, a in enumerate(actions)}
                       for r, actions in schedule.items()}
 
-    def key(self, *what: Any) -> int:
-        return self.keys.setdefault(what, len(self.keys))
+    @property
+    def n_keys(self) -> int:
+        return len(self.families) * self.width
 
-    def _needs(self, shape: tuple[Kind, int], a: Action, staleness: int
-               ) -> list[tuple[int, Kind, int]]:
+    def family(self, *what: Any) -> int:
+        return self.families.setdefault(what, len(self.families))
+
+    def name(self, key: int) -> tuple[Any, ...]:
+        """The (kind, stage, micro-batch) or (stage, "push", destination) of a key."""
+        family, mb = divmod(key, self.width)
+        what = next(k for k, v in self.families.items() if v == family)
+        return what if len(what) == 3 else (*what, mb - 1 if mb else None)
+
+    def _needs(self, a: Action) -> list[tuple[int, Kind, int]]:
         """(step offset, kind, stage) of what `a` waits for: the same for every micro-batch
         of its kind and stage (a need's micro-batch is `a`'s, or none for per-stage kinds),
-        so `requirements` runs once per shape."""
+        so `requirements` runs once per (kind, stage)."""
+        shape = (a.kind, a.stage)
         if shape not in self.needs:
-            self.needs[shape] = [(offset, need.kind, need.stage)
-                                 for offset, need in requirements(a, self.topology, staleness)]
+            self.needs[shape] = [(offset, need.kind, need.stage) for offset, need
+                                 in requirements(a, self.topology, self.staleness)]
         return self.needs[shape]
 
-    def _op(self, r: int, a: Action, memory: _Memory, staleness: int) -> _Op:
-        c, t, base = self.costs, self.topology, a.base
-        shape = (a.kind, a.stage)  # what every micro-batch of this action shares
-        if shape not in self.shapes:
-            seconds = c.cluster.action_overhead
-            if a.kind in COMPUTE:
-                seconds += c.compute(r, a)
-                if a.kind is Kind.OPT and self.keeps_versions[r]:
-                    seconds += c.weight_copy(r, a.stage)
-            elif a.kind in (Kind.STASH, Kind.FETCH):
-                seconds += c.cluster.store.seconds(c.stash_bytes(a))
-            self.shapes[shape] = (seconds, memory.deltas(a))
-        seconds, deltas = self.shapes[shape]
-        needs = []
-        for offset, kind, stage in self._needs(shape, a, staleness):
-            if kind is Kind.PUSH_W:
-                needs.append((offset, self.key(stage, "push", r)))
-            else:  # local needs too: an unvalidated list may put them after (a deadlock)
-                needs.append((offset, self.key(kind, stage, a.microbatch if kind not in
-                                                 STAGE_KINDS else None)))
-        sends: list[tuple[int, int, int]] = []
+    def _shape(self, r: int, a: Action, memory: _Memory) -> _Shape:
+        c, t = self.costs, self.topology
+        seconds = c.cluster.action_overhead
+        if a.kind in COMPUTE:
+            seconds += c.compute(r, a)
+            if a.kind is Kind.OPT and self.keeps_versions[r]:
+                seconds += c.weight_copy(r, a.stage)
+        elif a.kind in STORE_KINDS:
+            seconds += c.cluster.store.seconds(c.stash_bytes(a))
+        # local needs too: an unvalidated list may put them after (a deadlock)
+        needs = tuple((offset, self.family(stage, "push", r), False) if kind is Kind.PUSH_W
+                      else (offset, self.family(kind, stage), kind not in STAGE_KINDS)
+                      for offset, kind, stage in self._needs(a))
+        sends: tuple[tuple[int, int, int], ...] = ()
         if a.kind in SENDS:
-            sends.append((_destination(t, a), c.send_bytes(a),
-                          self.key(a.kind, a.stage, a.microbatch)))
+            sends = ((_destination(t, a), c.send_bytes(a), self.family(a.kind, a.stage)),)
         elif a.kind is Kind.PUSH_W:
-            for f in t.forward_stages_overlapping(a.stage):
-                dst = t.forward_workers[f]
-                sends.append((dst, c.push_bytes(a.stage, f), self.key(a.stage, "push", dst)))
-        key = -1 if sends else self.key(a.kind, a.stage, a.microbatch)
-        op = _Op(base, a.microbatch if a.microbatch is not None else -1, a.kind in COMPUTE,
-                 seconds, tuple(needs), key, tuple(sends), deltas,
-                 a.kind is Kind.FETCH and t.is_combined)
-        runs = self.runs_weights[r]
-        if runs is None or a.kind not in (Kind.B, Kind.SEND_B):
-            return op
-        return self._early(r, op, runs.get(op.microbatch, 0))
+            sends = tuple((t.forward_workers[f], c.push_bytes(a.stage, f),
+                           self.family(a.stage, "push", t.forward_workers[f]))
+                          for f in t.forward_stages_overlapping(a.stage))
+        family = -1 if sends else self.family(a.kind, a.stage)
+        early = None
+        if a.kind is Kind.B and self.runs_weights[r] is not None:
+            layers = t.layers_of_backward(a.stage)
+            send = Action(a.stage, Kind.SEND_B, 0)  # stage > 0 here
+            early = (c.profile.weight_grad_seconds(layers) / c.cluster.workers[r].speed,
+                     sum(c.kept_bytes(i) for i in layers), _destination(t, send),
+                     c.send_bytes(send), self.family(Kind.SEND_B, a.stage))
+        return _Shape(seconds, memory.deltas(a), needs, sends, family, early)
 
-    def _early(self, r: int, op: _Op, halves: int) -> _Op:
-        """A B and its SEND_B on a rank that sends input grads first ([Note: early
-        sends]): the B sends, then runs `halves` micro-batches' weight-grad halves and
-        frees their saved tensors; the SEND_B only costs its overhead."""
-        a, c = op.action, self.costs
-        if a.kind is Kind.SEND_B:
-            return replace(op, sends=(), key=-1)
-        layers = self.topology.layers_of_backward(a.stage)
-        weights = c.profile.weight_grad_seconds(layers) / c.cluster.workers[r].speed
-        stashed = sum(c.kept_bytes(i) for i in layers)
-        send = Action(a.stage, Kind.SEND_B, a.microbatch)
-        sends = ((_destination(self.topology, send), c.send_bytes(send),
-                  self.key(Kind.SEND_B, a.stage, a.microbatch)),)  # stage > 0 here
-        deltas = tuple((k, -halves * stashed if k == "stashed" else d) for k, d in op.deltas)
-        return replace(op, seconds=op.seconds + (halves - 1) * weights, sends=sends,
-                       deltas=deltas, tail=halves * weights)
+    def _op(self, r: int, i: int, a: Action, memory: _Memory) -> _Op:
+        shape = self.shapes.get((r, a.kind, a.stage))
+        if shape is None:
+            shape = self.shapes[(r, a.kind, a.stage)] = self._shape(r, a, memory)
+        width, mb = self.width, a.microbatch if a.microbatch is not None else -1
+        needs = tuple([(offset, family * width + (mb + 1 if per_mb else 0))
+                       for offset, family, per_mb in shape.needs])
+        sends = tuple([(dst, nbytes, family * width + mb + 1)
+                       for dst, nbytes, family in shape.sends])
+        key = -1 if shape.family < 0 else shape.family * width + mb + 1
+        runs = self.runs_weights[r]
+        if runs is not None and a.kind is Kind.SEND_B:  # [Note: early sends]: the B sent
+            sends, key = (), -1
+        elif runs is not None and shape.early is not None:
+            return self._early(a, i, mb, shape, needs, runs.get(mb, 0))
+        return _Op(a.base, i, mb, a.kind in COMPUTE, shape.seconds, needs, key, sends,
+                   shape.deltas, a.kind is Kind.FETCH and self.topology.is_combined)
+
+    def _early(self, a: Action, i: int, mb: int, shape: _Shape,
+               needs: tuple[tuple[int, int], ...], halves: int) -> _Op:
+        """A B on a rank that sends input grads first ([Note: early sends]): the B sends,
+        then runs `halves` micro-batches' weight-grad halves and frees their saved
+        tensors; the SEND_B only costs its overhead."""
+        assert shape.early is not None
+        weights, stashed, dst, nbytes, family = shape.early
+        deltas = tuple((k, -halves * stashed if k == "stashed" else d)
+                       for k, d in shape.deltas)
+        key, sent = (f * self.width + mb + 1 for f in (shape.family, family))
+        return _Op(a.base, i, mb, True, shape.seconds + (halves - 1) * weights, needs, key,
+                   ((dst, nbytes, sent),), deltas, False, tail=halves * weights)
 
 
 def _weight_halves_run(costs: _Costs, r: int, actions: list[Action]) -> dict[int, int] | None:
@@ -611,7 +672,7 @@ class _Engine:
         self.runs = {r: [(k, step, index[r][a]) for k in range(iterations)
                          for step, a in iteration(actions, k, iterations)]
                      for r, actions in schedule.items()}
-        self.stride = max(1, len(self.program.keys))
+        self.stride = max(1, self.program.n_keys)
         self.pos = dict.fromkeys(self.runs, 0)
         self.free = dict.fromkeys(self.runs, 0.0)
         self.reached = dict.fromkeys(self.runs, 0.0)  # when the rank got to its next action
@@ -628,7 +689,7 @@ class _Engine:
         self.flushing: set[int] = set()  # ranks whose next step waits for those transfers
         self.heap: list[tuple[float, int, int, str, int]] = []
         self.timers: dict[int, Callable[[float], None]] = {}  # by heap sequence number
-        self.spans: list[Span] = []
+        self.records: list[_Record] = []
         self.last_b: dict[int, float] = {}
         self.seq = 0
 
@@ -834,10 +895,10 @@ class _Engine:
         if op.action.kind is Kind.B:
             self.last_b[r] = end - start
         self.free[r] = end
-        self.spans.append(Span(r, k, step, op.action, min(self.reached[r], start), end))
+        self.records.append((r, k, step, op.index, min(self.reached[r], start), end))
         self.memory[r].apply(step, op)
         base = step * self.stride
-        woken = [] if sent else self._send(r, step, op, end - op.tail)
+        woken = self._send(r, step, op, end - op.tail) if op.sends and not sent else []
         if op.key >= 0:
             self.avail[base + op.key] = end
             woken += self.waiting.pop(base + op.key, [])
@@ -903,13 +964,12 @@ class _Engine:
             start(sent)
 
     def _deadlock(self, stuck: dict[int, tuple[int, int, int]]) -> ScheduleError:
-        names = {v: k for k, v in self.program.keys.items()}
         lines = ["deadlock in simulation: no worker can progress"]
         for r, (_, step, i) in sorted(stuck.items()):
             op = self.program.ops[r][i]
             missing, _ = self._missing(step, op)
             at, key = divmod(missing, self.stride)
-            what = names.get(key, ("?", 0, None))
+            what = self.program.name(key)
             label = (f"PUSH_W of backward stage {what[0]}" if what[1] == "push"
                      else str(Action(what[1], what[0], what[2])))
             lines.append(f"  worker {r}, step {step}: {op.action} waits for {label} of "
@@ -950,19 +1010,19 @@ def simulate(plan: Plan, profile: Profile, cluster: Cluster, iterations: int = 0
     engine = _Engine(plan, costs, schedule, n)
     engine.run()
     ends = [0.0] * n
-    for s in engine.spans:
-        ends[s.iteration] = max(ends[s.iteration], s.end)
+    for _, k, _, _, _, end in engine.records:
+        ends[k] = max(ends[k], end)
     steady = ends[1:-1] if leads and n > 3 else ends[1:] if plan.mode == "async" else ends
     gaps = [b - a for a, b in pairwise(steady)] or [ends[-1] / n]
     step_seconds = statistics.median(gaps)
     compute: dict[int, float] = defaultdict(float)
     last = max(0, n - 2)
-    for s in engine.spans:
-        if s.iteration == last and s.action.kind in COMPUTE:
-            compute[s.rank] += s.end - s.start
+    ops = engine.program.ops
+    for r, k, _, i, start, end in engine.records:
+        if k == last and ops[r][i].compute:
+            compute[r] += end - start
     return Simulation(
-        step_seconds=step_seconds, iterations=n,
-        spans=sorted(engine.spans, key=lambda s: (s.start, s.rank)),
+        step_seconds=step_seconds, iterations=n, records=engine.records, schedule=schedule,
         compute_seconds={r: compute.get(r, 0.0) for r in engine.runs},
         peak_memory={r: m.peak for r, m in engine.memory.items()},
         peak_memory_by_kind={r: m.at_peak for r, m in engine.memory.items()},

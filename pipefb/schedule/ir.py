@@ -45,7 +45,7 @@ _KIND_ALTERNATION = "|".join(sorted((k.value for k in Kind), key=len, reverse=Tr
 _ACTION_RE = re.compile(rf"(\d+)({_KIND_ALTERNATION})(\d*)(?:\+(\d+))?")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Action:
     """One step of one worker's list: `str(Action(1, Kind.F, 0)) == "1F0"`.
 
