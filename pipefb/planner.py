@@ -42,9 +42,10 @@ A search allocates a few hundred thousand small objects (simulated actions, the 
 lists its simulations keep), and each of CPython's full collections rescans every object
 of the process: with torch imported, about 170k before a search starts. On 200 layers and
 64 workers the full collections took 0.17-0.25 s of 1.2 s, so `search` pauses the cyclic
-collector while it runs (reference counting still frees everything at once) and restores
-it after. The simulator's spans are atoms-only tuples (`simulate._Record`) for the same
-reason: the collector stops tracking them.
+collector while it runs (reference counting still frees everything at once); the last of
+searches running at once in several threads restores it as the first found it. The
+simulator's spans are atoms-only tuples (`simulate._Record`) for the same reason: the
+collector stops tracking them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -534,16 +536,30 @@ def search(profile: Profile, cluster: Cluster, batch_size: int, *,
                        _kinds(schedules, mode), counts)
 
 
+class _Pause:
+    """Searches running at once (in a coordinator's threads) and whether the collector
+    was on when the first began: the last to end restores it."""
+
+    lock = threading.Lock()
+    running = 0
+    was_enabled = False
+
+
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Pauses Python's cyclic garbage collector while a search runs ([Note: collector])."""
-    enabled = gc.isenabled()
-    gc.disable()
+    with _Pause.lock:
+        if _Pause.running == 0:
+            _Pause.was_enabled = gc.isenabled()
+            gc.disable()
+        _Pause.running += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _Pause.lock:
+            _Pause.running -= 1
+            if _Pause.running == 0 and _Pause.was_enabled:
+                gc.enable()
 
 
 def _search(planner: _Planner, kinds: list[tuple[str, str]], counts: list[int]

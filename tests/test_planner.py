@@ -268,6 +268,21 @@ def test_a_search_pauses_the_collector_and_leaves_it_as_it_found_it(enabled, mon
     assert result.plan.forward_partition[-1] == 40
 
 
+def test_overlapping_searches_keep_the_collector_paused_until_the_last_ends():
+    """Two searches in two threads: the first to end leaves the collector off for the
+    other, and the last restores it."""
+    first, second = planner_module._collector_paused(), planner_module._collector_paused()
+    try:
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert not gc.isenabled()
+        second.__exit__(None, None, None)
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_plans_respect_memory_caps_and_switch_policies():
     profile = uniform_profile(12, activation=1 << 20, params=1 << 16)
     free = search(profile, Cluster.uniform(4), 16, schedules=("1f1b",))
