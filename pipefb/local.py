@@ -155,15 +155,12 @@ class Process:
 
     def kill(self, wait: float = 5.0) -> bool:
         """SIGKILL, reaped within `wait` seconds; whether it was still running."""
-        if self.popen.returncode is not None:
-            return False
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return False
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(wait)
-        return True
+        running = self.popen.poll() is None
+        if running:
+            self.popen.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(wait)
+        return running
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds; always reaps."""

@@ -564,6 +564,7 @@ def _collector_paused() -> Iterator[None]:
 
 def _search(planner: _Planner, kinds: list[tuple[str, str]], counts: list[int]
             ) -> PlanSearch:
+    """`search` once its arguments are checked (steps 1-4 of [Note: search])."""
     plans = planner.candidates(kinds, counts)
     ranked = sorted(plans, key=planner.estimate)
     results: list[Candidate] = []

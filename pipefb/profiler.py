@@ -83,11 +83,11 @@ parameters are timed with a tensor of zeros beside them that makes up the rest.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
@@ -108,6 +108,7 @@ from pipefb.optim import build_optimizer, optimizer_state_bytes
 from pipefb.runtime import _needs_grad  # the runtime's input-grad rule, shared on purpose
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
+from pipefb.versions import WeightVersions
 
 WARMUP = 2  # default untimed rounds before the timed ones
 REPEATS = 5  # default timed rounds (times are their mean)
@@ -232,9 +233,10 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
         second = (full if microbatch_size == size else
                   _pipeline(_sequence(seq.layers, dataset, size), dataset, size,
                             timed, timed.stop, job.seed, *rounds, caches))
-        params = _params([seq.layers[i] for i in timed]) or _params(seq.layers)
-        optimizer = _optimizer_costs(job, params, warmup, repeats, caches)
-        copy = _weight_copy_seconds_per_byte(params, warmup, repeats, caches)
+        owned = _owned_layers(seq.layers, timed)
+        optimizer = _optimizer_costs(job, _params(list(owned.values())), warmup, repeats,
+                                     caches)
+        copy = _weight_copy_seconds_per_byte(owned, warmup, repeats, caches)
     runs, fixed = full.runs(len(seq.layers)), second.runs(timed.stop)
     sizes = (size, microbatch_size)
     rows = (_measured_layer(seq, i, out, runs[i], fixed[i] if i in timed else None, sizes)
@@ -362,6 +364,13 @@ def _params(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
     return [p for layer in layers for p in layer.parameters()]
 
 
+def _owned_layers(layers: Sequence[nn.Module], timed: range) -> dict[int, nn.Module]:
+    """The layers whose optimizer step and weight copy are timed: the timed ones, or every
+    layer where those hold no parameters."""
+    owned = {i: layers[i] for i in timed}
+    return owned if _params(list(owned.values())) else dict(enumerate(layers))
+
+
 @dataclass(frozen=True)
 class _OptimizerCosts:
     """A step of the job's optimizer: seconds per parameter byte plus fixed seconds per
@@ -397,18 +406,21 @@ def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, re
     return _OptimizerCosts((seconds - fixed) / nbytes, fixed, ratio)
 
 
-def _weight_copy_seconds_per_byte(params: list[torch.Tensor], warmup: int, repeats: int,
-                                  caches: _Caches | None = None) -> float:
-    """Copying `params` into fresh memory, per byte, as an OPT that keeps a weight version
-    does ([Note: weight versions] in pipefb.simulate): each copy is held while the next
-    `KEPT_COPIES - 1` are made, and the caches are emptied (if given) before each."""
-    nbytes = tensor_bytes(params)
+def _weight_copy_seconds_per_byte(layers: Mapping[int, nn.Module], warmup: int,
+                                  repeats: int, caches: _Caches | None = None) -> float:
+    """Keeping a weight version of `layers`, per parameter byte, with the runtime's own
+    `WeightVersions` ([Note: weight versions] in pipefb.simulate): each copy is held while
+    the next `KEPT_COPIES - 1` are made, and the caches are emptied (if given) before
+    each."""
+    nbytes = tensor_bytes(_params(list(layers.values())))
     if not nbytes:
         return 0.0
-    kept: deque[list[torch.Tensor]] = deque(maxlen=KEPT_COPIES)
+    versions, made = WeightVersions(), itertools.count()
 
     def copy() -> None:
-        kept.append([p.detach().clone() for p in params])
+        version = next(made)
+        versions.keep(version, layers)
+        versions.prune(range(version - KEPT_COPIES + 1, version + 1))
 
     evict = caches.evict if caches is not None else lambda: None
     return _mean_seconds(copy, max(warmup, KEPT_COPIES), repeats, evict) / nbytes
