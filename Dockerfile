@@ -35,8 +35,9 @@ COPY protos protos
 COPY coordinator coordinator
 COPY worker worker
 COPY offload_store offload_store
+COPY calibration calibration
 COPY --from=protos /src/protos/*_pb2.py /src/protos/*_pb2_grpc.py protos/
-RUN pip install . && cd / && python -c "import coordinator.service, worker.service, pipefb.cli"
+RUN pip install . && cd / && python -c "import coordinator.service, worker.service, pipefb.app.cli"
 
 FROM python:${PYTHON}-slim-bookworm AS runtime
 RUN groupadd --gid 10001 pipefb \

@@ -18,9 +18,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipefb.job.shapes import TensorSpec, infer_input_specs
 from pipefb.models.gpt import Block, GPTConfig
-from pipefb.shapes import TensorSpec, infer_input_specs
-from pipefb.split import LayerSplit
+from pipefb.runtime.layersplit import LayerSplit
 
 TARGET = 1.15  # backward-only worker compute within 15% of the same layers' backward alone
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from pipefb.config import JobConfig, build_layers
-from pipefb.data import build_dataset
-from pipefb.local import LocalCluster
+from pipefb.app.local import LocalCluster
+from pipefb.job.config import JobConfig, build_layers
+from pipefb.job.data import build_dataset
 from pipefb.seeding import derive_seed, seed_random_ops
 
 TARGET = 1.15  # backward-only worker time / eager backward time, per micro-batch

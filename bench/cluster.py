@@ -19,15 +19,15 @@ def local_client(workers: int, folder: Path, *, threads: int = 0,
     Args:
         workers: worker processes to start.
         folder: where logs (and the cluster description) go.
-        threads: torch threads per worker (0: `pipefb.local.default_threads`).
+        threads: torch threads per worker (0: `pipefb.app.local.default_threads`).
         env: extra environment of every process.
         calibrated: give the coordinator this machine's calibrated cluster description
             (what `plan: auto` plans on).
         cluster_file: give the coordinator this cluster description instead.
     """
     from coordinator.client import CoordinatorClient
-    from pipefb.local import LocalCluster
-    from pipefb.train import local_cluster_file
+    from pipefb.app.local import LocalCluster
+    from pipefb.app.train import local_cluster_file
 
     if cluster_file is None and calibrated:
         cluster_file = local_cluster_file(workers, folder)

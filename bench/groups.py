@@ -33,7 +33,7 @@ from bench.cluster import local_client, run_interleaved
 from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.pipeline_throughput import MODELS, QUICK_MODELS
 from bench.stats import error_bars, fmt, summary
-from pipefb.config import JobConfig
+from pipefb.job.config import JobConfig
 
 WORKERS = 2
 #: measured system -> group count (0: the planner picks)

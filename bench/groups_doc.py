@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from bench.stats import fmt
-from pipefb.groups import MODEL_SLACK, TOP_BY_MODEL
+from pipefb.planner.groups import MODEL_SLACK, TOP_BY_MODEL
 
 
 def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:

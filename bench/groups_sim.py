@@ -1,5 +1,5 @@
 """Part 2 of bench/groups.py: group hybrid parallelism on described GPU clusters of 8 to
-64 GPUs, simulated (`pipefb.simulate`); no processes.
+64 GPUs, simulated (`pipefb.sim.simulate`); no processes.
 
 [Note: GHP bench scenario]
 - Clusters: N A100-40GB-class GPUs, 8 per host (PCIe 4.0 inside a host, ~20 GB/s and
@@ -27,8 +27,8 @@ import time
 from typing import Any
 
 from bench.planner_sim import Scenario, gpt_profile
-from pipefb.cluster import Cluster, Link, WorkerSpec
-from pipefb.groups import GroupChoice, search_groups
+from pipefb.planner.groups import GroupChoice, search_groups
+from pipefb.sim.cluster import Cluster, Link, WorkerSpec
 
 GIB = 1 << 30
 PER_HOST = 8  # GPUs per host

@@ -48,12 +48,12 @@ from bench.pipeline_throughput import stage_boundary
 from bench.saved_memory import SavedTensorMeter
 from bench.schedules import GPU_MODEL, peak_bars, rank_peaks
 from bench.stats import error_bars, fmt, summary
-from pipefb.cluster import Cluster, Link
-from pipefb.config import JobConfig
-from pipefb.planner import Candidate
-from pipefb.profiler import measure_profile
-from pipefb.reference import SingleProcess
-from pipefb.simulate import simulate
+from pipefb.job.config import JobConfig
+from pipefb.planner.search import Candidate
+from pipefb.profile.profiler import measure_profile
+from pipefb.runtime.reference import SingleProcess
+from pipefb.sim.cluster import Cluster, Link
+from pipefb.sim.simulate import simulate
 from protos.convert import plan_from_proto
 
 WORKERS = 2

@@ -24,9 +24,9 @@ import torch
 from bench import machine, torch_pipelining
 from bench.output import args_json, measured_main
 from bench.stats import error_bars, fmt, ratio, summary
-from pipefb.config import JobConfig, build_layers
-from pipefb.plan import balanced_plan, layer_costs
-from pipefb.reference import SingleProcess
+from pipefb.job.config import JobConfig, build_layers, layer_costs
+from pipefb.plan.partition import balanced_plan
+from pipefb.runtime.reference import SingleProcess
 
 SYSTEMS = ("single", "pipefb-1f1b", "pipefb-pipefb", "torch-1f1b")
 RATIOS = (("pipefb-1f1b", "torch-1f1b"), ("pipefb-pipefb", "pipefb-1f1b"),
@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs every system on every model `args.repeats` times on one local cluster."""
     from coordinator.client import CoordinatorClient
-    from pipefb.local import LocalCluster
+    from pipefb.app.local import LocalCluster
 
     specs = QUICK_MODELS if args.quick else MODELS
     names = [m for m in args.models.split(",") if m]

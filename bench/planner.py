@@ -9,7 +9,7 @@ count instead; step time, samples/s, peak memory, the ratios beside the publishe
 
 Part 2 (measured): `plan: auto` (schedule auto, sync and async) and `plan: auto` with each
 schedule fixed, against the even split (`plan: ""`, stages balanced by parameter count) of
-gpipe, 1f1b, pipedream and pipefb, on 2 and 4 local workers (`pipefb.local.LocalCluster`,
+gpipe, 1f1b, pipedream and pipefb, on 2 and 4 local workers (`pipefb.app.local.LocalCluster`,
 the calibrated local cluster description), for a `gpt` whose head and loss (a large
 vocabulary) outweigh its blocks. Medians and ranges (min-max) over the timed steps of all
 repeats; ratios compare per-repeat medians; systems interleaved.
@@ -33,7 +33,7 @@ import torch
 from bench.cluster import local_client, run_interleaved
 from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.stats import error_bars, fmt, summary
-from pipefb.config import JobConfig
+from pipefb.job.config import JobConfig
 
 FIXED = ("gpipe", "1f1b", "pipedream", "pipefb")
 #: measured system -> (schedule, mode, plan); mode "" is the schedule's default

@@ -1,5 +1,5 @@
 """Part 1 of bench/planner.py: the planner against fixed baseline plans on a described
-8-GPU cluster, simulated (`pipefb.simulate`); no processes.
+8-GPU cluster, simulated (`pipefb.sim.simulate`); no processes.
 
 [Note: planner bench scenario]
 - Cluster: `bench/clusters/8gpu.yaml`, 8 A100-40GB-class workers on 2 hosts (PCIe inside a
@@ -39,14 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import summary
-from pipefb.cluster import Cluster, Link
-from pipefb.config import JobConfig
-from pipefb.costs import LayerProfile, Profile
-from pipefb.plan import Plan, WorkerAssignment, partition
-from pipefb.planner import MEMORY_MARGIN, PlanSearch, search
-from pipefb.planner import pass_times as planner_pass_times
+from pipefb.job.config import JobConfig
+from pipefb.plan.partition import partition
+from pipefb.plan.plan import Plan, WorkerAssignment
+from pipefb.planner.search import MEMORY_MARGIN, PlanSearch, search
+from pipefb.planner.search import pass_times as planner_pass_times
 from pipefb.schedule import KINDS
-from pipefb.simulate import simulate
+from pipefb.sim.cluster import Cluster, Link
+from pipefb.sim.costs import LayerProfile, Profile
+from pipefb.sim.simulate import simulate
 
 CLUSTER_FILE = Path(__file__).resolve().parent / "clusters" / "8gpu.yaml"
 STALENESS = 1  # async PipeFB: forwards of step k use weight version k - 1
@@ -108,7 +109,7 @@ QUICK_SCENARIO = Scenario({"n_layer": 24, "n_embd": 128, "n_head": 4, "block_siz
 def gpt_profile(sc: Scenario) -> Profile:
     """The scenario's analytic profile: one block profiled, its row repeated n_layer times,
     fixed parts set to launch plus parameter traffic (see [Note: planner bench scenario])."""
-    from pipefb.profiler import analytic_profile
+    from pipefb.profile.profiler import analytic_profile
 
     cfg = sc.model_config
     job = JobConfig(model="gpt", dataset="synthetic", loss="cross_entropy", schedule="gpipe",
@@ -143,12 +144,12 @@ Costs = Callable[[str], list[float]]
 
 def pass_times(profile: Profile, store: Link, policy: Sequence[str]) -> Costs:
     """Per-layer time of each pass under `policy`, store traffic included: the rule the
-    planner balances stages by (`pipefb.planner`, [Note: search] step 1)."""
+    planner balances stages by (`pipefb.planner.search`, [Note: search] step 1)."""
     return lambda which: planner_pass_times(profile, store, policy, which)
 
 
 def param_costs(profile: Profile) -> Costs:
-    """The even split's cost of every pass: 1 + parameter count (`pipefb.plan.layer_costs`
+    """The even split's cost of every pass: 1 + parameter count (`pipefb.plan.plan.layer_costs`
     of the fp32 layers), as `plan: ""` balances."""
     costs = [1.0 + x.param_bytes / 4 for x in profile.layers]
     return lambda which: costs

@@ -30,7 +30,7 @@ from bench.cluster import run_interleaved
 from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.pipeline_throughput import MODELS, QUICK_MODELS
 from bench.stats import fmt, summary
-from pipefb.config import JobConfig
+from pipefb.job.config import JobConfig
 
 SYSTEMS = ("static", "replan", "fresh")
 WORKERS = 4
@@ -75,7 +75,7 @@ def run_job(client: Any, job: JobConfig) -> dict[str, Any]:
 def run_measured(args: argparse.Namespace) -> dict[str, Any]:
     """Every system `--repeats` times, interleaved, on one local cluster."""
     from coordinator.client import CoordinatorClient
-    from pipefb.local import LocalCluster
+    from pipefb.app.local import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="pipefb-bench-replan-") as tmp:
         env = {"PIPEFB_CHECKPOINT_ROOT": tmp}

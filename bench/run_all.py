@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import groups_doc, machine, matrix, planner_doc, replan, scaling, sim_accuracy, store
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
-from pipefb.local import project_env
+from pipefb.processes import project_env
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Entries that need a CUDA device: they run only where one is, into the GPU page.
@@ -298,11 +298,11 @@ def provenance(run: dict[str, Any]) -> str:
 
 
 def measure_cluster(run: dict[str, Any]) -> None:
-    """Measures this machine's local cluster again (`coordinator.calibrate`, cached for
+    """Measures this machine's local cluster again (`calibration.calibrate`, cached for
     the benches after it) and keeps what it found in the run's record: the planner's
     predictions on this page all start from it, and it drifts (the loopback latency came
     out 0.24-0.40 ms on one day here)."""
-    from coordinator.calibrate import local_cluster
+    from calibration.calibrate import local_cluster
 
     run["cluster"] = local_cluster(1, refresh=True).to_dict()
     run["cluster_measured"] = machine.now()
@@ -315,7 +315,7 @@ def cluster_lines(run: dict[str, Any]) -> list[str]:
         return []
     net, store, over = c["network"], c["store"], c["overheads"]
     host = (c.get("hosts") or [{}])[0]
-    return [f"- local cluster (`python -m coordinator.calibrate`, measured at "
+    return [f"- local cluster (`python -m calibration.calibrate`, measured at "
             f"{run['cluster_measured']} for this run): loopback gRPC "
             f"{net['latency'] * 1e3:.2f} ms + bytes at {net['bandwidth'] / 1e9:.2f} GB/s "
             f"({net.get('cpu', 1.0):.2f} cores busy), store {store['latency'] * 1e3:.2f} ms "

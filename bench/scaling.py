@@ -28,7 +28,7 @@ from bench.cluster import local_client, run_interleaved
 from bench.output import add_part_flags, add_run_flags, run_parts
 from bench.pipeline_throughput import MODELS, QUICK_MODELS
 from bench.stats import fmt, summary
-from pipefb.config import JobConfig
+from pipefb.job.config import JobConfig
 
 WORKERS = (1, 2, 4)
 SCHEDULES = {"1f1b": WORKERS, "pipefb": (2, 4)}

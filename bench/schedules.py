@@ -25,7 +25,7 @@ from bench import machine
 from bench.cluster import local_client, run_interleaved
 from bench.output import args_json, measured_main
 from bench.stats import error_bars, fmt, summary
-from pipefb.config import JobConfig
+from pipefb.job.config import JobConfig
 
 # name -> (schedule, mode, policy); policy "" is the schedule's default (keep; pipefb offload)
 SYSTEMS: dict[str, tuple[str, str, str]] = {

@@ -3,11 +3,11 @@
 Each run is one `plan: auto` job with its schedule fixed: the coordinator profiles the
 layers on its workers (each worker once per model: later runs reuse its reply, [Note:
 profile reuse]), plans the partition and policy, simulates the plan on this machine's
-calibrated cluster (`coordinator.calibrate`) and trains it. Two predictions are compared
+calibrated cluster (`calibration.calibrate`) and trains it. Two predictions are compared
 with the measured step time of the steps after warm-up (their wall time over their count:
 steps overlap, so single gaps come in bursts; error: simulated / measured - 1): the
 planner's, from the profile measured on idle workers, and the in-situ one, the same plan
-simulated with costs fitted to the action times of steps 1-8 (`pipefb.insitu.STEPS`);
+simulated with costs fitted to the action times of steps 1-8 (`pipefb.planner.insitu.STEPS`);
 the timed steps come after those. Run: `python bench/sim_accuracy.py [--quick] [--out DIR]`.
 Target: |error| <= 15% for every run.
 
@@ -48,9 +48,9 @@ from bench.output import args_json, write_results
 from bench.pipeline_throughput import MODELS
 from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
 from bench.stats import summary
-from pipefb.config import JobConfig
-from pipefb.insitu import STEPS as IN_SITU
-from pipefb.insitu import median_action_seconds
+from pipefb.job.config import JobConfig
+from pipefb.planner.insitu import STEPS as IN_SITU
+from pipefb.planner.insitu import median_action_seconds
 
 TARGET = 0.15  # |simulated / measured - 1|
 #: timed steps per run by model: about 1.5-2 s of steps each, so a short step's run is not
@@ -86,7 +86,7 @@ def runs(args: argparse.Namespace) -> list[tuple[str, str, int]]:
 
 def run_job(client: Any, job: JobConfig, warmup: int) -> dict[str, Any]:
     """Predicted and measured step time of one job, with the plan it ran."""
-    from pipefb.train import timeline
+    from pipefb.app.train import timeline
     from protos.convert import plan_from_proto
 
     job_id = client.submit(job).job_id
@@ -155,7 +155,7 @@ def round_cluster(folder: Path, workers: int, fresh: bool) -> tuple[Path, dict[s
     """FOLDER/cluster.yaml, the cluster description a round plans on: this machine measured
     again (cached in FOLDER alone, not in the user's cache) when `fresh`, else the cached
     calibration; with its links and when they were measured."""
-    from coordinator.calibrate import cache_path, local_cluster, read_cache
+    from calibration.calibrate import cache_path, local_cluster, read_cache
 
     cache = folder / "calibration" if fresh else None
     cluster = local_cluster(workers, cache_dir=cache, refresh=fresh)
@@ -269,8 +269,8 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
              "worker once per round, by the first run that uses it: the coordinator reuses "
              "its reply for the model's later runs). *In situ*: the same "
              "plan simulated with per-kind costs and a link-latency factor fitted to the busy "
-             f"and waiting times of steps {IN_SITU.start}-{IN_SITU.stop - 1} (`pipefb.insitu`; "
-             "the step time is not fitted).", "", *_cluster_line(res),
+             f"and waiting times of steps {IN_SITU.start}-{IN_SITU.stop - 1} "
+             "(`pipefb.planner.insitu`; the step time is not fitted).", "", *_cluster_line(res),
              "| model | schedule | workers | plan | measured ms [runs] | profile ms (error) "
              "| in situ ms (error) | in-situ factors F / B / OPT / store / latency |",
              "|---|---|---|---|---|---|---|---|"]

@@ -25,10 +25,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from bench.saved_memory import SavedTensorMeter
 from pipefb.allocator import keep_freed_memory
-from pipefb.config import JobConfig, build_layers
-from pipefb.data import build_dataset
+from pipefb.job.config import JobConfig, build_layers
+from pipefb.job.data import build_dataset
+from pipefb.job.optim import build_optimizer, optimizer_state_bytes
 from pipefb.memory import tensor_bytes
-from pipefb.optim import build_optimizer, optimizer_state_bytes
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 WORLD = 2  # two stages, one process each

@@ -12,9 +12,9 @@ from coordinator.journal import Journal
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
-from pipefb.checkpoint import add_root_flag
-from pipefb.cluster import Cluster
-from protos import coordinator_pb2_grpc, metrics, server
+from pipefb.runtime.checkpoint import add_root_flag
+from pipefb.sim.cluster import Cluster
+from protos import coordinator_pb2_grpc, monitoring, server
 
 DRAIN_SECONDS = 20.0  # on SIGTERM: for running steps to end and a checkpoint to be written
 
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on it resumes them (default: none, jobs die with the coordinator)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat before a worker counts as dead")
-    metrics.add_metrics_flags(p)
+    monitoring.add_metrics_flags(p)
     args = p.parse_args(argv)
     if not args.store:
         p.error("--store (or PIPEFB_STORE) is required")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     registry = Registry(timeout_seconds=args.heartbeat_timeout)
     cluster = Cluster.load(args.cluster) if args.cluster else None
-    interceptors, url = metrics.start_from_args(args)
+    interceptors, url = monitoring.start_from_args(args)
     observer = CoordinatorMetrics(registry, args.store) if url else None
     host = args.listen.rsplit(":", 1)[0]
     journal = Journal(args.journal)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     servicer.resume(journal.pending())
     server.ready(health)
     print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)
-    metrics.announce(url)
+    monitoring.announce(url)
     server.serve_until_signal(srv, health, on_stop=lambda: driver.drain_all(DRAIN_SECONDS))
 
 

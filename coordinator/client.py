@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from pipefb.config import JobConfig
+from pipefb.job.config import JobConfig
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, server, wire
 from protos.convert import job_to_proto
 

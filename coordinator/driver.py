@@ -42,18 +42,19 @@ from coordinator.registry import Registry, WorkerRecord
 from coordinator.rendezvous import Rendezvous
 from coordinator.stepping import IN_FLIGHT, StepPump
 from offload_store import OffloadStore, connect
-from pipefb.checkpoint import latest, resolve_under, write_state
-from pipefb.cluster import Cluster
-from pipefb.config import AUTO, JobConfig, layer_policies
-from pipefb.costs import Profile
 from pipefb.errors import Aborted, ConfigError, ScheduleError, WorkerFailed
-from pipefb.evaluate import evaluate
-from pipefb.insitu import STEPS as IN_SITU_STEPS
-from pipefb.insitu import fit, median_action_seconds
-from pipefb.migration import repartitioned
-from pipefb.plan import Plan, balanced_plan, schedule_for
-from pipefb.planning import job_cluster, label, plan_job, summary
-from pipefb.replan import Replanner, ReplanSettings
+from pipefb.job.config import AUTO, JobConfig, layer_policies
+from pipefb.plan.migration import repartitioned
+from pipefb.plan.partition import balanced_plan
+from pipefb.plan.plan import Plan, schedule_for
+from pipefb.planner.insitu import STEPS as IN_SITU_STEPS
+from pipefb.planner.insitu import fit, median_action_seconds
+from pipefb.planner.job import job_cluster, label, plan_job, summary
+from pipefb.planner.replan import Replanner, ReplanSettings
+from pipefb.runtime.checkpoint import latest, resolve_under, write_state
+from pipefb.runtime.evaluate import evaluate
+from pipefb.sim.cluster import Cluster
+from pipefb.sim.costs import Profile
 from protos import coordinator_pb2, job_pb2, server, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import job_to_proto, plan_to_proto
 from protos.server import FailedPrecondition
@@ -496,7 +497,7 @@ class Driver:
 
     def _auto_plan(self, job: Job, ranks: Ranks) -> Plan:
         """Profiles the layers on the job's workers (one after another), then searches
-        and simulates (pipefb.planning); the search's summary goes into the job status.
+        and simulates (pipefb.planner.job); the search's summary goes into the job status.
         A worker asked the same before answers from the cache ([Note: profile reuse])."""
         cfg = job.config
         names = [w.address for w in ranks.workers]
@@ -583,7 +584,7 @@ class Driver:
 
         Raises:
             FailedPrecondition: the job is not running, is not sync, or has a move pending.
-            ConfigError: the partitions are bad for this job (pipefb.migration), or a
+            ConfigError: the partitions are bad for this job (pipefb.plan.migration), or a
                 fault names no rank of it.
         """
         with job.cond:
@@ -634,7 +635,7 @@ class Driver:
 
     def _watch(self, job: Job) -> None:
         """Starts (or, on a new plan, restarts) the job's re-planner ([Note: online
-        re-planning] in pipefb/replan.py): layer costs from the profile of plan "auto",
+        re-planning] in pipefb/planner/replan.py): layer costs from the profile of plan "auto",
         else the placeholder costs (a backward twice its forward); move cost over the
         cluster's worker-to-worker network (layers move rank to rank)."""
         assert job.plan is not None
@@ -682,7 +683,7 @@ class Driver:
         next assignment gives every rank the new plan with attempt + 1 and the paused
         attempt as its source (`_assign_all`): each rank keeps what it held and takes the
         rest from the old owners' paused state over the workers' `Migrate` stream
-        ([Note: migration, worker side] in worker/migrate.py), so the forward and backward
+        ([Note: migration, worker side] in worker/takeover.py), so the forward and backward
         ranks switch together at step v and losses and weights go on exactly as without
         the move (sync). If any rank fails the move, every rank is assigned the old plan
         with attempt + 2 from the same source: the move rolls back and nothing is lost."""
@@ -716,7 +717,7 @@ class Driver:
         self._record(job)
 
     def _fit_in_situ(self, job: Job) -> None:
-        """Fits the plan's costs to the action times of steps 1-8 (pipefb.insitu; fewer
+        """Fits the plan's costs to the action times of steps 1-8 (pipefb.planner.insitu; fewer
         if the job had fewer); the factors and refined step time go into the planner
         summary. It runs after the last step: on a shared machine, simulating mid-run
         would take cores from the workers and disturb the steps it explains."""

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipefb.checkpoint import write_atomic
-from pipefb.config import JobConfig
 from pipefb.errors import ConfigError
-from pipefb.plan import Plan
+from pipefb.job.config import JobConfig
+from pipefb.plan.plan import Plan
+from pipefb.runtime.checkpoint import write_atomic
 
 log = logging.getLogger(__name__)
 

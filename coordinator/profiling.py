@@ -8,10 +8,10 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from pipefb.config import JobConfig
-from pipefb.costs import Profile
 from pipefb.errors import ConfigError
-from pipefb.profiler import REPEATS, WARMUP, median_profile, relative_speeds
+from pipefb.job.config import JobConfig
+from pipefb.profile.profiler import REPEATS, WARMUP, median_profile, relative_speeds
+from pipefb.sim.costs import Profile
 from protos import worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, profile_from_proto
 

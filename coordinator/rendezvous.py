@@ -1,5 +1,5 @@
 """The rendezvous of a job's all-reduce groups: a torch.distributed TCPStore the coordinator
-hosts while a job of several pipeline groups runs (see pipefb.allreduce)."""
+hosts while a job of several pipeline groups runs (see pipefb.runtime.allreduce)."""
 
 from __future__ import annotations
 

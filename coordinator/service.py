@@ -15,7 +15,7 @@ import grpc
 from coordinator.driver import TERMINAL, Driver, Job, migration_proto
 from coordinator.journal import Entry
 from coordinator.registry import Registry
-from pipefb.config import check_job
+from pipefb.job.checks import check_job
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, tensor_pb2, wire
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
 from protos.server import FailedPrecondition

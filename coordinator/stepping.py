@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pipefb.checkpoint import due
+from pipefb.runtime.checkpoint import due
 from protos import worker_pb2
 
 IN_FLIGHT = 2  # Step calls pending per rank: the next one waits on the worker, no round trip

@@ -17,7 +17,7 @@ from types import TracebackType
 import redis
 
 from offload_store import acl
-from pipefb.local import die_with_parent
+from pipefb.processes import die_with_parent
 
 STARTUP_TIMEOUT_S = 10.0  # how long start() waits for the first PING
 STOP_GRACE_S = 5.0  # how long stop() waits after SIGTERM before SIGKILL

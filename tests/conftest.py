@@ -38,7 +38,7 @@ def plugin_path() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory, plugin_path: Path) -> Iterator[object]:
     """Real processes on 127.0.0.1: redis-server, a coordinator and 4 workers."""
-    from pipefb.local import LocalCluster
+    from pipefb.app.local import LocalCluster
 
     env = {"PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")]),
            "PIPEFB_CHECKPOINT_ROOT": str(tmp_path_factory.mktemp("checkpoints"))}

@@ -16,11 +16,12 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 STEPS = r"""
 import json, resource, sys
 import torch
-from coordinator.calibrate import _NoPeers
+from calibration.calibrate import _NoPeers
 from pipefb.allocator import keep_freed_memory
-from pipefb.config import JobConfig, check_job
-from pipefb.plan import balanced_plan
-from pipefb.runtime import StageRuntime
+from pipefb.job.config import JobConfig
+from pipefb.job.checks import check_job
+from pipefb.plan.partition import balanced_plan
+from pipefb.runtime.stage import StageRuntime
 
 applied = keep_freed_memory() if sys.argv[1] == "tuned" else False
 torch.set_num_threads(1)

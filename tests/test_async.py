@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from offload_store import job_pattern
-from pipefb.config import JobConfig, build_layers
-from pipefb.data import build_dataset
-from pipefb.evaluate import evaluate
-from pipefb.execs import SplitExec
+from pipefb.job.config import JobConfig, build_layers
+from pipefb.job.data import build_dataset
+from pipefb.job.shapes import infer_input_specs, spec_of
 from pipefb.memory import tensor_bytes
-from pipefb.reference import SingleProcess
-from pipefb.runtime import _needs_grad
+from pipefb.runtime.evaluate import evaluate
+from pipefb.runtime.execs import SplitExec
+from pipefb.runtime.reference import SingleProcess
+from pipefb.runtime.stage import _needs_grad
 from pipefb.schedule import Action
-from pipefb.shapes import infer_input_specs, spec_of
 from protos.convert import plan_from_proto
 from tests.conftest import store_client, worker_threads
 from tests.test_transparency import make_job, run_on_cluster

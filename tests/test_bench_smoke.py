@@ -323,7 +323,7 @@ def test_a_partial_rerun_dates_its_entries_and_a_whole_run_clears_them(tmp_path:
 def test_a_whole_run_records_the_cluster_it_measured_and_its_page_says_so(tmp_path: Path
                                                                           ) -> None:
     from bench.run_all import cluster_lines, record_run
-    from pipefb.cluster import Cluster, Link, WorkerSpec
+    from pipefb.sim.cluster import Cluster, Link, WorkerSpec
 
     cluster = Cluster((WorkerSpec("w0", host="local"),), network=Link(2e9, 3e-4, cpu=1.5),
                       store=Link(1e9, 4e-4), host_cores={"local": 2},

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator import calibrate
-from coordinator.calibrate import CalibrationError, Measured, Settings
-from pipefb.cluster import Cluster, Link
+from calibration import calibrate
+from calibration.calibrate import CalibrationError, Measured, Settings
 from pipefb.errors import ConfigError
 from pipefb.memory import KINDS
+from pipefb.sim.cluster import Cluster, Link
 
 FAST = Settings(small_repeats=20, large_bytes=4 << 20, large_repeats=3, warmup=2,
                 rpc_repeats=10, steps=4, step_calls=30, crowd_seconds=0.3, busy_repeats=20)

@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipefb.checkpoint import (
+from pipefb.errors import ConfigError
+from pipefb.job.config import JobConfig
+from pipefb.runtime.checkpoint import (
     due,
     latest,
     load_optimizer,
@@ -22,8 +24,6 @@ from pipefb.checkpoint import (
     save_rank,
     write_state,
 )
-from pipefb.config import JobConfig
-from pipefb.errors import ConfigError
 from tests.test_transparency import make_job, run_on_cluster
 
 
@@ -151,7 +151,7 @@ def test_resume_of_another_job_fails_naming_the_field(client: Any) -> None:
 WRITER = """
 import sys, torch
 from pathlib import Path
-from pipefb.checkpoint import rank_file, save_rank, write_state
+from pipefb.runtime.checkpoint import rank_file, save_rank, write_state
 root = Path(sys.argv[1])
 for step in range(1, 10**6):
     for rank in (0, 1):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipefb.cli import main
-from pipefb.config import JobConfig, build_layers
+from pipefb.app.cli import main
+from pipefb.job.config import JobConfig, build_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["local", "train", "--model", "mlp", "--dataset", "digits", "--loss", "cross_entropy",
@@ -69,14 +69,14 @@ def test_unparsable_number_exits_2_with_one_line(capsys: pytest.CaptureFixture[s
 
 
 def test_real_process_exit_status_for_bad_model() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pipefb.cli", *with_flag("--model", "nope")],
+    proc = subprocess.run([sys.executable, "-m", "pipefb.app.cli", *with_flag("--model", "nope")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "nope" in proc.stderr
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipefb.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipefb.app.cli", *args], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
 
 
@@ -137,7 +137,7 @@ def test_local_train_writes_the_report_and_matches_single(tmp_path: Path) -> Non
 
 
 def test_plain_progress_lines_are_written_whole(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipefb.train import StepProgress
+    from pipefb.app.train import StepProgress
 
     held_out = {f"metric_{k}": k / 8 for k in range(8)}  # a line longer than a console
     StepProgress(None, None).update(

@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from pipefb.checkpoint import latest
-from pipefb.cli import main
+from pipefb.app.cli import main
+from pipefb.runtime.checkpoint import latest
 
 JOB = ["--model", "mlp", "--dataset", "digits", "--loss", "cross_entropy", "--schedule", "1f1b",
        "--workers", "2", "--batch-size", "8", "--microbatches", "2", "--optimizer", "sgd",

@@ -1,4 +1,4 @@
-"""pipefb.data: deterministic sampling, shapes, held-out splits and config errors."""
+"""pipefb.job.data: deterministic sampling, shapes, held-out splits and config errors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from pipefb.data import DATASETS, Dataset, build_dataset, read_corpus
 from pipefb.errors import ConfigError
+from pipefb.job.data import DATASETS, Dataset, build_dataset, read_corpus
 
 SMALL = {"digits": None, "text": {"max_bytes": 50_000}, "synthetic": {"task": "classification"}}
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from offload_store import job_pattern
-from pipefb.cli import main
-from pipefb.config import JobConfig
+from pipefb.app.cli import main
 from pipefb.errors import ConfigError
+from pipefb.job.config import JobConfig
 from pipefb.memory import DEVICE_STATS
-from pipefb.reference import SingleProcess
+from pipefb.runtime.reference import SingleProcess
 from protos.convert import job_from_proto, job_to_proto
 from tests.conftest import store_client
 from tests.test_transparency import make_job, run_on_cluster

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from pipefb.config import JobConfig
 from pipefb.errors import ConfigError
-from pipefb.evaluate import evaluate, load_weights
-from pipefb.reference import SingleProcess
+from pipefb.job.config import JobConfig
+from pipefb.runtime.evaluate import evaluate, load_weights
+from pipefb.runtime.reference import SingleProcess
 from tests.conftest import worker_threads
 from tests.test_transparency import make_job, run_on_cluster
 

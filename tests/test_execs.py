@@ -8,9 +8,9 @@ import copy
 import torch
 from torch import nn
 
-from pipefb.execs import AutogradExec, SplitExec
-from pipefb.optim import build_optimizer
-from pipefb.shapes import TensorSpec
+from pipefb.job.optim import build_optimizer
+from pipefb.job.shapes import TensorSpec
+from pipefb.runtime.execs import AutogradExec, SplitExec
 
 
 class ExpWeight(nn.Module):

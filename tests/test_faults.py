@@ -31,7 +31,7 @@ def alive(pid: int) -> bool:
 
 def start_and_wait_for_steps(out: Path) -> tuple[subprocess.Popen[str], dict[str, dict]]:
     """Starts the CLI on a long job and returns once it reports its second step."""
-    proc = subprocess.Popen([sys.executable, "-m", "pipefb.cli", *LONG_JOB, "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "pipefb.app.cli", *LONG_JOB, "--out", str(out)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
     assert proc.stderr is not None
     deadline = time.monotonic() + 180
@@ -79,8 +79,8 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
 # before the `try` would skip the hang (a clean 3 s stop, in 4 of 20 runs here).
 HUNG_CLEAN_UP = """
 import sys, time
-from pipefb import cli
-from pipefb.local import LocalCluster
+from pipefb.app import cli
+from pipefb.app.local import LocalCluster
 
 def hang(args):
     with LocalCluster(1, args.out / "logs"):
@@ -99,7 +99,7 @@ sys.exit(cli.main(["local", "train", "--out", sys.argv[1]]))
 
 def test_ctrl_c_ends_the_cli_and_its_processes_even_when_the_clean_up_hangs(
         tmp_path: Path) -> None:
-    """[Note: interrupt deadline] in pipefb/cli.py: the deadline kills the cluster."""
+    """[Note: interrupt deadline] in pipefb/app/cli.py: the deadline kills the cluster."""
     proc = subprocess.Popen([sys.executable, "-c", HUNG_CLEAN_UP, str(tmp_path)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             cwd=ROOT)
@@ -156,7 +156,7 @@ def test_with_max_restarts_the_cli_relaunches_a_killed_worker_and_finishes(
     job = [*LONG_JOB[:LONG_JOB.index("--steps")], "--steps", "150",
            *LONG_JOB[LONG_JOB.index("--steps") + 2:],
            "--max-restarts", "1", "--checkpoint-every", "10"]
-    proc = subprocess.Popen([sys.executable, "-m", "pipefb.cli", *job, "--out", str(tmp_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "pipefb.app.cli", *job, "--out", str(tmp_path)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
     assert proc.stderr is not None
     for line in proc.stderr:

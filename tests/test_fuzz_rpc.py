@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipefb.allocator import TRIM_THRESHOLD_BYTES
-from pipefb.local import Process
+from pipefb.processes import Process
 from protos import (
     coordinator_pb2,
     coordinator_pb2_grpc,

@@ -17,13 +17,14 @@ import torch
 
 from coordinator.client import CoordinatorClient
 from coordinator.driver import check_groups_agree
-from pipefb.cli import main
-from pipefb.config import JobConfig
+from pipefb.app.cli import main
+from pipefb.app.local import LocalCluster
 from pipefb.errors import ConfigError, WorkerFailed
-from pipefb.local import LocalCluster
-from pipefb.plan import balanced_plan, schedule_for
-from pipefb.reference import SingleProcess
-from pipefb.runtime import weights_digest
+from pipefb.job.config import JobConfig
+from pipefb.plan.partition import balanced_plan
+from pipefb.plan.plan import schedule_for
+from pipefb.runtime.reference import SingleProcess
+from pipefb.runtime.stage import weights_digest
 from protos import coordinator_pb2
 from tests.conftest import worker_threads
 from tests.test_async import assert_store_and_versions_empty

@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from pipefb.cluster import Cluster, Link
-from pipefb.costs import LayerProfile, Profile
 from pipefb.errors import ConfigError
-from pipefb.groups import group_counts, grouped, search_groups, shortlist
-from pipefb.plan import balanced_plan
+from pipefb.plan.partition import balanced_plan
+from pipefb.planner.groups import group_counts, grouped, search_groups, shortlist
 from pipefb.schedule import Kind
-from pipefb.simulate import Simulation, simulate
+from pipefb.sim.cluster import Cluster, Link
+from pipefb.sim.costs import LayerProfile, Profile
+from pipefb.sim.simulate import Simulation, simulate
 
 
 def _profile(seed: int, n: int) -> Profile:
@@ -86,7 +86,7 @@ def test_group_counts_that_do_not_divide_are_refused() -> None:
 
 def _two_hosts(n: int) -> Cluster:
     """n workers, half on each of two hosts of n/2 cores; fast links inside a host."""
-    from pipefb.cluster import WorkerSpec
+    from pipefb.sim.cluster import WorkerSpec
 
     workers = tuple(WorkerSpec(f"g{i}", host=f"h{i * 2 // n}") for i in range(n))
     inside = Link(20e9, 1e-5)
@@ -97,7 +97,7 @@ def _two_hosts(n: int) -> Cluster:
 
 
 def test_group_view_keeps_its_links_and_its_share_of_each_host() -> None:
-    from pipefb.cluster import group_view
+    from pipefb.sim.cluster import group_view
 
     cluster = _two_hosts(8)
     two = group_view(cluster, 2)  # group 0 owns host h0 whole
@@ -109,7 +109,7 @@ def test_group_view_keeps_its_links_and_its_share_of_each_host() -> None:
 
 
 def test_ring_moves_at_its_slowest_hop() -> None:
-    from pipefb.cluster import ring_link
+    from pipefb.sim.cluster import ring_link
 
     cluster = _two_hosts(8)
     # 4 groups of 2: stage 0's ring is g0, g2 (h0), g4, g6 (h1): two hops cross hosts

@@ -1,4 +1,4 @@
-"""Processor sharing on loopback hosts, and in-situ cost fitting (pipefb.insitu)."""
+"""Processor sharing on loopback hosts, and in-situ cost fitting (pipefb.planner.insitu)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,22 @@ from dataclasses import replace
 
 import pytest
 
-from pipefb.cluster import Cluster, Link, WorkerSpec
-from pipefb.costs import uniform_profile
 from pipefb.errors import ConfigError
-from pipefb.insitu import FITTED, ITERATIONS, LATENCY, fit, measured_kinds, scaled, simulated_kinds
-from pipefb.plan import balanced_plan, lowered_schedule
+from pipefb.plan.partition import balanced_plan
+from pipefb.plan.plan import lowered_schedule
+from pipefb.planner.insitu import (
+    FITTED,
+    ITERATIONS,
+    LATENCY,
+    fit,
+    measured_kinds,
+    scaled,
+    simulated_kinds,
+)
 from pipefb.schedule import Kind
-from pipefb.simulate import simulate
+from pipefb.sim.cluster import Cluster, Link, WorkerSpec
+from pipefb.sim.costs import uniform_profile
+from pipefb.sim.simulate import simulate
 
 
 def box(n: int, cores: int, *, loopback: bool = False) -> Cluster:

@@ -24,7 +24,7 @@ from deploy.manifests import (
     workloads,
 )
 from offload_store.acl import server_args
-from pipefb.config import JobConfig
+from pipefb.job.config import JobConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S_VERSION = "1.37.0"  # the schemas kubernetes-validate checks against

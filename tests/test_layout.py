@@ -39,7 +39,7 @@ def test_core_sources_import_no_service_library() -> None:
 def test_importing_the_core_loads_no_grpc_or_prometheus() -> None:
     """(torch itself may import redis for its compile cache, so only these two are checked)."""
     modules = core_modules()
-    assert "pipefb.runtime" in modules and "pipefb.cli" in modules
+    assert "pipefb.runtime.stage" in modules and "pipefb.app.cli" in modules
     checked = ("grpc", "prometheus_client")
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"

@@ -1,4 +1,4 @@
-"""pipefb.losses: loss layers against torch's functional losses."""
+"""pipefb.job.losses: loss layers against torch's functional losses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from pipefb.errors import ConfigError
-from pipefb.losses import LOSSES, build_loss
+from pipefb.job.losses import LOSSES, build_loss
 
 
 def test_names() -> None:

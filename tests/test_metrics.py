@@ -24,10 +24,10 @@ from coordinator.driver import Driver
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
 from offload_store.server import _free_port as free_port
-from pipefb.config import JobConfig
+from pipefb.job.config import JobConfig
 from pipefb.memory import KINDS
 from protos import coordinator_pb2, coordinator_pb2_grpc, server, worker_pb2
-from protos.metrics import MetricsInterceptor, port_or_none
+from protos.monitoring import MetricsInterceptor, port_or_none
 
 JOB = JobConfig(model="mlp", model_config={"hidden": 32, "depth": 2}, dataset="digits",
                 loss="cross_entropy", schedule="pipefb", workers=2, batch_size=8,
@@ -116,9 +116,9 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     if not (shutil.which("prometheus") and shutil.which("promtool")):
         pytest.skip(NO_PROMETHEUS)
     from coordinator.client import CoordinatorClient
-    from pipefb.local import LocalCluster
-    from pipefb.report import write_report
-    from pipefb.train import train_on
+    from pipefb.app.local import LocalCluster
+    from pipefb.app.report import write_report
+    from pipefb.app.train import train_on
 
     folder = tmp_path_factory.mktemp("metrics")
     with LocalCluster(JOB.workers, folder / "logs", threads=1, metrics=True) as cluster, \

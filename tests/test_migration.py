@@ -14,9 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
-from pipefb.config import JobConfig, build_layers
-from pipefb.migration import holders, moved_bytes, repartitioned, takeover
-from pipefb.plan import balanced_plan
+from pipefb.job.config import JobConfig, build_layers
+from pipefb.plan.migration import holders, moved_bytes, repartitioned, takeover
+from pipefb.plan.partition import balanced_plan
 from protos.coordinator_pb2 import RUNNING
 from tests.test_transparency import assert_same_training, make_job, reference
 

@@ -1,4 +1,4 @@
-"""pipefb.optim: the named optimizers equal torch's own and split across workers exactly."""
+"""pipefb.job.optim: the named optimizers equal torch's own and split across workers exactly."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipefb.errors import ConfigError
-from pipefb.optim import OPTIMIZERS, build_optimizer, optimizer_state_bytes
+from pipefb.job.optim import OPTIMIZERS, build_optimizer, optimizer_state_bytes
 
 TORCH = {
     "sgd": lambda p, lr, **kw: torch.optim.SGD(p, lr=lr, **kw),

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipefb.errors import ConfigError
-from pipefb.plan import partition
+from pipefb.plan.partition import partition
 
 
 def bottleneck(costs: Sequence[float], bounds: Sequence[int]) -> float:

@@ -10,13 +10,13 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from pipefb.cluster import Cluster
-from pipefb.config import JobConfig
-from pipefb.costs import Profile
 from pipefb.errors import ConfigError
-from pipefb.insitu import STEPS
-from pipefb.plan import Plan
-from pipefb.planning import job_cluster, plan_job
+from pipefb.job.config import JobConfig
+from pipefb.plan.plan import Plan
+from pipefb.planner.insitu import STEPS
+from pipefb.planner.job import job_cluster, plan_job
+from pipefb.sim.cluster import Cluster
+from pipefb.sim.costs import Profile
 from protos import coordinator_pb2
 from protos.convert import plan_from_proto
 from tests.test_transparency import assert_same_training

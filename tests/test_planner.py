@@ -14,20 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipefb import planner as planner_module
-from pipefb.cli import main
-from pipefb.cluster import Cluster, Link
-from pipefb.costs import LayerProfile, Profile, uniform_profile
+from pipefb.app.cli import main
 from pipefb.errors import ConfigError, ScheduleError
-from pipefb.plan import (
-    Plan,
-    WorkerAssignment,
-    balanced_plan,
-    lowered_schedule,
-    partition,
-    schedule_for,
-)
-from pipefb.planner import (
+from pipefb.plan.partition import balanced_plan, partition
+from pipefb.plan.plan import Plan, WorkerAssignment, lowered_schedule, schedule_for
+from pipefb.planner import search as planner_module
+from pipefb.planner.search import (
     EVENT_BUDGET,
     _events,
     _Planner,
@@ -37,7 +29,9 @@ from pipefb.planner import (
     search,
 )
 from pipefb.schedule import Action, Kind
-from pipefb.simulate import Span, simulate
+from pipefb.sim.cluster import Cluster, Link
+from pipefb.sim.costs import LayerProfile, Profile, uniform_profile
+from pipefb.sim.simulate import Span, simulate
 
 FAST = Cluster.uniform(4, network=Link(1e12, 0.0), store=Link(1e12, 0.0))
 

@@ -17,15 +17,14 @@ import torch
 from torch import nn
 
 from coordinator.profiling import ProfileCache, profile_workers
-from pipefb import profiler
-from pipefb.config import JobConfig, build_layers
-from pipefb.costs import Profile, uniform_profile
-from pipefb.data import build_dataset
 from pipefb.errors import ConfigError
-from pipefb.execs import SplitExec
-from pipefb.local import Process
+from pipefb.job.config import JobConfig, build_layers
+from pipefb.job.data import build_dataset
+from pipefb.job.shapes import TensorSpec, infer_input_specs, spec_of
 from pipefb.memory import tensor_bytes
-from pipefb.profiler import (
+from pipefb.processes import Process
+from pipefb.profile import profiler
+from pipefb.profile.profiler import (
     analytic_profile,
     fixed_part,
     layer_flops,
@@ -34,8 +33,9 @@ from pipefb.profiler import (
     relative_speeds,
     second_size,
 )
-from pipefb.runtime import _needs_grad
-from pipefb.shapes import TensorSpec, infer_input_specs, spec_of
+from pipefb.runtime.execs import SplitExec
+from pipefb.runtime.stage import _needs_grad
+from pipefb.sim.costs import Profile, uniform_profile
 from protos import server, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, profile_from_proto, profile_to_proto
 from tests.conftest import worker_threads

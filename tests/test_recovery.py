@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from coordinator.client import CoordinatorClient
-from pipefb.config import JobConfig
-from pipefb.local import LocalCluster
+from pipefb.app.local import LocalCluster
+from pipefb.job.config import JobConfig
 from protos.coordinator_pb2 import DONE, FAILED, RECOVERING, RUNNING, STOPPED
 from tests.conftest import WORKER_THREADS, store_client
 from tests.test_transparency import make_job, reference

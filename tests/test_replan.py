@@ -1,4 +1,4 @@
-"""The online re-planner's decisions ([Note: online re-planning] in pipefb/replan.py) on
+"""The online re-planner's decisions ([Note: online re-planning] in pipefb/planner/replan.py) on
 simulated step measurements: a slowed worker gets a move, noise and costly moves do not."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from pipefb.migration import holders
-from pipefb.plan import Plan, balanced_plan
-from pipefb.replan import Replanner, ReplanSettings
+from pipefb.plan.migration import holders
+from pipefb.plan.partition import balanced_plan
+from pipefb.plan.plan import Plan
+from pipefb.planner.replan import Replanner, ReplanSettings
 
 FORWARD = [3.0, 1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 1.0]  # per layer, loss last
 BACKWARD = [2 * c for c in FORWARD]

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.calibrate import _NoPeers
-from pipefb.config import JobConfig, check_job
-from pipefb.plan import balanced_plan
-from pipefb.runtime import StageRuntime
+from calibration.calibrate import _NoPeers
+from pipefb.job.checks import check_job
+from pipefb.job.config import JobConfig
+from pipefb.plan.partition import balanced_plan
+from pipefb.runtime.stage import StageRuntime
 
 STEPS = 6
 

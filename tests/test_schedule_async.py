@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipefb.config import JobConfig, layer_policies
 from pipefb.errors import ConfigError, ScheduleError
-from pipefb.plan import balanced_plan, recompute_runs
+from pipefb.job.config import JobConfig, layer_policies
+from pipefb.plan.partition import balanced_plan
+from pipefb.plan.plan import recompute_runs
 from pipefb.schedule import Action, Kind, Topology, dry_run, generate, iteration, lower, validate
 
 THREE = Topology.combined((0, 1, 2, 3))

@@ -174,7 +174,7 @@ def test_a_job_trains_over_mtls_with_the_token_as_one_process_does(
     weight pushes, export) goes over mTLS with the token: the client here, the coordinator
     and the workers all read the same environment."""
     from coordinator.client import CoordinatorClient
-    from pipefb.local import LocalCluster
+    from pipefb.app.local import LocalCluster
 
     for name, value in _env(pki, mtls=True).items():
         monkeypatch.setenv(name, value)

@@ -1,4 +1,5 @@
-"""Tests of pipefb.split and pipefb.shapes: the split against eager autograd, layer by layer."""
+"""Tests of pipefb.runtime.layersplit and pipefb.job.shapes: the split against eager autograd,
+layer by layer."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pipefb.codec import pack, unpack
-from pipefb.losses import MSE, CrossEntropy
-from pipefb.shapes import (
+from pipefb.job.losses import MSE, CrossEntropy
+from pipefb.job.shapes import (
     SpecError,
     TensorSpec,
     infer_input_specs,
@@ -24,7 +25,7 @@ from pipefb.shapes import (
     restride,
     spec_of,
 )
-from pipefb.split import LayerSplit, SplitError, StashError
+from pipefb.runtime.layersplit import LayerSplit, SplitError, StashError
 
 V, T, C, H = 32, 8, 16, 2  # vocabulary, sequence, channels, heads of the tiny GPT layers
 aten = torch.ops.aten

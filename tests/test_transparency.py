@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from offload_store import job_pattern
-from pipefb.config import JobConfig
-from pipefb.reference import SingleProcess
+from pipefb.job.config import JobConfig
+from pipefb.runtime.reference import SingleProcess
 from tests.conftest import store_client, worker_threads
 
 MODELS: dict[str, dict[str, Any]] = {

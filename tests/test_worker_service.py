@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pipefb.local import Process
+from pipefb.processes import Process
 from protos import job_pb2, server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 
 ROOT = str(Path(__file__).resolve().parent.parent)

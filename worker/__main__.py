@@ -13,8 +13,8 @@ import grpc
 import torch
 
 from pipefb.allocator import keep_freed_memory
-from pipefb.checkpoint import add_root_flag
-from protos import coordinator_pb2, coordinator_pb2_grpc, metrics, server, worker_pb2_grpc
+from pipefb.runtime.checkpoint import add_root_flag
+from protos import coordinator_pb2, coordinator_pb2_grpc, monitoring, server, worker_pb2_grpc
 from worker.metrics import WorkerMetrics
 from worker.service import StageWorkerServicer
 
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=os.environ.get("PIPEFB_NAME", f"worker-{os.getpid()}"))
     p.add_argument("--threads", type=int, default=int(os.environ.get("PIPEFB_THREADS", "0")),
                    help="torch intra-op threads (0: torch's default)")
-    metrics.add_metrics_flags(p)
+    monitoring.add_metrics_flags(p)
     add_root_flag(p)
     return p.parse_args(argv)
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     # 5 ms GIL switch interval each hand-off can wait that long behind Python-level work.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     keep_freed_memory()  # a step reuses the last step's freed memory (pipefb.allocator)
-    interceptors, url = metrics.start_from_args(args)
+    interceptors, url = monitoring.start_from_args(args)
     servicer = StageWorkerServicer(WorkerMetrics(args.name) if url else None,
                                    checkpoint_root=args.checkpoint_root)
     srv, port, health = server.create_server(
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("registered as worker %d", reg.worker_id)
     server.ready(health)
     print(f"ready {address}", flush=True)
-    metrics.announce(url)
+    monitoring.announce(url)
     server.serve_until_signal(srv, health, on_stop=servicer.stop)
 
 

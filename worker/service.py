@@ -15,22 +15,22 @@ import torch
 from offload_store import OffloadStore, connect
 from pipefb import codec
 from pipefb.allocator import release_freed_memory
-from pipefb.allreduce import GroupAllReduce, rendezvous_key
-from pipefb.checkpoint import rank_file, resolve_under
-from pipefb.config import job_device
 from pipefb.errors import Aborted, CodecError, ConfigError, WorkerFailed
-from pipefb.migration import takeover
-from pipefb.plan import Plan
-from pipefb.profiler import measure_profile
-from pipefb.runtime import StageRuntime
+from pipefb.job.config import job_device
+from pipefb.plan.migration import takeover
+from pipefb.plan.plan import Plan
+from pipefb.profile.profiler import measure_profile
+from pipefb.runtime.allreduce import GroupAllReduce, rendezvous_key
+from pipefb.runtime.checkpoint import rank_file, resolve_under
+from pipefb.runtime.stage import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, job_from_proto, plan_from_proto, profile_to_proto
 from protos.server import FailedPrecondition
+from worker.grpc_transport import GrpcTransport, inbox_key, nbytes, weight_key
 from worker.inbox import Inbox
 from worker.metrics import WorkerMetrics
-from worker.migrate import Source, local_part, pull
-from worker.transport import GrpcTransport, inbox_key, nbytes, weight_key
+from worker.takeover import Source, local_part, pull
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,185 @@
+"""A local cluster of real processes on 127.0.0.1: Redis, a coordinator and N workers.
+
+With `metrics`, the coordinator and the workers serve Prometheus /metrics on free ports
+(their `--metrics-port 0`); their `metrics URL` lines give the URLs.
+
+With `restart`, a process that dies is relaunched, as Kubernetes restarts a pod: Redis
+and the coordinator on the address they had (Redis comes back empty), a worker under
+its name on a new port (it registers again). Jobs with `max_restarts` then replay.
+
+Only subprocesses: the core stays free of grpc and redis. Every process is stopped on
+exit, on Ctrl-C and on failure; children also get SIGTERM if this process dies
+(PR_SET_PDEATHSIG on Linux). `kill_running` is the last resort of an interrupted CLI
+whose clean-up hangs (see `pipefb.app.cli`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import threading
+import weakref
+from pathlib import Path
+from types import TracebackType
+
+from pipefb.processes import Process, default_threads, project_env
+
+SUPERVISE_SECONDS = 0.2  # with restart: how often dead processes are looked for
+STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no redis code)
+_RUNNING: weakref.WeakSet[LocalCluster] = weakref.WeakSet()  # started, not yet stopped
+
+
+class LocalCluster:
+    """Context manager: the offload store, a coordinator and `workers` workers, all local;
+    with `metrics`, the coordinator and workers serve /metrics (Redis has no exporter)."""
+
+    def __init__(self, workers: int, log_dir: Path, *, store_maxmemory: str = "2gb",
+                 threads: int = 0, extra_env: dict[str, str] | None = None,
+                 cluster_file: Path | None = None, metrics: bool = False,
+                 restart: bool = False) -> None:
+        self.n_workers, self.log_dir, self.metrics = workers, log_dir, metrics
+        self.restart = restart  # relaunch processes that die (see the module docstring)
+        self.relaunches: dict[str, int] = {}  # process name -> times relaunched
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # guards `processes` against the supervisor
+        self.cluster_file = cluster_file  # the coordinator's --cluster (plan "auto")
+        self.store_maxmemory = store_maxmemory
+        threads = threads or default_threads(workers)
+        self.env = project_env({**os.environ, "PIPEFB_THREADS": str(threads),
+                                **(extra_env or {})})
+        # the store's service user ([Note: store ACL] in offload_store/acl.py): every
+        # process here authenticates as it; the default user is off
+        self.store_user, self.store_password = STORE_USER, secrets.token_hex(16)
+        self.env.update(PIPEFB_STORE_USER=self.store_user,
+                        PIPEFB_STORE_PASSWORD=self.store_password)
+        self.processes: list[Process] = []
+        self.store = self.coordinator = ""
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: list[str], *, service: bool = False) -> Process:
+        """Starts a process; a service (coordinator, worker) gets `--metrics-port` 0 with
+        metrics, else empty, which overrides a PIPEFB_METRICS_PORT in the environment."""
+        if service:
+            args = [*args, "--metrics-port", "0" if self.metrics else ""]
+        proc = Process(name, args, self.log_dir, self.env, metrics=service and self.metrics)
+        with self._lock:
+            self.processes.append(proc)
+        return proc
+
+    def start(self) -> None:
+        """Starts every process and waits until each serves."""
+        _RUNNING.add(self)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0", "--acl",
+                                           "--maxmemory", self.store_maxmemory]).wait_ready()
+        extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
+        self.coordinator = self._spawn("coordinator", [
+            "-m", "coordinator", "--listen", "127.0.0.1:0", "--store", self.store,
+            "--journal", str(self.log_dir / "journal"), *extra],
+            service=True).wait_ready()
+        workers = [self.add_worker(i) for i in range(self.n_workers)]
+        for proc in workers:
+            proc.wait_ready()
+        self.write_manifest()
+        if self.restart:
+            threading.Thread(target=self._supervise, name="local-supervisor",
+                             daemon=True).start()
+
+    def _supervise(self) -> None:
+        """Relaunches every process that exits, until `stop`."""
+        while not self._stopping.wait(SUPERVISE_SECONDS):
+            with self._lock:
+                dead = [p for p in self.processes if p.popen.poll() is not None]
+            for proc in dead:
+                if self._stopping.is_set():
+                    return
+                self._relaunch(proc)
+
+    def _relaunch(self, proc: Process) -> None:
+        """Starts `proc` again in its place: Redis and the coordinator on their address."""
+        args = list(proc.args)
+        if proc.name in ("redis", "coordinator"):
+            flag = "--port" if proc.name == "redis" else "--listen"
+            value = proc.address.rsplit(":", 1)[1] if proc.name == "redis" else proc.address
+            args[args.index(flag) + 1] = value
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            new = proc.relaunched(args)
+            self.processes[self.processes.index(proc)] = new
+            self.relaunches[proc.name] = self.relaunches.get(proc.name, 0) + 1
+        try:
+            new.wait_ready()
+        except RuntimeError as error:  # it died starting: the next round relaunches it
+            if not self._stopping.is_set():
+                print(f"pipefb: {error}", file=sys.stderr)
+            return
+        self.write_manifest()
+
+    def process(self, name: str) -> Process:
+        """The current process named `name` (relaunches replace it)."""
+        with self._lock:
+            return next(p for p in self.processes if p.name == name)
+
+    def write_manifest(self) -> Path:
+        """Writes `cluster.json` (name -> pid, address, log, and the /metrics URL of each
+        process that serves one) beside the logs."""
+        path = self.log_dir / "cluster.json"
+        with self._lock:
+            text = json.dumps({p.name: p.manifest() for p in self.processes}, indent=2)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
+        return path
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Process name -> /metrics URL of every process that serves one."""
+        return {p.name: p.metrics_url for p in self.processes if p.metrics_url}
+
+    def add_worker(self, index: int) -> Process:
+        """Starts one more worker registering with the coordinator (not waited for)."""
+        return self._spawn(f"worker-{index}", [
+            "-m", "worker", "--listen", "127.0.0.1:0", "--coordinator", self.coordinator,
+            "--name", f"worker-{index}"], service=True)
+
+    def workers(self) -> list[Process]:
+        """The worker processes, in start order."""
+        return [p for p in self.processes if p.name.startswith("worker-")]
+
+    def stop(self) -> None:
+        """Stops workers, then the coordinator, then Redis (no more relaunches)."""
+        self._stopping.set()
+        with self._lock:
+            procs = list(self.processes)
+        for proc in reversed(procs):
+            proc.stop()
+        with self._lock:  # listed until stopped, so that `kill` still finds them
+            self.processes = []
+        _RUNNING.discard(self)
+
+    def kill(self) -> int:
+        """SIGKILLs every process still running, and reaps it (Redis's server follows
+        its parent: PR_SET_PDEATHSIG); returns how many there were."""
+        self._stopping.set()
+        with self._lock:
+            procs = list(self.processes)
+        return sum(proc.kill() for proc in procs)
+
+
+def kill_running() -> int:
+    """SIGKILLs the processes of every local cluster this process started and has not
+    stopped (what an interrupted CLI does when its clean-up hangs); returns how many."""
+    return sum(cluster.kill() for cluster in list(_RUNNING))

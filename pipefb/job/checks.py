@@ -1,0 +1,52 @@
+"""Submit-time checks of a job: builds its model, loss, data and optimizer once, checks they fit."""
+
+from __future__ import annotations
+
+import torch
+
+from pipefb.errors import ConfigError
+from pipefb.job.config import AUTO, JobConfig, build_layers, layer_costs, layer_policies, slowdowns
+
+
+def check_job(config: JobConfig) -> list[float]:
+    """Checks every name and config by building the model, loss and dataset once.
+
+    Returns:
+        The placeholder planner's cost of each layer (loss included), so the model need
+        not be built again to plan.
+
+    Raises:
+        ConfigError: naming the bad value (unknown name, bad option, too many stages), or
+            the model's layers do not take the dataset's micro-batches, or the loss gives
+            no scalar (shapes propagated with fake tensors: nothing is computed).
+    """
+    from pipefb.job.data import build_dataset
+    from pipefb.job.optim import build_optimizer
+    from pipefb.job.shapes import SpecError, infer_input_specs, spec_of
+
+    layers = build_layers(config)
+    dataset = build_dataset(config.dataset, config.dataset_config, config.seed)
+    x, y = dataset.microbatch(0, 0, config.microbatch_size)
+    try:  # the model, data and loss fit together
+        infer_input_specs(layers, spec_of(x), spec_of(y))
+    except SpecError as error:
+        raise ConfigError(f"model {config.model!r}, dataset {config.dataset!r} and loss "
+                          f"{config.loss!r} do not fit: {error}") from None
+    build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)], config.lr,
+                    config.optimizer_config)
+    from pipefb.plan.partition import stage_counts
+
+    if config.plan != AUTO:
+        layer_policies(config, len(layers))
+    for layer in slowdowns(config.slowdown, layers=True):
+        if layer >= len(layers):
+            raise ConfigError(f"slowdown names layer {layer}; model {config.model!r} has "
+                              f"layers 0..{len(layers) - 1} (loss included)")
+    if config.schedule not in ("single", AUTO):
+        stages = max(stage_counts(config.schedule, config.workers))
+        if stages > len(layers):
+            raise ConfigError(
+                f"{config.workers} workers make {stages} stages but the model has only "
+                f"{len(layers)} layers (loss included)"
+            )
+    return layer_costs(layers)

@@ -1,0 +1,144 @@
+"""Layer executors: how a rank runs one layer's forward and backward.
+
+[Note: two executors] A layer whose saved tensors stay in the worker (policy `keep` on a
+combined rank) runs under eager autograd, exactly as one process would: nothing crosses a
+process, and nothing needs the saved tensors by name (the two run about as fast). A layer
+whose saved tensors leave the worker (a PipeFB forward or backward rank, policy `offload`)
+runs through its explicit forward/backward split
+(`pipefb.runtime.layersplit.LayerSplit`): the forward
+returns the stash, the backward needs only the stash. Both accumulate parameter gradients
+into `param.grad`, micro-batch after micro-batch, like `loss.backward()` does. Only the
+split can run its backward in two parts, input grads first (a stage that sends gradients
+on runs it for every layer: [Note: input grads first] in pipefb.runtime.stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from pipefb.job.shapes import TensorSpec
+from pipefb.runtime.layersplit import DeferredGrads, LayerSplit
+
+Saved = dict[str, torch.Tensor]
+Params = Sequence[torch.Tensor] | None  # a weight version in module order; None: the live one
+
+
+class LayerExec(Protocol):
+    """Runs one layer; `saved` is whatever the backward of that micro-batch needs."""
+
+    has_random_ops: bool  # whether the forward draws random numbers (seed it first)
+    stash_names: list[str]  # names of the tensors that leave the worker (split only)
+
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
+                ) -> tuple[torch.Tensor, Saved]:
+        """Runs the forward (with weight version `params`, default the live ones); returns
+        the output and what the backward needs."""
+        ...
+
+    def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                 ) -> list[torch.Tensor | None]:
+        """Runs the backward with the forward's weight version (default the live one),
+        accumulating into `param.grad`; returns the input grads."""
+        ...
+
+    def weights_changed(self) -> None:
+        """Drops anything derived from the weights (called after every in-place update)."""
+        ...
+
+    def prepare(self) -> None:
+        """Derives ahead what the backward needs from the current weights alone."""
+        ...
+
+
+class AutogradExec:
+    """Eager autograd; the saved tensors are the autograd graph's own (counted, not moved)."""
+
+    def __init__(self, layer: torch.nn.Module, input_requires_grad: Sequence[bool],
+                 has_random_ops: bool = True) -> None:
+        self.layer = layer
+        self.stash_names: list[str] = []  # nothing leaves the worker
+        self.input_requires_grad = list(input_requires_grad)
+        self.has_random_ops = has_random_ops  # unknown without tracing: seed to be safe
+
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
+                ) -> tuple[torch.Tensor, Saved]:
+        assert params is None  # only sync keep layers run here: weights never lag
+        leaves = [x.detach().requires_grad_(g) for x, g in zip(inputs, self.input_requires_grad,
+                                                               strict=True)]
+        kept: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept.append(t)  # only to account their bytes; autograd holds them anyway
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.layer(*leaves)
+        saved = {f"input_{i}": x for i, x in enumerate(leaves)}
+        saved.update({f"saved_{i}": t for i, t in enumerate(kept)})
+        saved["output"] = out
+        return out.detach(), saved
+
+    def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                 ) -> list[torch.Tensor | None]:
+        assert params is None
+        torch.autograd.backward(saved["output"], grad_output)
+        return [saved[f"input_{i}"].grad if g else None
+                for i, g in enumerate(self.input_requires_grad)]
+
+    def weights_changed(self) -> None:
+        """Autograd derives nothing ahead of time."""
+
+    def prepare(self) -> None:
+        """Nothing to derive: autograd's backward reads the weights themselves."""
+
+
+class SplitExec:
+    """The explicit forward/backward split; the stash may travel through the offload store."""
+
+    def __init__(self, layer: torch.nn.Module, input_specs: list[TensorSpec],
+                 input_requires_grad: Sequence[bool], device: torch.device | None = None
+                 ) -> None:
+        self.split = LayerSplit(layer, input_specs, input_requires_grad=input_requires_grad,
+                                device=device)
+        self.params = list(layer.parameters())
+        self.has_random_ops = self.split.has_random_ops
+        self.stash_names = self.split.stash_names
+
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
+                ) -> tuple[torch.Tensor, Saved]:
+        return self.split.forward(inputs, params)
+
+    def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                 ) -> list[torch.Tensor | None]:
+        input_grads, param_grads = self.split.backward(saved, grad_output, params)
+        self._accumulate(param_grads)
+        return input_grads
+
+    def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                       ) -> tuple[list[torch.Tensor | None], DeferredGrads]:
+        """The input-grad part of `backward` ([Note: input grads first] in pipefb.runtime.stage);
+        `backward_weights` of what it returns accumulates the rest later."""
+        return self.split.backward_input(saved, grad_output, params)
+
+    def backward_weights(self, deferred: DeferredGrads) -> None:
+        """The weight-grad part of a `backward_input` call, accumulated into `param.grad`."""
+        self._accumulate(self.split.backward_weights(deferred))
+
+    def weights_changed(self) -> None:
+        """Forgets the weight-derived tensors of the old version."""
+        self.split.weights_changed()
+
+    def prepare(self) -> None:
+        """Derives the current version's weight-derived tensors now."""
+        self.split.derive()
+
+    def _accumulate(self, param_grads: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, g in zip(self.params, param_grads, strict=True):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)

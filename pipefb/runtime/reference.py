@@ -1,0 +1,103 @@
+"""`--schedule single`: the same micro-batches in one process with eager autograd, the reference.
+
+Every pipeline schedule in `sync` mode must reproduce these losses and weights: same data
+(seeded by (seed, step, micro-batch)), same random ops (seeded by (seed, step,
+micro-batch, layer)), loss averaged over micro-batches, one optimizer step per step.
+With `staleness` S > 0 it is the reference of async PipeFB instead: step k's gradient is
+taken at weight version k - S and applied to the newest weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pipefb.job.config import JobConfig, build_layers, job_device
+from pipefb.job.data import build_dataset
+from pipefb.job.optim import build_optimizer, optimizer_state_bytes
+from pipefb.memory import DeviceMemory, tensor_bytes
+from pipefb.seeding import derive_seed, seed_random_ops
+
+
+@dataclass
+class SingleStep:
+    """One step of the reference run."""
+
+    step: int
+    loss: float  # mean over micro-batches
+    seconds: float
+    samples_per_second: float
+    peak_memory_bytes: int  # parameters + gradients + optimizer state after the step
+    device_memory_bytes: dict[str, int]  # CUDA allocator statistics of the step; {} on cpu
+
+
+class SingleProcess:
+    """The whole layer sequence in one process, trained with gradient accumulation."""
+
+    def __init__(self, job: JobConfig, staleness: int = 0) -> None:
+        self.job, self.staleness = job, staleness
+        self.device = job_device(job)
+        self.device_memory = DeviceMemory(self.device)
+        self.layers = [layer.to(self.device) for layer in build_layers(job)]
+        self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+        self.params = [p for layer in self.layers for p in layer.parameters()]
+        self.optimizer = build_optimizer(job.optimizer, self.params, job.lr, job.optimizer_config)
+        # the last `staleness` versions before the newest, oldest first
+        self.history: list[list[torch.Tensor]] = []
+
+    def loss(self, step: int, microbatch: int) -> torch.Tensor:
+        """Forward of one micro-batch through every layer, loss layer last."""
+        x, targets = self.dataset.microbatch(step, microbatch, self.job.microbatch_size)
+        x, targets = x.to(self.device), targets.to(self.device)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            seed_random_ops(derive_seed(self.job.seed, step, microbatch, i))
+            x = layer(x, targets) if i == last else layer(x)
+        return x
+
+    def step(self, step: int) -> SingleStep:
+        """Runs one optimizer step over `microbatches` accumulated micro-batches."""
+        started = time.perf_counter()
+        self.device_memory.reset_peak()
+        # the version of step k's forward: k - S, or 0 before step S
+        live = self._swap_in(self.history[0]) if self.history else None
+        losses = []
+        for m in range(self.job.microbatches):
+            loss = self.loss(step, m)
+            torch.autograd.backward(loss / self.job.microbatches)
+            losses.append(loss.item())
+        if live is not None:
+            self._swap_in(live)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        memory = tensor_bytes(self.params) + tensor_bytes(grads)
+        if self.staleness:
+            self.history = [*self.history, [p.detach().clone() for p in self.params]]
+            self.history = self.history[-self.staleness:]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        memory += optimizer_state_bytes(self.optimizer)
+        self.device_memory.synchronize()
+        seconds = time.perf_counter() - started
+        return SingleStep(step, sum(losses) / len(losses), seconds,
+                          self.job.batch_size / seconds, memory, self.device_memory.snapshot())
+
+    def _swap_in(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Puts `values` into the parameters; returns what they held."""
+        held = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, v in zip(self.params, values, strict=True):
+                p.copy_(v)
+        return held
+
+    def run(self) -> Iterator[SingleStep]:
+        """Runs every step of the job, yielding each step's report."""
+        for step in range(self.job.steps):
+            yield self.step(step)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights, named `layers.{i}.{param}`."""
+        return {f"layers.{i}.{name}": p.detach().cpu().clone()
+                for i, layer in enumerate(self.layers) for name, p in layer.named_parameters()}

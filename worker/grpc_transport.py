@@ -1,0 +1,212 @@
+"""The runtime's Transport over gRPC streams to peer workers and the Redis offload store."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+import torch
+
+from offload_store import OffloadStore
+from pipefb.errors import Aborted, WorkerFailed
+from pipefb.runtime.transport import LayerTensors, Tensors
+from pipefb.schedule import Kind
+from protos import server, tensor_pb2, wire, worker_pb2_grpc
+from worker.inbox import Inbox
+
+SEND_TIMEOUT_SECONDS = 300.0  # a peer that takes no data for this long has failed
+
+
+def inbox_key(kind: str, step: int, stage: int, microbatch: int) -> tuple[str, int, int, int]:
+    """Key under which a received transfer waits for its receive action."""
+    return (kind, step, stage, microbatch)
+
+
+def weight_key(version: int, name: str) -> tuple[str, int, str]:
+    """Key under which one pushed weight tensor waits for RECV_W."""
+    return ("RECV_W", version, name)
+
+
+class PeerStream:
+    """One long-lived client stream to a peer's RPC that carries every transfer of a job.
+
+    A new call per transfer costs about 1.8 ms on loopback; a transfer on an open stream
+    about 0.35 ms (bench numbers in docs/benchmarks.md). Transfers keep their order.
+
+    [Note: send buffers] gRPC's sending thread encodes each transfer's tensors when it
+    takes them, so the caller must not modify a sent tensor until `drain` returns; the
+    runtime guarantees it by flushing at the end of every step.
+    """
+
+    def __init__(self, call: grpc.StreamUnaryMultiCallable, peer: str) -> None:
+        self.peer = peer
+        self._queue: queue.SimpleQueue[Iterator[tensor_pb2.TensorChunk] | None] = (
+            queue.SimpleQueue())
+        self._cond = threading.Condition()
+        self._queued = self._taken = 0
+        self.future = call.future(self._messages())
+        self.future.add_done_callback(lambda _: self._notify())
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _messages(self) -> Iterator[tensor_pb2.TensorChunk]:
+        while (item := self._queue.get()) is not None:
+            yield from item
+            with self._cond:
+                self._taken += 1
+                self._cond.notify_all()
+
+    def put(self, messages: Iterator[tensor_pb2.TensorChunk]) -> None:
+        """Queues one transfer's messages."""
+        with self._cond:
+            self._queued += 1
+        self._queue.put(messages)
+
+    def drain(self, timeout: float) -> None:
+        """Waits until gRPC took every queued transfer.
+
+        Raises:
+            WorkerFailed: the stream ended (the peer failed or refused a transfer) or the
+                peer did not take the data within `timeout`.
+        """
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._taken == self._queued or self.future.done(),
+                                     timeout)
+        if self.future.done():
+            error = self.future.exception()
+            detail = (f"{error.code().name} {error.details()}" if isinstance(error, grpc.RpcError)
+                      else "stream closed")
+            raise WorkerFailed(f"{self.peer} failed to receive: {detail}")
+        if not ok:
+            raise WorkerFailed(f"{self.peer} took no data for {timeout:.0f} s")
+
+    def close(self) -> None:
+        """Ends the stream after the queued transfers."""
+        self._queue.put(None)
+
+
+class GrpcTransport:
+    """Sends over one PeerStream per (peer, RPC); receives through the worker's inbox."""
+
+    def __init__(self, job_id: str, peers: Sequence[str], store: OffloadStore | None,
+                 inbox: Inbox, attempt: int = 0) -> None:
+        self.job_id, self.peers, self.store, self.inbox = job_id, list(peers), store, inbox
+        self.attempt = attempt  # stamped on every transfer; peers on another attempt refuse it
+        self._stubs: dict[int, worker_pb2_grpc.StageWorkerStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self._streams: dict[tuple[int, str], PeerStream] = {}
+        self._sent = 0
+        self._lock = threading.Lock()
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetched: dict[tuple[int, int], Future[LayerTensors]] = {}
+
+    def _stub(self, rank: int) -> worker_pb2_grpc.StageWorkerStub:
+        if rank not in self._stubs:
+            ch = server.channel(self.peers[rank])
+            self._channels.append(ch)
+            self._stubs[rank] = worker_pb2_grpc.StageWorkerStub(ch)
+        return self._stubs[rank]
+
+    def _check_open(self) -> None:
+        """After Drain the step must stop at its next send, stash or fetch."""
+        if self.inbox.aborted is not None:
+            raise Aborted(self.inbox.aborted)
+
+    def _start(self, rank: int, method: str, transfer: tensor_pb2.Transfer,
+               tensors: Tensors) -> None:
+        self._check_open()
+        with self._lock:
+            stream = self._streams.get((rank, method))
+            if stream is None:
+                stream = PeerStream(getattr(self._stub(rank), method),
+                                    f"rank {rank} at {self.peers[rank]}")
+                self._streams[(rank, method)] = stream
+            self._sent += nbytes(tensors)
+        stream.put(wire.encode_stream(transfer, tensors))
+
+    def send(self, kind: Kind, rank: int, step: int, stage: int, microbatch: int, version: int,
+             tensors: Tensors) -> None:
+        """Streams tensors to peer `rank` (Activations for RECV_F/RECV_L, else Gradients)."""
+        transfer = tensor_pb2.Transfer(job_id=self.job_id, step=step, microbatch=microbatch,
+                                       stage=stage, version=version, kind=str(kind),
+                                       attempt=self.attempt)
+        method = "Gradients" if kind == Kind.RECV_B else "Activations"
+        self._start(rank, method, transfer, tensors)
+
+    def recv(self, kind: Kind, step: int, stage: int, microbatch: int) -> Tensors:
+        """Waits in the inbox for the matching transfer."""
+        return self.inbox.take(inbox_key(str(kind), step, stage, microbatch))
+
+    def stash(self, step: int, microbatch: int, version: int, tensors: LayerTensors) -> int:
+        """Puts saved tensors into the offload store (pipelined, with backpressure)."""
+        self._check_open()
+        return self._store().put(step, microbatch, version, tensors)
+
+    def fetch(self, step: int, microbatch: int, version: int,
+              names: Mapping[int, Sequence[str]]) -> LayerTensors:
+        """Takes saved tensors from the offload store (delete on consume), or the result of
+        the `prefetch` of the same micro-batch."""
+        self._check_open()
+        pending = self._prefetched.pop((step, microbatch), None)
+        if pending is not None:
+            return pending.result()
+        return self._store().take(step, microbatch, version, names)
+
+    def prefetch(self, step: int, microbatch: int, version: int,
+                 names: Mapping[int, Sequence[str]]) -> None:
+        """Starts taking saved tensors on a background thread (see `fetch`)."""
+        self._check_open()
+        if (step, microbatch) in self._prefetched:
+            return
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._prefetched[(step, microbatch)] = self._prefetcher.submit(
+            self._store().take, step, microbatch, version, names)
+
+    def push_weights(self, rank: int, version: int, tensors: Tensors) -> None:
+        """Streams a weight version of some layers to forward peer `rank`."""
+        transfer = tensor_pb2.Transfer(job_id=self.job_id, step=version, microbatch=-1,
+                                       stage=0, version=version, kind=str(Kind.RECV_W),
+                                       attempt=self.attempt)
+        self._start(rank, "Weights", transfer, tensors)
+
+    def wait_weights(self, version: int, names: Sequence[str]) -> Tensors:
+        """Waits until every named tensor of weight version `version` arrived."""
+        return {name: self.inbox.take(weight_key(version, name))[name] for name in names}
+
+    def flush(self) -> int:
+        """Waits until every transfer of this step left; a failed peer raises WorkerFailed."""
+        with self._lock:
+            streams = list(self._streams.values())
+            sent, self._sent = self._sent, 0
+        for stream in streams:
+            stream.drain(SEND_TIMEOUT_SECONDS)
+        return sent
+
+    def _store(self) -> OffloadStore:
+        if self.store is None:
+            raise WorkerFailed("this rank has no offload store address")
+        return self.store
+
+    def close(self) -> None:
+        """Ends every peer stream and closes the channels."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
+        for ch in self._channels:
+            ch.close()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        if self.store is not None:
+            self.store.close()
+
+
+def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Data bytes of a set of tensors."""
+    return sum(t.nelement() * t.element_size() for t in tensors.values())
