@@ -35,6 +35,7 @@ COPY protos protos
 COPY coordinator coordinator
 COPY worker worker
 COPY offload_store offload_store
+COPY dataplane dataplane
 COPY calibration calibration
 COPY --from=protos /src/protos/*_pb2.py /src/protos/*_pb2_grpc.py protos/
 RUN pip install . && cd / && python -c "import coordinator.service, worker.service, pipefb.app.cli"

@@ -33,8 +33,8 @@ import torch
 from bench import machine
 from bench.output import args_json, write_results
 from bench.stats import fmt, ratio, summary
+from dataplane.transport import PeerStream
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
-from worker.grpc_transport import PeerStream
 
 TARGET = 0.5  # gRPC stream MB/s / raw TCP MB/s
 _LEN = struct.Struct("<q")  # TCP frame: payload byte count, then the bytes; ack: bytes received

@@ -5,7 +5,7 @@ Every figure comes from the parts a local run uses:
 
 - **network**: this process and a peer process (`--echo-to`) each serve a StageWorker
   `Activations` stream that decodes with `protos.wire.decode_transfers` into a
-  `worker.inbox.Inbox`, and send with `worker.grpc_transport.GrpcTransport.send` (one
+  `dataplane.inbox.Inbox`, and send with `dataplane.transport.GrpcTransport.send` (one
   `PeerStream`, `wire.encode_stream`). A tensor goes to the peer, whose receive loop takes
   it from its inbox, stamps when it did and sends it back: a delivery is send call to the
   peer's `recv` return, one way. Small tensors give the latency, large ones the bandwidth.
@@ -100,6 +100,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.stepping import StepPump
+from dataplane.inbox import Inbox
+from dataplane.transport import SWITCH_INTERVAL_SECONDS, GrpcTransport, inbox_key, nbytes
 from offload_store import OffloadStore, connect
 from pipefb.errors import Aborted, ConfigError
 from pipefb.memory import KINDS
@@ -107,9 +109,6 @@ from pipefb.processes import Process, project_env
 from pipefb.schedule import Kind
 from pipefb.sim.cluster import MAX_TRANSFER_CPU, MIN_OVERSUBSCRIBED, Cluster, Link, WorkerSpec
 from protos import server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
-from worker.__main__ import SWITCH_INTERVAL_SECONDS
-from worker.grpc_transport import GrpcTransport, inbox_key, nbytes
-from worker.inbox import Inbox
 
 JOB = "calibrate"  # job id of every probe transfer and stash key
 HOST = "local"  # the one host of the local cluster

@@ -12,6 +12,7 @@ import time
 import grpc
 import torch
 
+from dataplane.transport import SWITCH_INTERVAL_SECONDS
 from pipefb.allocator import keep_freed_memory
 from pipefb.runtime.checkpoint import add_root_flag
 from protos import coordinator_pb2, coordinator_pb2_grpc, monitoring, server, worker_pb2_grpc
@@ -19,7 +20,6 @@ from worker.metrics import WorkerMetrics
 from worker.service import StageWorkerServicer
 
 log = logging.getLogger("worker")
-SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,6 +12,8 @@ from pathlib import Path
 import grpc
 import torch
 
+from dataplane.inbox import Inbox
+from dataplane.transport import GrpcTransport, inbox_key, nbytes, weight_key
 from offload_store import OffloadStore, connect
 from pipefb import codec
 from pipefb.allocator import release_freed_memory
@@ -27,8 +29,6 @@ from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, job_from_proto, plan_from_proto, profile_to_proto
 from protos.server import FailedPrecondition
-from worker.grpc_transport import GrpcTransport, inbox_key, nbytes, weight_key
-from worker.inbox import Inbox
 from worker.metrics import WorkerMetrics
 from worker.takeover import Source, local_part, pull
 

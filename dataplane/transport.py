@@ -10,12 +10,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import torch
 
+from dataplane.inbox import Inbox
 from offload_store import OffloadStore
 from pipefb.errors import Aborted, WorkerFailed
 from pipefb.runtime.transport import LayerTensors, Tensors
 from pipefb.schedule import Kind
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
-from worker.inbox import Inbox
 
 SEND_TIMEOUT_SECONDS = 300.0  # a peer that takes no data for this long has failed
 
@@ -28,6 +28,11 @@ def inbox_key(kind: str, step: int, stage: int, microbatch: int) -> tuple[str, i
 def weight_key(version: int, name: str) -> tuple[str, int, str]:
     """Key under which one pushed weight tensor waits for RECV_W."""
     return ("RECV_W", version, name)
+
+
+# The interpreter's thread switch interval in a process that streams tensors: short, so
+# that gRPC's I/O threads get the GIL soon after a compute op releases it.
+SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 class PeerStream:
