@@ -14,7 +14,8 @@ from pipefb.planner.groups import group_counts, grouped, search_groups, shortlis
 from pipefb.schedule import Kind
 from pipefb.sim.cluster import Cluster, Link
 from pipefb.sim.costs import LayerProfile, Profile
-from pipefb.sim.simulate import Simulation, simulate
+from pipefb.sim.result import Simulation
+from pipefb.sim.simulate import simulate
 
 
 def _profile(seed: int, n: int) -> Profile:

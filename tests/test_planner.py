@@ -31,7 +31,8 @@ from pipefb.planner.search import (
 from pipefb.schedule import Action, Kind
 from pipefb.sim.cluster import Cluster, Link
 from pipefb.sim.costs import LayerProfile, Profile, uniform_profile
-from pipefb.sim.simulate import Span, simulate
+from pipefb.sim.result import Span
+from pipefb.sim.simulate import simulate
 
 FAST = Cluster.uniform(4, network=Link(1e12, 0.0), store=Link(1e12, 0.0))
 

@@ -33,7 +33,8 @@ from pipefb.planner.search import PlanSearch, best_estimate, search
 from pipefb.schedule import KINDS
 from pipefb.sim.cluster import Cluster, group_view, ring_link
 from pipefb.sim.costs import Profile, ring_allreduce_seconds
-from pipefb.sim.simulate import Simulation, simulate
+from pipefb.sim.result import Simulation
+from pipefb.sim.simulate import simulate
 
 TOP_BY_MODEL = 3  # values of G the planner searches and simulates in full, at least
 MODEL_SLACK = 0.10  # and every G whose model time is within this fraction of the best's

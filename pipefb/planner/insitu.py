@@ -29,7 +29,8 @@ from dataclasses import dataclass, replace
 from pipefb.plan.plan import Plan
 from pipefb.sim.cluster import Cluster, Link
 from pipefb.sim.costs import Profile
-from pipefb.sim.simulate import Simulation, simulate
+from pipefb.sim.result import Simulation
+from pipefb.sim.simulate import simulate
 
 #: kinds of work a factor scales; STASH also covers FETCH (both move bytes via the store)
 FITTED = ("F", "B", "OPT", "STASH")

@@ -66,7 +66,8 @@ from pipefb.plan.plan import Plan, WorkerAssignment, recompute_runs
 from pipefb.schedule import KINDS, Topology
 from pipefb.sim.cluster import Cluster, Link, slowest_hop
 from pipefb.sim.costs import Profile, kept_bytes
-from pipefb.sim.simulate import Simulation, simulate
+from pipefb.sim.result import Simulation
+from pipefb.sim.simulate import simulate
 
 MEMORY_MARGIN = 0.9  # plans use at most this share of a cap: the model is not exact
 FINALISTS = 3  # the fastest simulated candidates whose stage boundaries are refined

@@ -91,7 +91,7 @@ class Link:
     bandwidth: float  # bytes per second, > 0
     latency: float = 0.0  # seconds
     #: cores a transfer keeps busy for its `seconds` on a loopback host, both ends together
-    #: (sender and receiver, or worker and Redis; see [Note: shared hosts] in simulate.py)
+    #: (sender and receiver, or worker and Redis; [Note: shared hosts] in pipefb.sim.hosts)
     cpu: float = 1.0
 
     def __post_init__(self) -> None:
@@ -157,7 +157,7 @@ class Cluster:
     step_cpu: float = 0.0
     #: on a loopback host, how much later a transfer starts when its sender computes right
     #: after the send, at most until that compute ends ([Note: busy senders] in
-    #: pipefb.sim.simulate)
+    #: pipefb.sim.engine)
     busy_send: float = 0.0
 
     def __post_init__(self) -> None:

@@ -82,7 +82,7 @@ class Profile:
             mostly per call).
         weight_copy_seconds_per_byte: copying parameters into fresh memory, per byte: an
             OPT that keeps the weights it replaces pays it for the stage's parameters
-            ([Note: weight versions] in pipefb.sim.simulate).
+            ([Note: weight versions] in pipefb.sim.program).
     """
 
     microbatch_size: int

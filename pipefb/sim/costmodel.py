@@ -1,0 +1,139 @@
+"""The cost model: each action's duration and bytes on its rank, from profile and cluster."""
+
+from __future__ import annotations
+
+from pipefb.errors import ScheduleError
+from pipefb.plan.plan import Plan, recompute_runs
+from pipefb.schedule import Action, Kind
+from pipefb.sim.cluster import Cluster, group_view, ring_link
+from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
+
+# [Note: cost model]
+# - F, B, OPT run on the worker's host ([Note: shared hosts] in pipefb.sim.hosts); their
+#   time is the profiled layer time over the worker's speed: F sums the stage's forwards
+#   (plus loading the micro-batch on the first stage and the loss's,
+#   `Profile.data_seconds`), B its backwards plus the forwards of its recomputed layers,
+#   OPT is the optimizer's fixed seconds plus its seconds per byte times the bytes it
+#   updates (none without parameters), plus the copy of those bytes where it keeps a
+#   weight version ([Note: weight versions] in pipefb.sim.program).
+# - SEND_F, SEND_B, SEND_L and PUSH_W cost the sender only the action overhead; the bytes
+#   then cross the link between the two workers, one transfer at a time per direction
+#   (FIFO), arriving `latency + bytes / bandwidth` after they start.
+# - STASH puts the stashed bytes into the store (the worker waits: latency + bytes over
+#   the store bandwidth); FETCH waits for every matching STASH, then takes the bytes back.
+#   On a combined worker, the fetch of the next micro-batch overlaps the backward before
+#   it (the runtime prefetches).
+# - RECV_* and RECV_W wait for the arrival; every action adds the cluster's action
+#   overhead, every iteration its step overhead (and, on a loopback host, its Step call's
+#   CPU beside it: [Note: step calls] in pipefb.sim.engine). On a loopback host a send
+#   followed by compute starts later ([Note: busy senders] in pipefb.sim.engine).
+
+COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
+SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L})
+STORE_KINDS = frozenset({Kind.STASH, Kind.FETCH})
+LOSS_BYTES = 4  # a float32 scalar
+
+
+class Costs:
+    """Durations and byte counts of each action of a plan (see [Note: cost model])."""
+
+    def __init__(self, plan: Plan, profile: Profile, cluster: Cluster) -> None:
+        if profile.n_layers != plan.forward_partition[-1]:
+            raise ScheduleError(f"profile has {profile.n_layers} layers, plan "
+                                f"{plan.forward_partition[-1]}")
+        if len(plan.assignment) > cluster.size:
+            raise ScheduleError(f"plan needs {len(plan.assignment)} workers, cluster has "
+                                f"{cluster.size}")
+        self.plan, self.cluster = plan, group_view(cluster, plan.groups)
+        self.links = cluster  # all groups' workers: the all-reduce crosses them
+        self.profile = profile.at(plan.microbatch_size)
+        self.topology = plan.topology()
+        self.runs = recompute_runs(plan)
+        self.split = self.topology.is_split
+        self._compute: dict[tuple[int, Kind, int], float] = {}
+        self._stash: dict[tuple[Kind, int], int] = {}
+
+    def boundary_bytes(self, layer: int) -> int:
+        """Bytes of the tensor entering `layer` from the layer before (0 for the data)."""
+        return self.profile.layers[layer - 1].output_bytes if layer > 0 else 0
+
+    def kept_bytes(self, layer: int) -> int:
+        """What layer `layer` saves per micro-batch for its backward under its policy."""
+        return kept_bytes(self.profile.layers[layer], self.plan.policy[layer],
+                          self.runs.get(layer) == layer)
+
+    def stashed_layers(self, layers: range) -> list[int]:
+        """Layers of a stage whose saved tensors go through the store."""
+        return [i for i in layers
+                if self.split or self.plan.policy[i] == "offload"]
+
+    def compute(self, rank: int, a: Action) -> float:
+        """Seconds of an F, B or OPT on `rank`, overhead excluded; with several groups an
+        OPT first sums the stage's gradients across them (a ring all-reduce)."""
+        key = (rank, a.kind, a.stage)
+        if key not in self._compute:
+            seconds = self._compute_seconds(rank, a) / self.cluster.workers[rank].speed
+            if a.kind is Kind.OPT and self.plan.groups > 1:
+                seconds += self.allreduce_seconds(rank, a.stage)
+            self._compute[key] = seconds
+        return self._compute[key]
+
+    def allreduce_seconds(self, rank: int, stage: int) -> float:
+        """The ring all-reduce of backward stage `stage`'s gradients over the groups, at
+        the pace of the ring's slowest hop (`cluster.ring_link`)."""
+        owned = self.profile.param_bytes(self.topology.layers_of_backward(stage))
+        link = ring_link(self.links, rank, self.plan.groups)
+        return ring_allreduce_seconds(owned, self.plan.groups, link)
+
+    def _compute_seconds(self, rank: int, a: Action) -> float:
+        t = self.topology
+        if a.kind is Kind.F:
+            layers = t.layers_of_forward(a.stage)
+            return self.profile.forward_seconds(layers) + self.profile.load_seconds(layers)
+        if a.kind is Kind.B:
+            layers = t.layers_of_backward(a.stage)
+            recomputed = [i for i in layers if self.plan.policy[i] == "recompute"]
+            return (self.profile.backward_seconds(layers)
+                    + self.profile.forward_seconds(recomputed))
+        owned = self.profile.param_bytes(t.layers_of_backward(a.stage))
+        return self.profile.optimizer_seconds(owned)
+
+    def weight_copy(self, rank: int, stage: int) -> float:
+        """Seconds on `rank` to keep a copy of backward stage `stage`'s parameters."""
+        owned = self.profile.param_bytes(self.topology.layers_of_backward(stage))
+        return self.profile.weight_copy_seconds(owned) / self.cluster.workers[rank].speed
+
+    def stash_bytes(self, a: Action) -> int:
+        """Bytes a STASH puts into (a FETCH takes from) the store per micro-batch."""
+        key = (a.kind, a.stage)
+        if key not in self._stash:
+            self._stash[key] = self._stash_bytes(a)
+        return self._stash[key]
+
+    def _stash_bytes(self, a: Action) -> int:
+        layers = (self.topology.layers_of_forward(a.stage) if a.kind is Kind.STASH
+                  else self.topology.layers_of_backward(a.stage))
+        return sum(self.kept_bytes(i) for i in self.stashed_layers(layers))
+
+    def send_bytes(self, a: Action) -> int:
+        """Bytes a SEND_F, SEND_B or SEND_L moves per micro-batch."""
+        t = self.topology
+        if a.kind is Kind.SEND_F:
+            return self.boundary_bytes(t.forward_partition[a.stage + 1])
+        if a.kind is Kind.SEND_B:
+            return self.boundary_bytes(t.backward_partition[a.stage])
+        return LOSS_BYTES
+
+    def push_bytes(self, bwd_stage: int, fwd_stage: int) -> int:
+        """Parameter bytes a PUSH_W of `bwd_stage` sends to forward stage `fwd_stage`."""
+        t = self.topology
+        layers = set(t.layers_of_backward(bwd_stage)) & set(t.layers_of_forward(fwd_stage))
+        return self.profile.param_bytes(sorted(layers))
+
+
+def stage_of(workers: tuple[int, ...], rank: int) -> int | None:
+    """The stage `rank` runs among a role's `workers` (None: it has none there)."""
+    return workers.index(rank) if rank in workers else None
+
+
+__all__ = ["COMPUTE", "LOSS_BYTES", "SENDS", "STORE_KINDS", "Costs", "stage_of"]
