@@ -7,11 +7,10 @@ import contextlib
 import logging
 import threading
 
-import redis
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from coordinator.registry import Registry
-from offload_store import connect
+from offload_store import StoreAdmin, StoreUnavailable, open_admin
 from pipefb.schedule import Action, Kind
 from protos import coordinator_pb2
 
@@ -20,7 +19,7 @@ log = logging.getLogger(__name__)
 # Seconds of one training step, from a few milliseconds (tiny models) to minutes.
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                 300.0)
-STORE_TIMEOUT_SECONDS = 2.0  # INFO is tiny; a slow store must not hold up a step report
+STORE_TIMEOUT_SECONDS = 2.0  # the memory query is tiny; a slow store must not hold up a step report
 
 
 class CoordinatorMetrics:
@@ -62,7 +61,7 @@ class CoordinatorMetrics:
         self.store_memory = gauge("pipefb_store_used_memory_bytes",
                                   "The offload store's INFO used_memory, read at each step", ())
         self._store_address = store_address
-        self._store: redis.Redis | None = None
+        self._store: StoreAdmin | None = None
         self._lock = threading.Lock()
         self._per_job = (self.step, self.loss, self.samples_per_second, self.step_seconds,
                          self.predicted, self.bubble, self.version_lag, self.migrations,
@@ -104,15 +103,15 @@ class CoordinatorMetrics:
         self.read_store()
 
     def read_store(self) -> None:
-        """Sets pipefb_store_used_memory_bytes from the store's INFO; logs a failure."""
+        """Sets pipefb_store_used_memory_bytes from the store's used memory; logs a failure."""
         try:
             with self._lock:
                 if self._store is None:
-                    self._store = connect(self._store_address,
-                                          socket_timeout=STORE_TIMEOUT_SECONDS)
-                info = self._store.info("memory")
-            self.store_memory.set(int(info["used_memory"]))
-        except (redis.RedisError, OSError, ValueError, KeyError) as error:
+                    self._store = open_admin(self._store_address,
+                                             timeout_seconds=STORE_TIMEOUT_SECONDS)
+                used = self._store.used_memory()
+            self.store_memory.set(used)
+        except (StoreUnavailable, OSError, ValueError) as error:
             log.warning("cannot read the store's used_memory: %s", error)
 
     def forget(self, job: str) -> None:

@@ -1,4 +1,4 @@
-"""The runtime's Transport over gRPC streams to peer workers and the Redis offload store."""
+"""The runtime's Transport over gRPC streams to peer workers and the offload store."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from dataplane.inbox import Inbox
-from offload_store import OffloadStore
+from offload_store import StashStore
 from pipefb.errors import Aborted, WorkerFailed
 from pipefb.runtime.transport import LayerTensors, Tensors
 from pipefb.schedule import Kind
@@ -38,8 +38,8 @@ SWITCH_INTERVAL_SECONDS = 0.0005
 class PeerStream:
     """One long-lived client stream to a peer's RPC that carries every transfer of a job.
 
-    A new call per transfer costs about 1.8 ms on loopback; a transfer on an open stream
-    about 0.35 ms (bench numbers in docs/benchmarks.md). Transfers keep their order.
+    A call per transfer would pay gRPC's call set-up every time; the open stream pays it
+    once per job (bench numbers in docs/benchmarks.md). Transfers keep their order.
 
     [Note: send buffers] gRPC's sending thread encodes each transfer's tensors when it
     takes them, so the caller must not modify a sent tensor until `drain` returns; the
@@ -98,7 +98,7 @@ class PeerStream:
 class GrpcTransport:
     """Sends over one PeerStream per (peer, RPC); receives through the worker's inbox."""
 
-    def __init__(self, job_id: str, peers: Sequence[str], store: OffloadStore | None,
+    def __init__(self, job_id: str, peers: Sequence[str], store: StashStore | None,
                  inbox: Inbox, attempt: int = 0) -> None:
         self.job_id, self.peers, self.store, self.inbox = job_id, list(peers), store, inbox
         self.attempt = attempt  # stamped on every transfer; peers on another attempt refuse it
@@ -164,10 +164,13 @@ class GrpcTransport:
 
     def prefetch(self, step: int, microbatch: int, version: int,
                  names: Mapping[int, Sequence[str]]) -> None:
-        """Starts taking saved tensors on a background thread (see `fetch`)."""
+        """Tells the store, then starts taking saved tensors on a background thread (see
+        `fetch`)."""
         self._check_open()
         if (step, microbatch) in self._prefetched:
             return
+        if self.store is not None:  # without one, the fetch raises WorkerFailed
+            self.store.prefetch(step, microbatch, version, names)
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self._prefetched[(step, microbatch)] = self._prefetcher.submit(
@@ -193,7 +196,7 @@ class GrpcTransport:
             stream.drain(SEND_TIMEOUT_SECONDS)
         return sent
 
-    def _store(self) -> OffloadStore:
+    def _store(self) -> StashStore:
         if self.store is None:
             raise WorkerFailed("this rank has no offload store address")
         return self.store

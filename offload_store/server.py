@@ -234,8 +234,8 @@ class _PortTaken(_Retryable):
 
 
 class _Crashed(_Retryable):
-    """The server died of a signal while starting (seen once in CI: SIGABRT before it
-    opened its log; its stderr is kept beside the log to say why)."""
+    """The server died of a signal while starting, possibly before it opened its log (its
+    stderr is kept beside the log to say why)."""
 
 
 def _cleanup(proc: subprocess.Popen[bytes], workdir: tempfile.TemporaryDirectory[str]) -> None:

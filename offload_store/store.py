@@ -1,4 +1,6 @@
-"""The stash over Redis: pipelined put / take, backpressure on a full store, byte accounting."""
+"""The Redis backend of the stash: pipelined put / take, backpressure on a full store, byte
+accounting; `OffloadStore` is its `StashStore` (see [Note: store interface] in
+`offload_store.api`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -19,16 +20,17 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.retry import Retry
 
 from offload_store.acl import USER_ENV
+from offload_store.api import LayerTensors, StashFullError, StoreStats
 from offload_store.frames import Frame, FramePacker
 from offload_store.keys import check_index, check_name, job_pattern, stash_key
 from pipefb.codec import unpack
-from pipefb.errors import StoreFullError
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
 MAX_DELAY_S = 1.0  # backoff doubles up to this
 SCAN_COUNT = 1000  # keys per SCAN round trip
 UNLINK_BATCH = 512  # keys per UNLINK command in clear_job
 PASSWORD_ENV = "PIPEFB_STORE_PASSWORD"  # the store's AUTH password (Redis requirepass); unset: none
+STORE_OPTIONS = ("ttl_seconds", "max_wait_seconds")  # open_redis_store's OffloadStore options
 
 # Client defaults of `connect`; a stash value can be hundreds of MB, hence the long read timeout.
 CLIENT_DEFAULTS: dict[str, Any] = {
@@ -37,41 +39,6 @@ CLIENT_DEFAULTS: dict[str, Any] = {
     "socket_keepalive": True,  # notice dead peers on idle pooled connections
     "health_check_interval": 15,  # PING a connection idle this many seconds before reuse
 }
-
-
-class StashFullError(StoreFullError):
-    """A put the store refused for longer than `max_wait_seconds`; carries the numbers."""
-
-    def __init__(
-        self, job: str, step: int, microbatch: int, nbytes: int, used: int, maxmemory: int
-    ) -> None:
-        super().__init__(
-            f"offload store full: job {job!r} step {step} microbatch {microbatch} could not "
-            f"write {nbytes} bytes (server used_memory {used} of maxmemory {maxmemory})"
-        )
-        self.job, self.step, self.microbatch = job, step, microbatch
-        self.nbytes, self.used_memory, self.maxmemory = nbytes, used, maxmemory
-
-
-@dataclass
-class StoreStats:
-    """Byte and key counts of one `OffloadStore`'s own puts and takes (exact value bytes)."""
-
-    bytes_put: int = 0
-    bytes_taken: int = 0
-    keys_put: int = 0
-    keys_taken: int = 0
-    retries: int = 0  # backoff sleeps after the store refused a write
-
-    @property
-    def live_bytes(self) -> int:
-        """Bytes put and not yet taken through this store object."""
-        return self.bytes_put - self.bytes_taken
-
-    @property
-    def live_keys(self) -> int:
-        """Keys put and not yet taken through this store object."""
-        return self.keys_put - self.keys_taken
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -133,7 +100,8 @@ def _batches(items: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
 
 
 class OffloadStore:
-    """One job attempt's stash: layer -> name -> tensor, keyed by step, micro-batch, version.
+    """One job attempt's stash in Redis: layer -> name -> tensor, keyed by step,
+    micro-batch, version; a `StashStore`.
 
     [Note: delete on consume] `take` reads and deletes in one GETDEL per key; the TTL only
     reclaims what a crashed job never takes. Redis must run with ``noeviction``: a full
@@ -230,7 +198,7 @@ class OffloadStore:
 
     def take(
         self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
-    ) -> dict[int, dict[str, torch.Tensor]]:
+    ) -> LayerTensors:
         """Fetches and deletes stashed tensors in one pipeline of GETDEL.
 
         Every requested key is deleted even when another one is missing or corrupt.
@@ -255,7 +223,7 @@ class OffloadStore:
         values = self._getdel(keys)
         found = [value for value in values if isinstance(value, bytes)]
         self._count(bytes_taken=sum(map(len, found)), keys_taken=len(found))
-        out: dict[int, dict[str, torch.Tensor]] = {}
+        out: LayerTensors = {}
         for (layer, name), key, value in zip(wanted, keys, values, strict=True):
             if isinstance(value, Exception):
                 raise value
@@ -264,14 +232,33 @@ class OffloadStore:
             out.setdefault(layer, {})[name] = unpack(value)
         return out
 
+    def prefetch(
+        self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
+    ) -> None:
+        """Does nothing: a `take` is already one pipelined round trip to Redis."""
+
+    def release(
+        self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
+    ) -> int:
+        """Unlinks the keys of these tensors that are still stored (a taken key is gone).
+
+        Returns:
+            The number of keys deleted.
+
+        Raises:
+            ValueError: a bad index or name.
+        """
+        keys = [self.key(step, microbatch, layer, version, name)
+                for layer, layer_names in names.items() for name in layer_names]
+        return int(self._client.unlink(*keys)) if keys else 0
+
     def clear_job(self) -> int:
         """Deletes every key of this job, any attempt (SCAN + UNLINK).
 
         Returns:
             The number of keys deleted.
         """
-        keys = self._client.scan_iter(match=job_pattern(self.job), count=SCAN_COUNT)
-        return sum(int(self._client.unlink(*batch)) for batch in _batches(keys, UNLINK_BATCH))
+        return clear_job_keys(self._client, self.job)
 
     def close(self) -> None:
         """Closes the Redis client's connections."""
@@ -279,8 +266,7 @@ class OffloadStore:
 
     def count_keys(self) -> int:
         """The number of keys of this job in the store, any attempt."""
-        keys = self._client.scan_iter(match=job_pattern(self.job), count=SCAN_COUNT)
-        return sum(1 for _ in keys)
+        return count_job_keys(self._client, self.job)
 
     def _write_with_backoff(self, items: dict[str, Frame]) -> bool:
         """Writes all items, re-sending those refused for OOM with exponential backoff.
@@ -343,6 +329,44 @@ class OffloadStore:
         with self._lock:
             for field, delta in deltas.items():
                 setattr(self._stats, field, getattr(self._stats, field) + delta)
+
+
+def open_redis_store(address: str, job: str, attempt: int = 0, /, **options: Any
+                     ) -> OffloadStore:
+    """The Redis backend's `StoreFactory`: a pooled client (`connect`) bound to one job
+    attempt.
+
+    Args:
+        address: ``host:port`` of the Redis server.
+        job: job id, ``[A-Za-z0-9_.-]+``.
+        attempt: restart count of the job.
+        **options: ``ttl_seconds`` and ``max_wait_seconds`` go to `OffloadStore`, the
+            rest to `connect` (``username=None, password=None`` ignores the environment).
+
+    Raises:
+        ValueError: a bad address, job id, attempt or option value.
+    """
+    store_options = {k: options.pop(k) for k in STORE_OPTIONS if k in options}
+    return OffloadStore(connect(address, **options), job, attempt, **store_options)
+
+
+def clear_job_keys(client: redis.Redis, job: str) -> int:
+    """Deletes every key of `job`, any attempt (SCAN + UNLINK); returns how many.
+
+    Raises:
+        ValueError: a bad job id.
+    """
+    keys = client.scan_iter(match=job_pattern(job), count=SCAN_COUNT)
+    return sum(int(client.unlink(*batch)) for batch in _batches(keys, UNLINK_BATCH))
+
+
+def count_job_keys(client: redis.Redis, job: str) -> int:
+    """The number of keys of `job` in the store, any attempt.
+
+    Raises:
+        ValueError: a bad job id.
+    """
+    return sum(1 for _ in client.scan_iter(match=job_pattern(job), count=SCAN_COUNT))
 
 
 def _execute_once(pipe: Pipeline) -> list[Any]:

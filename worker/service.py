@@ -14,7 +14,7 @@ import torch
 
 from dataplane.inbox import Inbox
 from dataplane.transport import GrpcTransport, inbox_key, nbytes, weight_key
-from offload_store import OffloadStore, connect
+from offload_store import open_store
 from pipefb import codec
 from pipefb.allocator import release_freed_memory
 from pipefb.errors import Aborted, CodecError, ConfigError, WorkerFailed
@@ -174,7 +174,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         source = (self._keep_source(job.job_id, request.source.attempt, request.resume_step)
                   if request.HasField("source") else None)
         inbox = Inbox()
-        store = (OffloadStore(connect(request.store_address), job.job_id, request.attempt)
+        store = (open_store(request.store_address, job.job_id, request.attempt)
                  if request.store_address else None)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
