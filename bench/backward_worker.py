@@ -10,7 +10,7 @@ from its step reports. After each job the baseline builds the same layers in thi
 process and times only `backward()` (the forward is run untimed first) on the same
 micro-batches; rounds alternate so the machine's drift cancels in each round's ratio.
 With one micro-batch per step the forward worker is idle while the backward runs, so the
-two do not compete for the 2 cores. Every process uses one torch thread.
+two do not compete for the cores. Every process uses one torch thread.
 
 Run: python bench/backward_worker.py [--rounds 7] [--quick] [--out DIR]
 """
@@ -52,7 +52,7 @@ def worker_rounds(job: JobConfig, warmup: int, rounds: int
     from pipefb.allocator import keep_freed_memory
 
     torch.set_num_threads(1)
-    keep_freed_memory()  # the eager baseline runs here: the workers' allocator settings
+    keep_freed_memory()  # this process runs the eager baseline: allocator set as a worker's
     pairs = []
     with tempfile.TemporaryDirectory() as logs, \
             LocalCluster(job.workers, Path(logs), threads=1) as cluster, \

@@ -1,5 +1,5 @@
 """Group hybrid parallelism: data-parallel pipeline groups against one deeper pipeline,
-measured here and simulated on described GPU clusters.
+measured on a local cluster and simulated on described GPU clusters.
 
 Part 1 (measured): on 2 local workers, `1x2` (one pipeline of 2 stages) against `2x1`
 (2 groups of 1 stage each: plain data parallelism, gradients summed by the gloo

@@ -8,7 +8,7 @@
   50257): 27 layers with the embedding, head and loss. Its blocks are identical, so one
   block is profiled and its row repeated (the same figures at 1/24 of the work).
 - Device: `analytic_profile` at 60 TFLOP/s and 1.3 TB/s (`Device`). Tensors are fp32, as
-  the model runs here, so the rate is TF32's (156 TFLOP/s peak on an A100) at ~40%
+  pipefb's models run, so the rate is TF32's (156 TFLOP/s peak on an A100) at ~40%
   utilisation. fp16 at ~100 TFLOP/s would halve every byte too: compute and transfers
   scale about alike, so the ratios below would barely move.
 - The profile is taken at 1 sample per micro-batch (one 1024-token sequence: a forward

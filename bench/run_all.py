@@ -32,7 +32,7 @@ NEEDS_CUDA = frozenset({"matrix_cuda", "schedules_cuda"})
 GPU_DOC = "benchmarks-gpu.md"  # beside the CPU page
 #: result folder -> (bench script, extra arguments). The matrix runs 4 samples per
 #: micro-batch (latency-bound); the second throughput run 16, where compute dominates.
-#: Sizes keep the whole run under 30 minutes on 2 cores.
+#: Sizes are chosen so that the whole run fits a small CPU machine in one sitting.
 BENCHES: dict[str, tuple[str, list[str]]] = {
     "matrix": ("matrix", []),
     "pipeline_throughput_b64": ("pipeline_throughput", ["--batch", "64", "--models", "gpt",
@@ -300,8 +300,8 @@ def provenance(run: dict[str, Any]) -> str:
 def measure_cluster(run: dict[str, Any]) -> None:
     """Measures this machine's local cluster again (`calibration.calibrate`, cached for
     the benches after it) and keeps what it found in the run's record: the planner's
-    predictions on this page all start from it, and it drifts (the loopback latency came
-    out 0.24-0.40 ms on one day here)."""
+    predictions on this page all start from it, and it drifts from one calibration to the
+    next."""
     from calibration.calibrate import local_cluster
 
     run["cluster"] = local_cluster(1, refresh=True).to_dict()

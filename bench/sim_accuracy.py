@@ -12,12 +12,10 @@ the timed steps come after those. Run: `python bench/sim_accuracy.py [--quick] [
 Target: |error| <= 15% for every run.
 
 [Note: repeated runs]
-The same job measures 10-25% apart on this shared machine from one minute to the next
-(`gpt` 1F1B on 4 workers: 162 and 132 ms per step in two runs ten minutes apart, both
-predicted 124-126 ms), and a slow spell only ever slows; the calibration drifts too (the
-store's bandwidth came out 1.0-2.9 GB/s in calibrations of one morning, the gRPC latency
-0.5-1.1 ms), and every prediction of a round starts from one calibration. One run per
-job on one calibration made a bench run's errors as much the machine's minute as the
+On a shared machine the same job's step time varies from one minute to the next, and a
+slow spell only ever slows; the calibration (the store's bandwidth, the gRPC latency)
+varies too, and every prediction of a round starts from one calibration. With one run per
+job on one calibration, a run's error would be as much the machine's minute as the
 simulator's. So every job runs `--repeats` times (5 by default), in rounds: each round
 starts a fresh local cluster, measures this machine again for it (`--cached-cluster`:
 the cached calibration instead; the user's cache is left alone), profiles afresh and runs
@@ -53,9 +51,9 @@ from pipefb.planner.insitu import STEPS as IN_SITU
 from pipefb.planner.insitu import median_action_seconds
 
 TARGET = 0.15  # |simulated / measured - 1|
-#: timed steps per run by model: about 1.5-2 s of steps each, so a short step's run is not
-#: a tenth of a second that one scheduler hiccup moves by 20% (gpt steps take about 100 ms
-#: here, mlp's 5-15 ms: 16 mlp steps had single gaps of 0.1-32 ms)
+#: timed steps per run by model: mlp's steps are much shorter than gpt's, so it runs more
+#: of them, giving each run a comparable span of steps that one scheduler hiccup cannot
+#: move by much
 STEPS = {"gpt": 16, "mlp": 160}
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipefb")
 # the throughput bench's models; the quick mlp (all that quick mode runs) is a little wider

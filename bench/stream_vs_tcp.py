@@ -8,7 +8,7 @@ each piece of the gRPC path in one process (encode, serialise, parse, decode) to
 time goes. Then a weight push: every parameter of the bench's `mlp` and `gpt` (what a
 1F+1B PipeFB backward worker pushes each step) on the same stream, packed as
 `wire.encode_stream` sends it ([Note: packed messages]) against one tensor per message
-(the earlier layout, still a valid stream). Run: `python bench/stream_vs_tcp.py [--quick]
+(unpacked, which the decoder also accepts). Run: `python bench/stream_vs_tcp.py [--quick]
 [--out DIR]`. Target gRPC/TCP >= 0.5.
 """
 
@@ -138,7 +138,7 @@ def grpc_stream_sender(port: int, done: Any) -> tuple[Callable[[torch.Tensor], N
 
 def unpacked_stream(transfer: tensor_pb2.Transfer, tensors: dict[str, torch.Tensor]
                     ) -> Iterator[tensor_pb2.TensorChunk]:
-    """The earlier layout: every tensor starts a message of its own (a valid stream)."""
+    """The unpacked layout: every tensor starts a message of its own (a valid stream)."""
     transfer.tensor_count = len(tensors)
     for k, (name, tensor) in enumerate(tensors.items()):
         one = list(wire.encode_stream(tensor_pb2.Transfer(), {name: tensor}))

@@ -204,7 +204,7 @@ class LocalDeployment:
         docs: the built overlay (`deploy.manifests.build`).
         workdir: logs and the pods' volumes go here.
         secret_values: (secret name, key) -> value, for every secretKeyRef.
-        env_overrides: container env entries to replace, e.g. fewer torch threads here.
+        env_overrides: container env entries to replace, e.g. fewer torch threads.
     """
 
     def __init__(self, docs: list[Doc], workdir: Path,
@@ -283,7 +283,7 @@ class LocalDeployment:
                                  f"127.0.0.1:{port}")
 
     def _start_coordinator(self) -> LineProcess:
-        """Starts the coordinator on a port chosen here, routed before it serves."""
+        """Starts the coordinator on a free port picked in advance, routed before it serves."""
         address = f"127.0.0.1:{free_port()}"
         service = find(self.docs, "Service", "pipefb-coordinator")
         self.local.route_service("pipefb-coordinator", service["spec"]["ports"][0]["port"],
@@ -338,7 +338,7 @@ class LocalDeployment:
 
     def client_env(self) -> dict[str, str]:
         """The environment a client on this machine needs to reach the deployment's gRPC
-        services: the submit Job's TLS and token settings, its Secrets written out here."""
+        services: the submit Job's TLS and token settings, its Secrets written to local files."""
         job = find(self.docs, "Job", "pipefb-submit")
         _, env = self._container(job, "client", {})
         return {k: v for k, v in env.items() if k.startswith(("PIPEFB_TLS", "PIPEFB_MTLS",

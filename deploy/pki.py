@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-#: names every pipefb certificate here is valid for: loopback, and the name the manifests
+#: names every certificate made here is valid for: loopback, and the name the manifests
 #: make clients check (PIPEFB_TLS_SERVER_NAME)
 NAMES = "IP:127.0.0.1,DNS:localhost,DNS:pipefb"
 

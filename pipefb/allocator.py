@@ -5,26 +5,25 @@ glibc's malloc serves a large block (beyond `M_MMAP_THRESHOLD`) with its own `mm
 gives it back on free, and trims the top of its heap once more than `M_TRIM_THRESHOLD` is
 free there. Torch's CPU tensors are malloc'd, and a training step allocates and frees the
 same large activations again and again, so with glibc's defaults every step pays page
-faults to zero fresh pages: a one-rank tiny-GPT step (8 MiB logits per micro-batch) took
-about 26,000 minor faults and 170 ms; with the thresholds below, about 70 faults and
-120-130 ms (a 32 MiB trim threshold gave nothing: a step frees more). The cost is memory:
-up to `TRIM_THRESHOLD_BYTES` of freed heap stays in the process, and blocks up to
+faults to zero fresh pages (see docs/benchmarks.md). The thresholds below keep those blocks
+in the heap and the freed heap in the process; the trim threshold sits above what one step
+frees at once, so the heap is not trimmed between steps. The cost is memory: up to
+`TRIM_THRESHOLD_BYTES` of freed heap stays in the process, and blocks up to
 `MMAP_THRESHOLD_BYTES` come from the heap.
 
 Threads: glibc gives threads their own arenas, whose heaps it creates and deletes as threads
-come and go (gRPC's event engine starts and ends threads while a worker trains), so their
-blocks were fresh pages again: a 2-worker gpt job's first worker took about 1,200 faults a
-step with the thresholds alone, about 25 with one arena (`ARENAS`). A worker computes on
-one thread at a time; the job's steps got faster with one arena, not slower.
+come and go (gRPC's event engine starts and ends threads while a worker trains), so blocks
+freed in a thread's arena come back as fresh pages. With one arena (`ARENAS`) every thread
+allocates from the main heap under the thresholds above. A worker computes on one thread at
+a time, so the threads do not contend for that one arena.
 
 Workers call `keep_freed_memory` at start; benchmarks call it in their baselines' processes
 too, so comparisons stay like for like. Elsewhere (not glibc) it does nothing.
 
 Work that is not a step (a Profile RPC builds the model, loads data and times every layer,
 then drops it all) frees memory the next steps will not reuse; `release_freed_memory` then
-gives the free pages back (`malloc_trim`, which also returns free pages inside the heap).
-The fuzzing of the worker's Profile RPC (1,000 mutated jobs, tests/test_fuzz_rpc.py) saw
-its resident memory rise 309-394 MiB without it in three of four runs.
+gives the free pages back (`malloc_trim`, which also returns free pages inside the heap),
+so that the large thresholds do not leave that memory resident in a long-lived worker.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ _BOOT = ("import sys; from pipefb.processes import die_with_parent; die_with_par
 
 def project_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this process's environment) with this checkout's root first on
-    PYTHONPATH, so a child's `python -m worker` (or any module here) runs this code."""
+    PYTHONPATH, so a child's `python -m worker` (or any other module) runs this code."""
     out = dict(os.environ if env is None else env)
     out["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).resolve().parent.parent), out.get("PYTHONPATH", ""))

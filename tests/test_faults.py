@@ -76,7 +76,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
 # A `pipefb local train` whose clean-up never ends (as a deadlocked Channel.close would):
 # the command starts a real local cluster, says so, and hangs in its `finally`. It says
 # so inside the `try`: the test's SIGINT can land as `print` returns, and one raised
-# before the `try` would skip the hang (a clean 3 s stop, in 4 of 20 runs here).
+# before the `try` would skip the hang (a clean stop, which tests nothing).
 HUNG_CLEAN_UP = """
 import sys, time
 from pipefb.app import cli

@@ -42,7 +42,7 @@ def docs() -> list[dict[str, Any]]:
 def deployment(docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[tuple[LocalDeployment, str]]:
     """Redis, the coordinator and every worker replica of the overlay; one torch thread per
-    worker (this machine has fewer cores than the manifests' CPU limits add up to)."""
+    worker (a test machine may have fewer cores than the manifests' CPU limits add up to)."""
     folder = tmp_path_factory.mktemp("k8s")
     values = local_secrets(folder / "pki")  # stand in for the Secrets an operator creates
     with LocalDeployment(docs, folder, values, {"PIPEFB_THREADS": "1"}) as run, \
@@ -113,8 +113,8 @@ def _exported(url: str) -> dict[str, set[str]]:
 def test_dashboard_queries_name_metrics_the_services_export(
         deployment: tuple[LocalDeployment, str], trained: subprocess.CompletedProcess[str],
         docs: list[dict[str, Any]]) -> None:
-    """Against the live /metrics of every service after a job ran; skips only while the
-    services do not serve metrics at all (no `metrics http://` line: flag not built yet)."""
+    """Against the live /metrics of every service after a job ran; skips only when the
+    services serve no metrics at all (no `metrics http://` line)."""
     urls = deployment[0].metrics_urls(wait_s=2.0)  # printed right after `ready` if at all
     if not urls:
         pytest.skip("the services print no `metrics http://` line (no --metrics-port yet)")

@@ -166,7 +166,7 @@ def test_decoding_client_refused(server: RedisServer) -> None:
 def test_connect_authenticates_with_the_env_password(monkeypatch: pytest.MonkeyPatch) -> None:
     """$PIPEFB_STORE_PASSWORD is the AUTH password (Kubernetes passes the Redis Secret so).
 
-    (No retries: redis-py retries a refused AUTH with backoff for ~45 s.)
+    (No retries: redis-py would retry a refused AUTH with backoff, and the test would wait.)
     """
     once = Retry(NoBackoff(), 0)
     with RedisServer(maxmemory="8mb") as srv:
@@ -480,9 +480,9 @@ def test_frames_reach_redis_byte_for_byte_as_pack_writes_them(client: redis.Redi
 
 def test_a_server_that_dies_of_a_signal_while_starting_is_retried_and_quoted(
         tmp_path: Path) -> None:
-    """A redis-server that aborts before opening its log (seen once in CI: SIGABRT) is
-    told apart from a bad configuration, so `start` tries another port, and the error
-    quotes what it wrote to stderr."""
+    """A redis-server that dies of a signal (SIGABRT) before opening its log is told apart
+    from a bad configuration, so `start` tries another port, and the error quotes what it
+    wrote to stderr."""
     from offload_store import server
 
     log = tmp_path / "redis.log"

@@ -103,7 +103,7 @@ def test_a_binding_cap_changes_the_plan_and_measured_peaks_respect_it(client):
             return False
         return True
 
-    # the lowest cap that fits here, plus slack: the second job profiles its layers again,
+    # the lowest of these caps that fits, plus slack: the second job profiles its layers again,
     # and other timings may move a stage boundary (and bytes) a little
     lowest = next((f for f in (0.5, 0.6, 0.7, 0.8) if fits(int(peak * f))), None)
     assert lowest is not None, f"no cap below 80% of the uncapped peak {peak} fits"

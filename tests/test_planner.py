@@ -229,7 +229,7 @@ def test_planner_is_within_two_percent_of_exhaustive_search(seed, layers, mode):
 
 
 def test_planning_200_layers_on_64_workers_stays_within_its_event_budget():
-    """The work is bounded, not timed (bench/planner.py times it: about 0.9 s here): the
+    """The work is bounded, not timed (bench/planner.py times it): the
     candidates beyond the first are simulated only while the budget lasts, and boundary
     moves stop at twice the budget."""
     profile = _profile(3, 200)

@@ -156,7 +156,7 @@ def test_the_optimizer_step_has_a_cost_per_byte_where_the_parameters_are_too_few
     with worker_threads():
         for _ in range(3):
             costs = profiler._optimizer_costs(MLP, params, warmup=1, repeats=3)
-            assert 0 < costs.per_byte < 1e-8, costs  # AdamW here: about 2e-10 s a byte
+            assert 0 < costs.per_byte < 1e-8, costs  # a loose bound, far above AdamW's cost
             assert 0 < costs.fixed < 5e-3, costs
             assert costs.state_ratio > 2  # two moments, and a step count per tensor
 

@@ -154,8 +154,8 @@ def test_a_later_stage_sends_its_input_gradient_before_its_weight_grads(client: 
     """[Note: input grads first] on stage 1 of 2 (one micro-batch's weight grads may wait):
     its B of micro-batch 0 runs only the input halves, its B of micro-batch 1 (the last)
     runs the input halves, sends, then both micro-batches' weight halves; stage 0 holds the
-    last gradient before that B ends. Wide layers make the weight halves take tens of ms,
-    far longer than a hop. Training still equals one process."""
+    last gradient before that B ends. Wide layers make the weight halves take far longer
+    than a hop. Training still equals one process."""
     job = JobConfig(model="mlp", dataset="synthetic", loss="mse", schedule="1f1b", workers=2,
                     model_config={"in_features": 256, "hidden": 1024, "depth": 4,
                                   "out_features": 256},

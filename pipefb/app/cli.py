@@ -8,12 +8,13 @@ lazily, so the core never imports grpc.
 Ctrl-C raises KeyboardInterrupt where the main thread is, often inside a gRPC call, and the
 clean-up then closes the channel and stops the local cluster. gRPC Python's
 `Channel.close` can deadlock after an exception a signal handler raised while calls were
-in flight (grpc/grpc#19973, #20026), and once in this project's CI a Ctrl-C'd `local
-train` did not exit for 300 s. So the first Ctrl-C also starts a timer: if the process is
-still running `INTERRUPT_GRACE_SECONDS` later (the command's clean-up, or the
-interpreter's exit, which joins thread pools), it SIGKILLs the local clusters' processes
-(`pipefb.app.local.kill_running`), says so, and exits 130 at once. A clean stop takes about
-7 s here (the workers' own grace is 5 s).
+in flight (grpc/grpc#19973, #20026), so an interrupted command might never exit. The first
+Ctrl-C therefore also starts a timer: if the process is still running
+`INTERRUPT_GRACE_SECONDS` later (the command's clean-up, or the interpreter's exit, which
+joins thread pools), it SIGKILLs the local clusters' processes
+(`pipefb.app.local.kill_running`), says so, and exits 130 at once. The deadline is well
+above a clean stop, which gives each child process `Process.stop`'s grace before
+SIGKILL.
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_profile(job: JobConfig, args: argparse.Namespace, workers: int) -> Profile:
-    """The layer profile `pipefb plan` uses: measured here or analytic."""
+    """The layer profile `pipefb plan` uses: measured in this process, or analytic."""
     from pipefb.profile.profiler import analytic_profile, measure_profile
 
     if args.profile == "analytic":

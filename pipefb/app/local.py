@@ -50,7 +50,7 @@ class LocalCluster:
         self.env = project_env({**os.environ, "PIPEFB_THREADS": str(threads),
                                 **(extra_env or {})})
         # the store's service user ([Note: store ACL] in offload_store/acl.py): every
-        # process here authenticates as it; the default user is off
+        # process of the cluster authenticates as it; the default user is off
         self.store_user, self.store_password = STORE_USER, secrets.token_hex(16)
         self.env.update(PIPEFB_STORE_USER=self.store_user,
                         PIPEFB_STORE_PASSWORD=self.store_password)

@@ -40,8 +40,8 @@ RECONNECT_SECONDS = 120.0  # with --max-restarts: how long to wait for a relaunc
 
 class StepProgress:
     """A progress bar (step, loss, samples/s), or one plain line per step without a
-    terminal (written as is: rich's markup and highlighting cost about 0.1 ms a line, on
-    the cores the workers use)."""
+    terminal (written as is, without rich's markup and highlighting, which would take time
+    on the cores the workers use)."""
 
     def __init__(self, bar: Progress | None, task: TaskID | None) -> None:
         self.bar, self.task = bar, task
