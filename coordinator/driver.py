@@ -221,6 +221,7 @@ class Driver:
 
     def _assign(self, job: Job, ranks: Ranks, fail_ranks: Iterable[int]
                 ) -> list[worker_pb2.AssignReply]:
+        """Assigns every rank the job's current plan; `fail_ranks` fail a move (tests)."""
         return assign_all(job, ranks, self.store_address, self.rendezvous, fail_ranks)
 
     def _run_steps(self, job: Job, ranks: Ranks) -> None:
