@@ -4,7 +4,7 @@ Each unfinished job has one JSON file, `{job_id}.json`: its spec, its plan once 
 its attempt, why earlier attempts failed, and the newest step it checkpointed. The file
 is written whole (temporary file, fsync, rename) whenever one of those changes and
 deleted when the job ends. A coordinator started on the same journal resumes every job
-in it with attempt + 1, from its newest checkpoint ([Note: restarts] in driver.py).
+in it with attempt + 1, from its newest checkpoint ([Note: restarts] in recovery.py).
 Nothing is unpickled: the files are JSON, and each is validated (JobConfig, Plan) before
 a job is built from it; a file that does not validate is renamed aside and logged.
 """

@@ -24,8 +24,8 @@ PROFILE_TIMEOUT_SECONDS = 600.0  # one worker's whole profile (tracing included)
 # asks: the model, data, loss, optimizer, device, seed, batch and micro-batch sizes, the
 # layers, warm-up and repeats, and any injected slowdown. It does not depend on how the
 # job would be planned or run (PLAN_ONLY), so `plan: auto` jobs that differ only in
-# those (a sweep over schedules, steps or caps) reuse the first one's replies: a
-# 4-worker `plan: auto` job here spent about 20 s profiling and 0.1 s planning. The
+# those (a sweep over schedules, steps or caps) reuse the first one's replies, so such
+# a sweep pays for profiling, which takes far longer than planning, only once. The
 # cache lives as long as the coordinator, keyed by worker address and question; a
 # worker that registers (a new process) or is found dead loses its replies (`forget`).
 

@@ -12,9 +12,11 @@ from dataclasses import replace
 
 import grpc
 
-from coordinator.driver import TERMINAL, Driver, Job, migration_proto
+from coordinator.driver import Driver
+from coordinator.jobs import TERMINAL, Job
 from coordinator.journal import Entry
 from coordinator.registry import Registry
+from coordinator.reshape import migration_proto
 from pipefb.job.checks import check_job
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, tensor_pb2, wire
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
@@ -78,7 +80,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def resume(self, entries: list[Entry]) -> None:
         """Starts the journaled jobs of an earlier coordinator ([Note: restarts] in
-        driver.py): each with attempt + 1, its plan, from its newest checkpoint."""
+        coordinator/recovery.py): each with attempt + 1, its plan, from its newest
+        checkpoint."""
         for entry in entries:
             step = entry.step if entry.config.mode == "sync" else 0  # async: from step 0
             try:

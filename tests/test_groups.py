@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from coordinator.client import CoordinatorClient
-from coordinator.driver import check_groups_agree
+from coordinator.results import check_groups_agree
 from pipefb.app.cli import main
 from pipefb.app.local import LocalCluster
 from pipefb.errors import ConfigError, WorkerFailed
