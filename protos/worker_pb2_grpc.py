@@ -152,7 +152,7 @@ class StageWorkerServicer:
     def Migrate(self, request, context):
         """Between steps of a paused attempt: streams the weights (layers.{i}.{param}) and
         optimizer state (optimizer.{i}.{param}.{key}) of layers this rank owns, to a peer that
-        takes them over in a migration ([Note: migration] in coordinator/driver.py). Served
+        takes them over in a migration ([Note: migration] in coordinator/reshape.py). Served
         until this worker runs a step of a later attempt, so a failed move can roll back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

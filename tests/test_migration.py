@@ -1,5 +1,5 @@
 """Moving layers between a running job's workers ([Note: migration] in
-coordinator/driver.py): training goes on exactly as without the move, and the move's
+coordinator/reshape.py): training goes on exactly as without the move, and the move's
 bytes are the moved layers' weights and optimizer state."""
 
 from __future__ import annotations

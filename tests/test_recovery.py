@@ -1,5 +1,5 @@
 """Recovery with real processes killed or stopped by pid ([Note: restarts] in
-coordinator/driver.py): the local cluster relaunches what dies, as Kubernetes restarts a
+coordinator/recovery.py): the local cluster relaunches what dies, as Kubernetes restarts a
 pod, and the job replays from its newest checkpoint to the weights an uninterrupted run
 trains, leaving no stash key behind."""
 
