@@ -60,10 +60,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipefb.errors import ConfigError, ScheduleError
-from pipefb.job.config import SCHEDULE_MODES
 from pipefb.plan.partition import partitions
 from pipefb.plan.plan import Plan, WorkerAssignment, recompute_runs
-from pipefb.schedule import KINDS, Topology
+from pipefb.schedule import KINDS, Topology, schedule_kind
 from pipefb.sim.cluster import Cluster, Link, slowest_hop
 from pipefb.sim.costs import Profile, kept_bytes
 from pipefb.sim.simulate import Simulation, simulate
@@ -90,12 +89,11 @@ class Candidate:
     def label(self) -> str:
         """e.g. `pipefb 2F+2B x8` or `1f1b x4`."""
         p = self.plan
-        if p.schedule == "pipefb":
-            n_f = len(p.forward_partition) - 1
-            roles = f" {n_f}F+{len(p.backward_partition) - 1}B"
-            mode = f" {p.mode}" + (f" S={p.staleness}" if p.mode == "async" else "")
-        else:
-            roles, mode = "", ""
+        kind = schedule_kind(p.schedule)
+        roles = (f" {len(p.forward_partition) - 1}F+{len(p.backward_partition) - 1}B"
+                 if kind.split else "")
+        mode = (f" {p.mode}" + (f" S={p.staleness}" if p.mode == "async" else "")
+                if len(kind.modes) > 1 else "")
         return f"{p.schedule}{mode}{roles} x{p.microbatches}"
 
     def row(self) -> dict[str, Any]:
@@ -148,7 +146,7 @@ def _kinds(schedules: Sequence[str], mode: str) -> list[tuple[str, str]]:
     for kind in schedules:
         if kind not in KINDS:
             raise ConfigError(f"unknown schedule {kind!r}; the planner knows {KINDS}")
-        if mode in SCHEDULE_MODES[kind]:
+        if mode in schedule_kind(kind).modes:
             out.append((kind, mode))
     if not out:
         raise ConfigError(f"no schedule among {list(schedules)} runs in mode {mode!r}")
@@ -156,8 +154,8 @@ def _kinds(schedules: Sequence[str], mode: str) -> list[tuple[str, str]]:
 
 
 def _splits(workers: int, profile: Profile) -> list[int]:
-    """Forward worker counts to try for PipeFB: all for small clusters, else around the
-    forward share of the work."""
+    """Forward worker counts to try for a split kind (PipeFB): all for small clusters,
+    else around the forward share of the work."""
     if workers < 2:
         return []
     if workers <= 8:
@@ -216,11 +214,13 @@ class _Planner:
 
     def build(self, kind: str, mode: str, microbatches: int, n_fwd: int,
               policy: Sequence[str]) -> Plan:
-        """A plan of `kind` with balanced partitions for the given policy."""
+        """A plan of `kind` with balanced partitions for the given policy (`n_fwd` forward
+        workers when the kind splits the passes)."""
         n = self.space.cluster.size
         mb = self.space.batch_size // microbatches
         ref = self.space.profile.microbatch_size  # one partition table for every count
-        if kind == "pipefb":
+        spec = schedule_kind(kind)
+        if spec.split:
             fwd_ranks, bwd_ranks = range(n_fwd), range(n_fwd, n)
             fwd = self.split_partition(self.layer_times("forward", policy, ref), fwd_ranks,
                                        "forward")
@@ -232,17 +232,18 @@ class _Planner:
             fwd = bwd = self.split_partition(self.layer_times("combined", policy, ref), range(n),
                                              "combined")
             assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(n))
-        staleness = self.space.staleness if kind == "pipefb" and mode == "async" else 0
         return Plan(schedule=kind, microbatches=microbatches, microbatch_size=mb,
                     forward_partition=fwd, backward_partition=bwd, policy=tuple(policy),
-                    assignment=assignment, mode=mode, staleness=staleness)
+                    assignment=assignment, mode=mode,
+                    staleness=spec.plan_staleness(mode, self.space.staleness))
 
     def initial_policy(self, kind: str, microbatches: int) -> list[str]:
-        """keep on combined kinds; PipeFB: offload, or recompute where re-running the
-        forward is cheaper than moving what it frees through the store (alone, joining the
-        run before it, or starting a run with the layer before: a loss whose saved tensor is
-        its input is only worth recomputing together with the head that makes it)."""
-        if kind != "pipefb":
+        """keep where the kind allows it (combined kinds: nothing moves); else (PipeFB)
+        offload, or recompute where re-running the forward is cheaper than moving what it
+        frees through the store (alone, joining the run before it, or starting a run with
+        the layer before: a loss whose saved tensor is its input is only worth recomputing
+        together with the head that makes it)."""
+        if schedule_kind(kind).keep_allowed:
             return ["keep"] * self.space.profile.n_layers
         layers = self.space.profile.at(self.space.batch_size // microbatches).layers
         bandwidth = self.space.cluster.store.bandwidth
@@ -389,7 +390,7 @@ class _Planner:
         n = self.space.cluster.size
         out = []
         for kind, mode in kinds:
-            splits = _splits(n, self.space.profile) if kind == "pipefb" else [n]
+            splits = _splits(n, self.space.profile) if schedule_kind(kind).split else [n]
             for m in microbatches:
                 policy = self.initial_policy(kind, m)
                 for n_fwd in splits:
@@ -466,7 +467,8 @@ def _layers_of_rank(topology: Topology, rank: int) -> list[int]:
 def _neighbours(plan: Plan) -> list[Plan]:
     """Plans with one stage boundary moved by one layer (both passes on combined kinds)."""
     out = []
-    combined = plan.forward_partition == plan.backward_partition and plan.schedule != "pipefb"
+    combined = (plan.forward_partition == plan.backward_partition
+                and not schedule_kind(plan.schedule).separate_partitions)
     for which in ("forward", "backward") if not combined else ("both",):
         bounds = plan.backward_partition if which == "backward" else plan.forward_partition
         for j in range(1, len(bounds) - 1):
@@ -488,7 +490,7 @@ def _neighbours(plan: Plan) -> list[Plan]:
 def _events(plan: Plan) -> int:
     """About how many actions simulating the plan executes (the search's budget unit)."""
     stages = len(plan.forward_partition) - 1 + (
-        len(plan.backward_partition) - 1 if plan.schedule == "pipefb" else 0)
+        len(plan.backward_partition) - 1 if schedule_kind(plan.schedule).split else 0)
     iterations = 2 if plan.mode == "sync" else 5 + plan.staleness
     return stages * plan.microbatches * 4 * iterations
 
