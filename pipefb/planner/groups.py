@@ -29,7 +29,8 @@ from typing import Any
 
 from pipefb.errors import ConfigError, ScheduleError
 from pipefb.plan.plan import Plan, replicate
-from pipefb.planner.search import PlanSearch, best_estimate, search
+from pipefb.planner.candidates import PlanSearch
+from pipefb.planner.search import best_estimate, search
 from pipefb.schedule import KINDS
 from pipefb.sim.cluster import Cluster, group_view, ring_link
 from pipefb.sim.costs import Profile, ring_allreduce_seconds
