@@ -298,8 +298,6 @@ def build_layers(config: JobConfig) -> list[torch.nn.Module]:
     return [*layers, build_loss(config.loss)]
 
 
-
-
 def layer_costs(layers: Sequence[torch.nn.Module]) -> list[float]:
     """The placeholder planner's cost of each layer: 1 + its parameter count."""
     return [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]

@@ -176,33 +176,11 @@ def recompute_runs(plan: Plan) -> dict[int, int]:
     return out
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def replicate(assignment: Sequence[WorkerAssignment], groups: int) -> tuple[WorkerAssignment, ...]:
     """One group's assignment repeated for `groups` groups on consecutive blocks of ranks."""
     width = len(assignment)
     return tuple(replace(a, rank=g * width + a.rank, group=g)
                  for g in range(groups) for a in assignment)
-
-
 
 
 def lowered_schedule(plan: Plan) -> Schedule:

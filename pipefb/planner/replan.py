@@ -45,8 +45,8 @@ class ReplanSettings:
     horizon: int = 100  # steps a move's cost is spread over
     cooldown: int = 10  # steps after a move before the next may be decided
     bandwidth: float = 1e9  # bytes per second a move runs at
-    fixed_seconds: float = 1.0  # a move's cost beyond its bytes (re-assigning every rank;
-    # 0.8-1.0 s on loopback here); replaced by what moves measure (`moved`)
+    fixed_seconds: float = 1.0  # a move's cost beyond its bytes (re-assigning every
+    # rank) until a move measures it (`moved`)
 
 
 @dataclass(frozen=True)

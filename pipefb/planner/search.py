@@ -2,18 +2,22 @@
 activation policy for a cluster, by simulated step time under each worker's memory cap.
 
 A pure function of a layer profile and a cluster description (`search`); it returns the
-best plan, the runners-up and why each lost.
+best plan, the runners-up and why each lost. This module runs the search; the candidates
+and answers are `pipefb.planner.candidates`, partitions `pipefb.planner.balance`, policies
+`pipefb.planner.policy` and the ranking estimate `pipefb.planner.estimate`.
 
 [Note: search]
 For every schedule kind the job's mode allows, every micro-batch count (divisors of the
-batch size), and for PipeFB every split of the workers into forward and backward roles:
-1. partition: `plan.partitions` balances each pass's per-layer time (at the profile's
-   micro-batch size, one table for every stage count) over its workers' speeds (forward
-   + backward on combined kinds; PipeFB's forward stages by forward time plus the stash
-   put, its backward stages by backward time plus the fetch), each stage also paying the
-   bytes that cross its two boundaries over the pass's slowest link (`cut_seconds`: the
-   activation forward, its gradient backward, both on combined kinds), so a cut avoids a
-   layer with a large output (a head's logits) when a cheaper one balances as well;
+batch size), and for a kind that splits the passes (PipeFB) every split of the workers
+into forward and backward roles:
+1. partition: `pipefb.plan.partition.partitions` balances each pass's per-layer time (at
+   the profile's micro-batch size, one table for every stage count) over its workers'
+   speeds (forward + backward on combined kinds; PipeFB's forward stages by forward time
+   plus the stash put, its backward stages by backward time plus the fetch), each stage
+   also paying the bytes that cross its two boundaries over the pass's slowest link
+   (`Balancer.cut_seconds`: the activation forward, its gradient backward, both on
+   combined kinds), so a cut avoids a layer with a large output (a head's logits) when a
+   cheaper one balances as well;
 2. policy: combined kinds keep everything; PipeFB offloads each layer unless re-running
    its forward is cheaper than moving its saved tensors through the store; while a worker's
    simulated peak exceeds its cap, its layers switch to offload or recompute, whichever
@@ -26,26 +30,26 @@ batch size), and for PipeFB every split of the workers into forward and backward
    layer at a time while the simulated step time improves, and the fastest refined plan
    wins; refined plans within `TIE` of it count as equally fast, and the one with the
    lowest peak memory among them wins (the highest rank's peak, then the sum of all).
-   The simulator does not price a larger footprint (allocation, caches): on this
-   machine a 4-worker `gpt` ran 15% slower under GPipe, with several times 1F1B's peak,
-   while the two simulated within 1-3% of each other, an order profile noise flips.
+   The simulator does not price a larger footprint (allocation, caches), and step times
+   this close are within the noise of a profile, so between them the smaller footprint
+   is the safer choice.
 A candidate whose simulation deadlocks, or which cannot fit a cap, is refused with the
 reason.
 
 Cost: partitions are O(k n^2) each with boundary costs (n layers, k stages; one n x n
-tensor operation per stage count, about 15 ms for 200 layers on 64 stages) and cached per
-(pass, stage speeds, boundary costs); 200 layers on 64 workers plan in about 1 second,
-nearly all of it simulation (see [Note: collector]).
+tensor operation per stage count) and cached per (pass, stage speeds, boundary costs);
+nearly all of a search's time is simulation, which `EVENT_BUDGET` bounds (see
+[Note: collector]).
 
 [Note: collector]
 A search allocates a few hundred thousand small objects (simulated actions, the lowered
 lists its simulations keep), and each of CPython's full collections rescans every object
-of the process: with torch imported, about 170k before a search starts. On 200 layers and
-64 workers the full collections took 0.17-0.25 s of 1.2 s, so `search` pauses the cyclic
-collector while it runs (reference counting still frees everything at once); the last of
-searches running at once in several threads restores it as the first found it. The
-simulator's spans are atoms-only tuples (`simulate._Record`) for the same reason: the
-collector stops tracking them.
+of the process, torch's included, so the collections those allocations trigger would take
+a large share of a search. `search` therefore pauses the cyclic collector while it runs
+(reference counting still frees everything at once); the last of searches running at
+once in several threads restores it as the first found it. The simulator's spans are
+atoms-only tuples (`simulate._Record`) for the same reason: the collector stops tracking
+them.
 """
 
 from __future__ import annotations
