@@ -42,8 +42,9 @@ from bench.stats import summary
 from pipefb.job.config import JobConfig
 from pipefb.plan.partition import partition
 from pipefb.plan.plan import Plan, WorkerAssignment
-from pipefb.planner.search import MEMORY_MARGIN, PlanSearch, search
-from pipefb.planner.search import pass_times as planner_pass_times
+from pipefb.planner.balance import pass_times as planner_pass_times
+from pipefb.planner.candidates import PlanSearch
+from pipefb.planner.search import MEMORY_MARGIN, search
 from pipefb.schedule import KINDS
 from pipefb.sim.cluster import Cluster, Link
 from pipefb.sim.costs import LayerProfile, Profile

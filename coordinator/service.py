@@ -18,6 +18,7 @@ from coordinator.journal import Entry
 from coordinator.registry import Registry
 from coordinator.reshape import migration_proto
 from pipefb.job.checks import check_job
+from pipefb.schedule.kinds import runs_in_process
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, tensor_pb2, wire
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
 from protos.server import FailedPrecondition
@@ -59,7 +60,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def SubmitJob(self, request: job_pb2.JobSpec, context: grpc.ServicerContext
                   ) -> coordinator_pb2.JobStatus:
         config = job_from_proto(request)
-        if config.schedule == "single":
+        if runs_in_process(config.schedule):
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
         costs = check_job(config)
         with self._lock:

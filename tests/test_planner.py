@@ -19,15 +19,10 @@ from pipefb.errors import ConfigError, ScheduleError
 from pipefb.plan.partition import balanced_plan, partition
 from pipefb.plan.plan import Plan, WorkerAssignment, lowered_schedule, schedule_for
 from pipefb.planner import search as planner_module
-from pipefb.planner.search import (
-    EVENT_BUDGET,
-    _events,
-    _Planner,
-    _Space,
-    microbatch_choices,
-    pass_times,
-    search,
-)
+from pipefb.planner.balance import pass_times
+from pipefb.planner.candidates import SearchSpace as _Space
+from pipefb.planner.candidates import microbatch_choices
+from pipefb.planner.search import EVENT_BUDGET, _events, _Planner, search
 from pipefb.schedule import Action, Kind
 from pipefb.sim.cluster import Cluster, Link
 from pipefb.sim.costs import LayerProfile, Profile, uniform_profile

@@ -33,6 +33,7 @@ from pipefb.memory import KINDS
 from pipefb.processes import default_threads
 from pipefb.runtime.evaluate import evaluate
 from pipefb.runtime.reference import SingleProcess
+from pipefb.schedule.kinds import runs_in_process
 
 console = Console(stderr=True)
 RECONNECT_SECONDS = 120.0  # with --max-restarts: how long to wait for a relaunched coordinator
@@ -96,7 +97,7 @@ def run_local(job: JobConfig, out: Path, *, progress: bool = True, threads: int 
     `out`/logs/cluster.json).
     """
     threads = threads or default_threads(job.workers)
-    if job.schedule == "single":
+    if runs_in_process(job.schedule):
         torch.set_num_threads(threads)
         report = run_single(job, progress)
     else:

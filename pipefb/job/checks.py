@@ -6,6 +6,7 @@ import torch
 
 from pipefb.errors import ConfigError
 from pipefb.job.config import AUTO, JobConfig, build_layers, layer_costs, layer_policies, slowdowns
+from pipefb.schedule.kinds import runs_in_process, schedule_kind
 
 
 def check_job(config: JobConfig) -> list[float]:
@@ -34,16 +35,14 @@ def check_job(config: JobConfig) -> list[float]:
                           f"{config.loss!r} do not fit: {error}") from None
     build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)], config.lr,
                     config.optimizer_config)
-    from pipefb.plan.partition import stage_counts
-
     if config.plan != AUTO:
         layer_policies(config, len(layers))
     for layer in slowdowns(config.slowdown, layers=True):
         if layer >= len(layers):
             raise ConfigError(f"slowdown names layer {layer}; model {config.model!r} has "
                               f"layers 0..{len(layers) - 1} (loss included)")
-    if config.schedule not in ("single", AUTO):
-        stages = max(stage_counts(config.schedule, config.workers))
+    if config.schedule != AUTO and not runs_in_process(config.schedule):
+        stages = max(schedule_kind(config.schedule).stage_counts(config.workers))
         if stages > len(layers):
             raise ConfigError(
                 f"{config.workers} workers make {stages} stages but the model has only "

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from pipefb.errors import ConfigError
+from pipefb.schedule.kinds import REGISTRY, runs_in_process
+from pipefb.schedule.kinds import SCHEDULES as SCHEDULES  # the names a job may run
 
-SCHEDULES = ("single", "gpipe", "1f1b", "pipedream", "pipefb")  # single: the reference
 MODES = ("sync", "async")
 #: The modes each schedule runs in; the first is its default.
-SCHEDULE_MODES = {"single": ("sync",), "gpipe": ("sync",), "1f1b": ("sync",),
-                  "pipedream": ("async",), "pipefb": ("sync", "async")}
+SCHEDULE_MODES = {name: kind.modes for name, kind in REGISTRY.items()}
 POLICIES = ("keep", "offload", "recompute")
 PLANS = ("", "even", "auto")  # "" and even: stages balanced by parameter count
 AUTO = "auto"  # schedule and plan value: the planner picks
@@ -54,7 +54,7 @@ class JobConfig:
     model: str = "gpt"  # model registry name or a pipefb.models entry point
     dataset: str = "text"  # dataset registry name
     loss: str = "cross_entropy"  # loss name
-    schedule: str = "pipefb"  # single, gpipe, 1f1b or pipefb
+    schedule: str = "pipefb"  # a name in SCHEDULES (single: the one-process reference)
     workers: int = 4  # workers taking part (ignored by single)
     batch_size: int = 16  # samples per step
     microbatches: int = 4  # micro-batches per step; divides batch_size
@@ -129,8 +129,9 @@ class JobConfig:
         if self.plan == AUTO and self.policy.strip():
             raise ConfigError(f"--policy {self.policy!r} conflicts with --plan auto, which "
                               "chooses each layer's policy")
-        if self.plan == AUTO and self.schedule == "single":
-            raise ConfigError("schedule 'single' runs in one process: there is nothing to plan")
+        if self.plan == AUTO and runs_in_process(self.schedule):
+            raise ConfigError(f"schedule {self.schedule!r} runs in one process: there is "
+                              "nothing to plan")
         if isinstance(self.memory_cap, bool) or not isinstance(self.memory_cap, int) or (
                 self.memory_cap < 0):
             raise ConfigError(f"memory_cap {self.memory_cap!r} must be a byte count >= 0")
@@ -149,14 +150,16 @@ class JobConfig:
                 0 <= restarts <= MAX_RESTARTS):
             raise ConfigError(f"max_restarts {restarts!r} must be an integer in "
                               f"0..{MAX_RESTARTS}")
-        if self.replan and (self.mode != "sync" or self.schedule == "single"):
+        in_process = runs_in_process(self.schedule)
+        if self.replan and (self.mode != "sync" or in_process):
             raise ConfigError("replan moves a sync job's layers between its workers: it "
                               "needs --mode sync and a pipeline schedule")
-        if restarts and self.schedule == "single":
-            raise ConfigError("schedule 'single' runs in this process: it has no workers "
-                              "to restart")
-        if (every or self.resume) and self.schedule == "single":
-            raise ConfigError("schedule 'single' runs in this process: it takes no checkpoints")
+        if restarts and in_process:
+            raise ConfigError(f"schedule {self.schedule!r} runs in this process: it has no "
+                              "workers to restart")
+        if (every or self.resume) and in_process:
+            raise ConfigError(f"schedule {self.schedule!r} runs in this process: it takes no "
+                              "checkpoints")
         if (every or self.resume) and not self.checkpoint_dir:
             raise ConfigError("checkpoints need a checkpoint directory (--checkpoint-dir)")
         if self.resume and self.mode != "sync":
@@ -170,7 +173,7 @@ class JobConfig:
             raise ConfigError(f"groups {g!r} must be an integer >= 1 (or 0: auto)")
         if g == 0 and self.plan != AUTO:
             raise ConfigError("groups 0 (auto: the planner picks) needs --plan auto")
-        if g <= 1 or self.schedule == "single":
+        if g <= 1 or runs_in_process(self.schedule):
             return
         if self.workers % g:
             raise ConfigError(f"groups {g} does not divide workers {self.workers}")
@@ -226,16 +229,18 @@ def slowdowns(text: str, layers: bool = False) -> dict[int, tuple[float, int]]:
 def layer_policies(config: JobConfig, n_layers: int) -> tuple[str, ...]:
     """The per-layer activation policy of a job (loss layer included).
 
-    "" gives the schedule's default: `offload` for pipefb (saved tensors must cross to the
-    backward worker), `keep` otherwise. One name applies to every layer; a comma list
-    names one policy per layer.
+    "" gives the schedule kind's default policy (`ScheduleKind.default_policy`: `offload`
+    where saved tensors must cross to another worker's backward, `keep` otherwise). One
+    name applies to every layer; a comma list names one policy per layer.
 
     Raises:
-        ConfigError: an unknown policy, a list of the wrong length, or `keep` under pipefb.
+        ConfigError: an unknown policy, a list of the wrong length, or `keep` under a kind
+            that runs a layer's backward on another worker.
     """
+    kind = REGISTRY.get(config.schedule)  # None: auto, the planner picks each policy
     text = config.policy.strip()
     if not text:
-        names = ["offload" if config.schedule == "pipefb" else "keep"] * n_layers
+        names = [kind.default_policy if kind else "keep"] * n_layers
     else:
         names = [p.strip() for p in text.split(",")]
         if len(names) == 1:
@@ -246,9 +251,9 @@ def layer_policies(config: JobConfig, n_layers: int) -> tuple[str, ...]:
     if len(names) != n_layers:
         raise ConfigError(f"policy lists {len(names)} layers; the model has {n_layers} "
                           "(loss included)")
-    if config.schedule == "pipefb" and "keep" in names:
+    if kind and not kind.keep_allowed and "keep" in names:
         raise ConfigError(f"policy 'keep' of layer {names.index('keep')} cannot cross the "
-                          "forward/backward split of pipefb; use offload or recompute")
+                          f"forward/backward split of {kind.name}; use offload or recompute")
     return tuple(names)
 
 
@@ -291,8 +296,6 @@ def build_layers(config: JobConfig) -> list[torch.nn.Module]:
 
     layers = build_model(config.model, config.model_config, seed=config.seed)
     return [*layers, build_loss(config.loss)]
-
-
 
 
 def layer_costs(layers: Sequence[torch.nn.Module]) -> list[float]:

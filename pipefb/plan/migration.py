@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from pipefb.errors import ConfigError
 from pipefb.plan.plan import Plan, schedule_for
+from pipefb.schedule.kinds import schedule_kind
 
 
 def repartitioned(plan: Plan, forward: Sequence[int], backward: Sequence[int]) -> Plan:
@@ -25,9 +26,10 @@ def repartitioned(plan: Plan, forward: Sequence[int], backward: Sequence[int]) -
         ConfigError: a partition that is malformed, covers other layers, changes the
             number of stages, or makes a schedule that fails validation.
     """
+    separate = schedule_kind(plan.schedule).separate_partitions
     fwd = tuple(forward) or plan.forward_partition
-    bwd = tuple(backward) or (plan.backward_partition if plan.schedule == "pipefb" else fwd)
-    if plan.schedule != "pipefb" and bwd != fwd:
+    bwd = tuple(backward) or (plan.backward_partition if separate else fwd)
+    if not separate and bwd != fwd:
         raise ConfigError(f"schedule {plan.schedule!r} has one partition; the backward "
                           f"{list(bwd)} must equal the forward {list(fwd)}")
     for name, new, old in (("forward", fwd, plan.forward_partition),

@@ -9,18 +9,7 @@ import torch
 
 from pipefb.errors import ConfigError
 from pipefb.plan.plan import Plan, WorkerAssignment, replicate
-
-
-def stage_counts(schedule: str, workers: int) -> tuple[int, int]:
-    """(forward stages, backward stages) a schedule kind makes of `workers` workers.
-
-    PipeFB gives the backward pass, about twice the forward's work, the larger half.
-    """
-    if schedule == "pipefb":
-        if workers < 2:
-            raise ConfigError("schedule 'pipefb' needs at least 2 workers (forward and backward)")
-        return workers // 2, workers - workers // 2
-    return workers, workers
+from pipefb.schedule.kinds import schedule_kind
 
 
 def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | None = None,
@@ -167,9 +156,10 @@ def balanced_plan(
 ) -> Plan:
     """The placeholder planner: contiguous stages balanced by `layer_costs`.
 
-    Combined kinds put stage r on rank r; PipeFB puts the forward stages on the first ranks
-    and the backward stages on the rest. `policy` (per layer) defaults to keep on combined
-    kinds and offload on PipeFB; `staleness` counts only for async PipeFB. With `groups`
+    Combined kinds put stage r on rank r; split kinds (PipeFB) put the forward stages on
+    the first ranks and the backward stages on the rest. `policy` (per layer) defaults to
+    the kind's default policy; `staleness` counts only where the kind runs stale forwards
+    in async mode (`ScheduleKind.plan_staleness`). With `groups`
     G > 1, group g is the same pipeline on ranks g*W .. (g+1)*W - 1 (W = workers / G),
     running `microbatches / G` of the step's micro-batches.
     """
@@ -185,27 +175,26 @@ def balanced_plan(
 def _one_group_plan(schedule: str, workers: int, layer_costs: Sequence[float], batch_size: int,
                     microbatches: int, policy: Sequence[str] | None, mode: str, staleness: int
                     ) -> Plan:
-    n_fwd, n_bwd = stage_counts(schedule, workers)
+    kind = schedule_kind(schedule)
+    n_fwd, n_bwd = kind.stage_counts(workers)
     fwd = partition(layer_costs, n_fwd)
-    if schedule == "pipefb":
+    if kind.split:
         bwd = partition(layer_costs, n_bwd)
         assignment = tuple(WorkerAssignment(r, "forward", r) for r in range(n_fwd)) + tuple(
             WorkerAssignment(n_fwd + s, "backward", s) for s in range(n_bwd)
         )
-        default = "offload"
     else:
         bwd = fwd
         assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(workers))
-        default = "keep"
-    lag = staleness if schedule == "pipefb" and mode == "async" else 0
     return Plan(
         schedule=schedule,
         microbatches=microbatches,
         microbatch_size=batch_size // microbatches,
         forward_partition=fwd,
         backward_partition=bwd,
-        policy=tuple(policy) if policy is not None else (default,) * len(layer_costs),
+        policy=(tuple(policy) if policy is not None
+                else (kind.default_policy,) * len(layer_costs)),
         assignment=assignment,
         mode=mode,
-        staleness=lag,
+        staleness=kind.plan_staleness(mode, staleness),
     )

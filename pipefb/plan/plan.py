@@ -8,8 +8,8 @@ from itertools import pairwise
 from typing import Any
 
 from pipefb.errors import ConfigError
-from pipefb.job.config import MAX_STALENESS, MAXIMA, MODES, POLICIES, SCHEDULES
-from pipefb.schedule import Schedule, Topology, generate, lower, validate
+from pipefb.job.config import MAX_STALENESS, MAXIMA, MODES, POLICIES
+from pipefb.schedule import KINDS, Schedule, Topology, generate, lower, validate
 
 ROLES = ("forward", "backward", "combined")
 
@@ -40,7 +40,7 @@ class WorkerAssignment:
 class Plan:
     """The planner's output, plain data; every worker derives its actions from it."""
 
-    schedule: str  # gpipe, 1f1b, pipedream or pipefb
+    schedule: str  # a pipeline kind (pipefb.schedule.KINDS)
     microbatches: int  # micro-batches per step
     microbatch_size: int  # samples per micro-batch
     forward_partition: tuple[int, ...]  # stage boundaries over layers, 0 .. n_layers
@@ -80,8 +80,8 @@ class Plan:
         self._check_assignment()
 
     def _check_scalars(self) -> None:
-        if self.schedule not in SCHEDULES[1:]:
-            raise ConfigError(f"plan schedule {self.schedule!r} is not one of {SCHEDULES[1:]}")
+        if self.schedule not in KINDS:
+            raise ConfigError(f"plan schedule {self.schedule!r} is not one of {KINDS}")
         if self.mode not in MODES:
             raise ConfigError(f"plan mode {self.mode!r} is not one of {MODES}")
         for name, low, high in (("microbatches", 1, MAXIMA["microbatches"]),
@@ -176,33 +176,11 @@ def recompute_runs(plan: Plan) -> dict[int, int]:
     return out
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def replicate(assignment: Sequence[WorkerAssignment], groups: int) -> tuple[WorkerAssignment, ...]:
     """One group's assignment repeated for `groups` groups on consecutive blocks of ranks."""
     width = len(assignment)
     return tuple(replace(a, rank=g * width + a.rank, group=g)
                  for g in range(groups) for a in assignment)
-
-
 
 
 def lowered_schedule(plan: Plan) -> Schedule:

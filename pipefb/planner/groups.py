@@ -13,9 +13,8 @@ the planner then runs the full search (partition, policy under the caps, simulat
 the model's shortlist and keeps the fastest simulated one. The shortlist is the best
 `TOP_BY_MODEL` values of G by the model and every other G within `MODEL_SLACK` of the
 model's best: the model errs by different amounts for different G (its fill-and-drain
-term is pessimistic for deep 1F1B pipelines: on the 64-worker test profile it is 15%
-over the simulation at G=4 and 5% under at G=64), so near-ties in the model are not
-trusted to rank.
+term is pessimistic for deep 1F1B pipelines, by an amount that depends on G), so
+near-ties in the model are not trusted to rank.
 `exhaustive=True` runs the full search for every G instead: the reference the model's
 choice is measured against (tests/test_groups_planner.py, bench/groups.py).
 """
@@ -29,7 +28,8 @@ from typing import Any
 
 from pipefb.errors import ConfigError, ScheduleError
 from pipefb.plan.plan import Plan, replicate
-from pipefb.planner.search import PlanSearch, best_estimate, search
+from pipefb.planner.candidates import PlanSearch
+from pipefb.planner.search import best_estimate, search
 from pipefb.schedule import KINDS
 from pipefb.sim.cluster import Cluster, group_view, ring_link
 from pipefb.sim.costs import Profile, ring_allreduce_seconds

@@ -43,8 +43,8 @@ MAX_LATENCY_FACTOR = 64.0  # beyond this, waits are not the links' doing: keep 1
 #: whole step, as the measured steps do (a sync step's first waits are for the last one's)
 ITERATIONS = 4
 #: the steps of a run whose action times a fit uses: step 0 warms up (first calls, the
-#: allocator growing); the median over 8 steps, not 3, keeps one stalled step of a run
-#: of 5 ms steps on a shared machine from setting a factor
+#: allocator growing); the median over 8 steps keeps one stalled step of short steps on a
+#: shared machine from setting a factor
 STEPS = range(1, 9)
 
 

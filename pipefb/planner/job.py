@@ -74,9 +74,3 @@ def label(result: GroupSearch) -> str:
     """The chosen plan in a few words, e.g. `1f1b sync, M=4 x 2 groups`."""
     groups = result.best.groups
     return result.search.best.label + (f" x {groups} groups" if groups > 1 else "")
-
-
-
-
-
-

@@ -32,6 +32,7 @@ from pipefb.errors import ConfigError
 from pipefb.plan.migration import holders, moved_bytes, repartitioned
 from pipefb.plan.partition import partition
 from pipefb.plan.plan import Plan
+from pipefb.schedule.kinds import schedule_kind
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,8 @@ class ReplanSettings:
     horizon: int = 100  # steps a move's cost is spread over
     cooldown: int = 10  # steps after a move before the next may be decided
     bandwidth: float = 1e9  # bytes per second a move runs at
-    fixed_seconds: float = 1.0  # a move's cost beyond its bytes (re-assigning every rank;
-    # 0.8-1.0 s on loopback here); replaced by what moves measure (`moved`)
+    fixed_seconds: float = 1.0  # a move's cost beyond its bytes (re-assigning every
+    # rank) until a move measures it (`moved`)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Replanner:
         """Each rank's items under `plan` (group 0)."""
         forward, owner = holders(plan)
         out: dict[int, list[Item]] = {}
-        split = plan.schedule == "pipefb"
+        split = schedule_kind(plan.schedule).split
         for kind, holder in (("F", forward), ("B", owner)) if split else (("C", owner),):
             for (group, layer), rank in holder.items():
                 if group == 0:
@@ -229,7 +230,7 @@ class Replanner:
         same."""
         topo = self.plan.topology(0)
         n = len(self.forward)
-        if self.plan.schedule == "pipefb":
+        if schedule_kind(self.plan.schedule).separate_partitions:
             fwd = self._split([costs[("F", i)] for i in range(n)], topo.forward_workers, slow)
             bwd = self._split([costs[("B", i)] for i in range(n)], topo.backward_workers, slow)
         else:

@@ -2,18 +2,22 @@
 activation policy for a cluster, by simulated step time under each worker's memory cap.
 
 A pure function of a layer profile and a cluster description (`search`); it returns the
-best plan, the runners-up and why each lost.
+best plan, the runners-up and why each lost. This module runs the search; the candidates
+and answers are `pipefb.planner.candidates`, partitions `pipefb.planner.balance`, policies
+`pipefb.planner.policy` and the ranking estimate `pipefb.planner.estimate`.
 
 [Note: search]
 For every schedule kind the job's mode allows, every micro-batch count (divisors of the
-batch size), and for PipeFB every split of the workers into forward and backward roles:
-1. partition: `plan.partitions` balances each pass's per-layer time (at the profile's
-   micro-batch size, one table for every stage count) over its workers' speeds (forward
-   + backward on combined kinds; PipeFB's forward stages by forward time plus the stash
-   put, its backward stages by backward time plus the fetch), each stage also paying the
-   bytes that cross its two boundaries over the pass's slowest link (`cut_seconds`: the
-   activation forward, its gradient backward, both on combined kinds), so a cut avoids a
-   layer with a large output (a head's logits) when a cheaper one balances as well;
+batch size), and for a kind that splits the passes (PipeFB) every split of the workers
+into forward and backward roles:
+1. partition: `pipefb.plan.partition.partitions` balances each pass's per-layer time (at
+   the profile's micro-batch size, one table for every stage count) over its workers'
+   speeds (forward + backward on combined kinds; PipeFB's forward stages by forward time
+   plus the stash put, its backward stages by backward time plus the fetch), each stage
+   also paying the bytes that cross its two boundaries over the pass's slowest link
+   (`Balancer.cut_seconds`: the activation forward, its gradient backward, both on
+   combined kinds), so a cut avoids a layer with a large output (a head's logits) when a
+   cheaper one balances as well;
 2. policy: combined kinds keep everything; PipeFB offloads each layer unless re-running
    its forward is cheaper than moving its saved tensors through the store; while a worker's
    simulated peak exceeds its cap, its layers switch to offload or recompute, whichever
@@ -26,46 +30,53 @@ batch size), and for PipeFB every split of the workers into forward and backward
    layer at a time while the simulated step time improves, and the fastest refined plan
    wins; refined plans within `TIE` of it count as equally fast, and the one with the
    lowest peak memory among them wins (the highest rank's peak, then the sum of all).
-   The simulator does not price a larger footprint (allocation, caches): on this
-   machine a 4-worker `gpt` ran 15% slower under GPipe, with several times 1F1B's peak,
-   while the two simulated within 1-3% of each other, an order profile noise flips.
+   The simulator does not price a larger footprint (allocation, caches), and step times
+   this close are within the noise of a profile, so between them the smaller footprint
+   is the safer choice.
 A candidate whose simulation deadlocks, or which cannot fit a cap, is refused with the
 reason.
 
 Cost: partitions are O(k n^2) each with boundary costs (n layers, k stages; one n x n
-tensor operation per stage count, about 15 ms for 200 layers on 64 stages) and cached per
-(pass, stage speeds, boundary costs); 200 layers on 64 workers plan in about 1 second,
-nearly all of it simulation (see [Note: collector]).
+tensor operation per stage count) and cached per (pass, stage speeds, boundary costs);
+nearly all of a search's time is simulation, which `EVENT_BUDGET` bounds (see
+[Note: collector]).
 
 [Note: collector]
 A search allocates a few hundred thousand small objects (simulated actions, the lowered
 lists its simulations keep), and each of CPython's full collections rescans every object
-of the process: with torch imported, about 170k before a search starts. On 200 layers and
-64 workers the full collections took 0.17-0.25 s of 1.2 s, so `search` pauses the cyclic
-collector while it runs (reference counting still frees everything at once); the last of
-searches running at once in several threads restores it as the first found it. The
-simulator's spans are atoms-only tuples (`simulate._Record`) for the same reason: the
-collector stops tracking them.
+of the process, torch's included, so the collections those allocations trigger would take
+a large share of a search. `search` therefore pauses the cyclic collector while it runs
+(reference counting still frees everything at once); the last of searches running at
+once in several threads restores it as the first found it. The simulator's spans are
+atoms-only tuples (`pipefb.sim.result.Record`) for the same reason: the collector stops tracking
+them.
 """
 
 from __future__ import annotations
 
 import gc
-import itertools
 import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from pipefb.errors import ConfigError, ScheduleError
-from pipefb.job.config import SCHEDULE_MODES
-from pipefb.plan.partition import partitions
-from pipefb.plan.plan import Plan, WorkerAssignment, recompute_runs
-from pipefb.schedule import KINDS, Topology
-from pipefb.sim.cluster import Cluster, Link, slowest_hop
-from pipefb.sim.costs import Profile, kept_bytes
+from pipefb.plan.plan import Plan
+from pipefb.planner.balance import Balancer
+from pipefb.planner.candidates import (
+    Candidate,
+    PlanSearch,
+    SearchSpace,
+    forward_splits,
+    kinds_in_mode,
+    microbatch_choices,
+)
+from pipefb.planner.estimate import estimate
+from pipefb.planner.policy import initial_policy, relieve
+from pipefb.schedule import KINDS, schedule_kind
+from pipefb.sim.cluster import Cluster
+from pipefb.sim.costs import Profile
 from pipefb.sim.result import Simulation
 from pipefb.sim.simulate import simulate
 
@@ -73,200 +84,58 @@ MEMORY_MARGIN = 0.9  # plans use at most this share of a cap: the model is not e
 FINALISTS = 3  # the fastest simulated candidates whose stage boundaries are refined
 TIE = 0.01  # simulated step times this close are equal: the lower peak memory wins
 EVENT_BUDGET = 30_000  # simulated actions the search may spend on ranking candidates
-MAX_MICROBATCH_CHOICES = 6
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One plan the search considered, with its simulated outcome."""
-
-    plan: Plan
-    step_seconds: float  # simulated; inf when refused or not simulated
-    estimate_seconds: float  # the analytic estimate that ranked it
-    peak_memory: dict[int, int] = field(default_factory=dict)  # by rank, simulated
-    bubble_fraction: float = 0.0
-    note: str = ""  # why it lost or was refused ("" for the best)
-
-    @property
-    def label(self) -> str:
-        """e.g. `pipefb 2F+2B x8` or `1f1b x4`."""
-        p = self.plan
-        if p.schedule == "pipefb":
-            n_f = len(p.forward_partition) - 1
-            roles = f" {n_f}F+{len(p.backward_partition) - 1}B"
-            mode = f" {p.mode}" + (f" S={p.staleness}" if p.mode == "async" else "")
-        else:
-            roles, mode = "", ""
-        return f"{p.schedule}{mode}{roles} x{p.microbatches}"
-
-    def row(self) -> dict[str, Any]:
-        """The candidate as one JSON-able table row."""
-        return {"candidate": self.label, "step_seconds": self.step_seconds,
-                "estimate_seconds": self.estimate_seconds,
-                "peak_memory_bytes": max(self.peak_memory.values(), default=0),
-                "bubble_fraction": self.bubble_fraction, "note": self.note,
-                "forward_partition": list(self.plan.forward_partition),
-                "backward_partition": list(self.plan.backward_partition),
-                "policy": _policy_summary(self.plan.policy)}
-
-
-@dataclass(frozen=True)
-class PlanSearch:
-    """The planner's answer: the best plan, its simulation, and every candidate."""
-
-    best: Candidate
-    simulation: Simulation
-    candidates: tuple[Candidate, ...]  # best first, then by simulated, then estimated time
-    simulated_actions: int = 0  # the work the search did: actions it simulated in all
-
-    @property
-    def plan(self) -> Plan:
-        """The chosen plan, with its predicted step time."""
-        return self.best.plan
-
-
-@dataclass(frozen=True)
-class _Space:
-    profile: Profile  # at the job's micro-batch size
-    cluster: Cluster
-    batch_size: int
-    staleness: int
-
-
-def microbatch_choices(batch_size: int, workers: int, limit: int = MAX_MICROBATCH_CHOICES
-                       ) -> list[int]:
-    """Divisors of the batch size up to 4x the workers, at most `limit`, spread out."""
-    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-    useful = [d for d in divisors if d <= max(4 * workers, 1)] or [1]
-    if len(useful) <= limit:
-        return useful
-    step = (len(useful) - 1) / (limit - 1)
-    return sorted({useful[round(i * step)] for i in range(limit)})
-
-
-def _kinds(schedules: Sequence[str], mode: str) -> list[tuple[str, str]]:
-    out = []
-    for kind in schedules:
-        if kind not in KINDS:
-            raise ConfigError(f"unknown schedule {kind!r}; the planner knows {KINDS}")
-        if mode in SCHEDULE_MODES[kind]:
-            out.append((kind, mode))
-    if not out:
-        raise ConfigError(f"no schedule among {list(schedules)} runs in mode {mode!r}")
-    return out
-
-
-def _splits(workers: int, profile: Profile) -> list[int]:
-    """Forward worker counts to try for PipeFB: all for small clusters, else around the
-    forward share of the work."""
-    if workers < 2:
-        return []
-    if workers <= 8:
-        return list(range(1, workers))
-    fwd = sum(x.forward_seconds for x in profile.layers)
-    total = fwd + sum(x.backward_seconds for x in profile.layers)
-    centre = round(workers * fwd / total) if total > 0 else workers // 2
-    return sorted({min(workers - 1, max(1, centre + d)) for d in range(-2, 3)})
 
 
 class _Planner:
-    """One search; caches partitions (per pass and stage speeds) and simulations."""
+    """One search: builds candidates (`Balancer`, `pipefb.planner.policy`), and caches
+    their estimates and simulations, counting the simulated actions."""
 
-    def __init__(self, space: _Space) -> None:
+    def __init__(self, space: SearchSpace) -> None:
         self.space = space
-        self.partitions: dict[tuple[Any, ...], list[tuple[int, ...]]] = {}
+        self.balancer = Balancer(space)
         self.sims: dict[Plan, Simulation | ScheduleError] = {}
         self.estimates: dict[Plan, float] = {}
         self.events = 0
 
     # -- building candidates ---------------------------------------------------------------
 
-    def layer_times(self, which: str, policy: Sequence[str], microbatch: int) -> list[float]:
-        """`pass_times` of this search's profile at `microbatch` samples and its store."""
-        return pass_times(self.space.profile.at(microbatch), self.space.cluster.store,
-                          policy, which)
-
-    def split_partition(self, times: list[float], ranks: Sequence[int], which: str
-                        ) -> tuple[int, ...]:
-        """Balanced stages of `times`, and of the `which` pass's boundary transfers, over
-        the workers `ranks`; one dynamic program serves every stage count when the workers
-        are equally fast."""
-        speeds = [self.space.cluster.workers[r].speed for r in ranks]
-        cuts = self.cut_seconds(which, ranks)
-        uniform = len(set(speeds)) == 1
-        key = (tuple(times), tuple(cuts), speeds[0] if uniform else tuple(speeds))
-        if key not in self.partitions:
-            n = min(len(times), self.space.cluster.size) if uniform else len(speeds)
-            self.partitions[key] = partitions(times, n, speeds[:1] * n if uniform else speeds,
-                                              cuts)
-        return self.partitions[key][len(ranks) - 1]
-
-    def cut_seconds(self, which: str, ranks: Sequence[int]) -> list[float]:
-        """Per boundary before layer c (c = 0..n), the seconds a stage next to it spends per
-        micro-batch (at the profile's size) moving what crosses it over the slowest link
-        between consecutive `ranks`: the activation in the forward pass, its gradient in
-        the backward, both on combined kinds; nothing crosses the model's ends."""
-        per = 2 if which == "combined" else 1
-        bandwidth = self.bandwidth(ranks)
-        layers = self.space.profile.layers
-        return [0.0, *(per * x.output_bytes / bandwidth for x in layers[:-1]), 0.0]
-
-    def bandwidth(self, ranks: Sequence[int]) -> float:
-        """Bytes per second of the slowest link between consecutive `ranks` (inf: one)."""
-        return slowest_hop(self.space.cluster, itertools.pairwise(ranks)).bandwidth
-
     def build(self, kind: str, mode: str, microbatches: int, n_fwd: int,
               policy: Sequence[str]) -> Plan:
-        """A plan of `kind` with balanced partitions for the given policy."""
-        n = self.space.cluster.size
-        mb = self.space.batch_size // microbatches
-        ref = self.space.profile.microbatch_size  # one partition table for every count
-        if kind == "pipefb":
-            fwd_ranks, bwd_ranks = range(n_fwd), range(n_fwd, n)
-            fwd = self.split_partition(self.layer_times("forward", policy, ref), fwd_ranks,
-                                       "forward")
-            bwd = self.split_partition(self.layer_times("backward", policy, ref), bwd_ranks,
-                                       "backward")
-            assignment = tuple(WorkerAssignment(r, "forward", r) for r in fwd_ranks) + tuple(
-                WorkerAssignment(r, "backward", s) for s, r in enumerate(bwd_ranks))
-        else:
-            fwd = bwd = self.split_partition(self.layer_times("combined", policy, ref), range(n),
-                                             "combined")
-            assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(n))
-        staleness = self.space.staleness if kind == "pipefb" and mode == "async" else 0
-        return Plan(schedule=kind, microbatches=microbatches, microbatch_size=mb,
-                    forward_partition=fwd, backward_partition=bwd, policy=tuple(policy),
-                    assignment=assignment, mode=mode, staleness=staleness)
+        """`Balancer.build`: a plan of `kind` with balanced partitions for `policy`."""
+        return self.balancer.build(kind, mode, microbatches, n_fwd, policy)
 
     def initial_policy(self, kind: str, microbatches: int) -> list[str]:
-        """keep on combined kinds; PipeFB: offload, or recompute where re-running the
-        forward is cheaper than moving what it frees through the store (alone, joining the
-        run before it, or starting a run with the layer before: a loss whose saved tensor is
-        its input is only worth recomputing together with the head that makes it)."""
-        if kind != "pipefb":
-            return ["keep"] * self.space.profile.n_layers
-        layers = self.space.profile.at(self.space.batch_size // microbatches).layers
-        bandwidth = self.space.cluster.store.bandwidth
-        out: list[str] = []
-        for i, x in enumerate(layers):
-            joins = bool(out) and out[-1] == "recompute"
-            if x.forward_seconds < (x.saved_bytes - kept_bytes(x, "recompute", not joins)
-                                    ) / bandwidth:
-                out.append("recompute")
-                continue
-            prev = layers[i - 1] if i else None
-            if prev is not None and out[-1] == "offload" and (
-                    prev.forward_seconds + x.forward_seconds
-                    < (prev.saved_bytes - prev.input_bytes + x.saved_bytes) / bandwidth):
-                out[-1] = "recompute"
-                out.append("recompute")
-                continue
-            out.append("offload")
+        """`pipefb.planner.policy.initial_policy` in this search's space."""
+        return initial_policy(self.space, kind, microbatches)
+
+    def relieve(self, plan: Plan, over: dict[int, int]) -> list[str] | None:
+        """`pipefb.planner.policy.relieve` in this search's space."""
+        return relieve(self.space, plan, over)
+
+    def candidates(self, kinds: list[tuple[str, str]], microbatches: Sequence[int]
+                   ) -> list[Plan]:
+        """The first plan of every (kind, mode), micro-batch count and role split."""
+        n = self.space.cluster.size
+        out = []
+        for kind, mode in kinds:
+            splits = (forward_splits(n, self.space.profile) if schedule_kind(kind).split
+                      else [n])
+            for m in microbatches:
+                policy = self.initial_policy(kind, m)
+                for n_fwd in splits:
+                    out.append(self.build(kind, mode, m, n_fwd, policy))
         return out
 
     # -- simulating -------------------------------------------------------------------------
 
+    def estimate(self, plan: Plan) -> float:
+        """`pipefb.planner.estimate.estimate`, cached."""
+        if plan not in self.estimates:
+            self.estimates[plan] = estimate(self.space, plan)
+        return self.estimates[plan]
+
     def simulate(self, plan: Plan) -> Simulation | ScheduleError:
+        """The plan's simulation (or why it cannot run), cached; counts its actions."""
         if plan not in self.sims:
             self.events += _events(plan)
             try:
@@ -305,101 +174,9 @@ class _Planner:
             plan = self.build(plan.schedule, plan.mode, plan.microbatches, n_fwd, policy)
         return plan, None, "refused: memory plan did not converge"
 
-    def relieve(self, plan: Plan, over: dict[int, int]) -> list[str] | None:
-        """The policy with one more change per over-cap worker: a kept layer offloaded, or
-        a layer recomputed (alone or with the layer before it, as one run), whichever frees
-        the most bytes per second of extra time; None if no change frees anything."""
-        prof = self.space.profile.at(plan.microbatch_size)
-        store = self.space.cluster.store
-        policy, changed = list(plan.policy), False
-        topology = plan.topology()
-        for r in over:
-            layers = _layers_of_rank(topology, r)
-            held = _held_bytes(plan, policy, layers, prof)
-            options: list[tuple[float, tuple[int, ...], str]] = []
-            for i in layers:
-                x = prof.layers[i]
-                if policy[i] == "keep" and x.saved_bytes > 0:
-                    options.append((x.saved_bytes / max(2 * store.seconds(x.saved_bytes), 1e-12),
-                                    (i,), "offload"))
-                for run in ((i,), (i - 1, i)):
-                    if run[0] not in layers or all(policy[j] == "recompute" for j in run):
-                        continue
-                    trial = [("recompute" if j in run else p) for j, p in enumerate(policy)]
-                    freed = held - _held_bytes(plan, trial, layers, prof)
-                    extra = sum(prof.layers[j].forward_seconds for j in run
-                                if policy[j] != "recompute")
-                    if freed > 0:
-                        options.append((freed / max(extra, 1e-12), run, "recompute"))
-            if options:
-                _, best, new = max(options)
-                for j in best:
-                    policy[j] = new
-                changed = True
-        return policy if changed else None
-
-    # -- the search -------------------------------------------------------------------------
-
-    def estimate(self, plan: Plan) -> float:
-        """Analytic step time: fill and drain plus the bottleneck per micro-batch."""
-        if plan not in self.estimates:
-            self.estimates[plan] = self._estimate(plan)
-        return self.estimates[plan]
-
-    def _estimate(self, plan: Plan) -> float:
-        prof = self.space.profile.at(plan.microbatch_size)
-        c, t = self.space.cluster, plan.topology()
-        speed = [w.speed for w in c.workers]
-        policy = plan.policy
-
-        fwd_link = self.bandwidth(t.forward_workers)
-        bwd_link = self.bandwidth(t.backward_workers)
-
-        def f_time(s: int) -> float:
-            layers = t.layers_of_forward(s)
-            moved = sum(kept_bytes(prof.layers[i], policy[i]) for i in layers)
-            store = c.store.seconds(moved) if t.is_split else 0.0
-            return ((prof.forward_seconds(layers) + store) / speed[t.forward_workers[s]]
-                    + _boundary_bytes(prof, layers) / fwd_link)
-
-        def b_time(s: int) -> float:
-            layers = t.layers_of_backward(s)
-            rec = [i for i in layers if policy[i] == "recompute"]
-            moved = sum(kept_bytes(prof.layers[i], policy[i]) for i in layers)
-            store = c.store.seconds(moved) if t.is_split or "offload" in policy else 0.0
-            return ((prof.backward_seconds(layers) + prof.forward_seconds(rec) + store
-                     ) / speed[t.backward_workers[s]]
-                    + _boundary_bytes(prof, layers) / bwd_link)
-
-        fs = [f_time(s) for s in range(t.n_forward_stages)]
-        bs = [b_time(s) for s in range(t.n_backward_stages)]
-        hop = c.network.latency + 2 * c.action_overhead
-        m = plan.microbatches
-        if t.is_split:
-            bottleneck = max(max(fs), max(bs))
-            fill = sum(fs) + sum(bs) + (len(fs) + len(bs)) * hop
-        else:
-            bottleneck = max(f + b for f, b in zip(fs, bs, strict=True))
-            fill = sum(fs) + sum(bs) + 2 * len(fs) * hop
-        if plan.mode == "async":
-            return m * bottleneck + c.step_overhead
-        return (m - 1) * bottleneck + fill + c.step_overhead
-
-    def candidates(self, kinds: list[tuple[str, str]], microbatches: Sequence[int]
-                   ) -> list[Plan]:
-        n = self.space.cluster.size
-        out = []
-        for kind, mode in kinds:
-            splits = _splits(n, self.space.profile) if kind == "pipefb" else [n]
-            for m in microbatches:
-                policy = self.initial_policy(kind, m)
-                for n_fwd in splits:
-                    out.append(self.build(kind, mode, m, n_fwd, policy))
-        return out
-
     def refine(self, plan: Plan, sim: Simulation) -> tuple[Plan, Simulation]:
         """Moves stage boundaries one layer at a time while the simulated time improves
-        and every cap holds (see [Note: search], step 3)."""
+        and every cap holds (see [Note: search], step 4)."""
         improved = True
         while improved:
             improved = False
@@ -415,59 +192,11 @@ class _Planner:
         return plan, sim
 
 
-
-def pass_times(profile: Profile, store: Link, policy: Sequence[str], which: str
-               ) -> list[float]:
-    """Per-layer time of one pass (combined, forward or backward) that partitions balance
-    (see [Note: search], step 1): compute, recompute, store traffic, and loading the
-    micro-batch, which the forward of the first layer's and the loss layer's stages pays
-    (as simulated; once when one stage holds both)."""
-    out = []
-    for i, x in enumerate(profile.layers):
-        data = profile.load_seconds(range(i, i + 1)) if which != "backward" else 0.0
-        recompute = x.forward_seconds if policy[i] == "recompute" else 0.0
-        # inside a run of recomputed layers nothing moves (stage cuts, unknown here,
-        # start a run too: one input per stage is left out)
-        starts = i == 0 or policy[i - 1] != "recompute"
-        moved = kept_bytes(x, policy[i], starts)
-        if which == "combined":
-            offload = 2 * store.seconds(moved) if policy[i] == "offload" else 0.0
-            out.append(data + x.forward_seconds + x.backward_seconds + recompute + offload)
-        elif which == "forward":
-            out.append(data + x.forward_seconds + moved / store.bandwidth)
-        else:
-            out.append(x.backward_seconds + recompute + moved / store.bandwidth)
-    return out
-
-
-def _boundary_bytes(profile: Profile, layers: Sequence[int]) -> int:
-    """Bytes crossing the two boundaries of a stage of contiguous `layers` per micro-batch
-    and pass: its input from the stage before and its output to the one after (an
-    activation forward, its gradient backward)."""
-    first, last = layers[0], layers[-1]
-    return ((profile.layers[first - 1].output_bytes if first > 0 else 0)
-            + (profile.layers[last].output_bytes if last < profile.n_layers - 1 else 0))
-
-
-def _held_bytes(plan: Plan, policy: list[str], layers: list[int], prof: Profile) -> int:
-    """Bytes `layers` hold per micro-batch for their backward under `policy`."""
-    runs = recompute_runs(replace(plan, policy=tuple(policy)))
-    return sum(kept_bytes(prof.layers[i], policy[i], runs.get(i) == i) for i in layers)
-
-
-def _layers_of_rank(topology: Topology, rank: int) -> list[int]:
-    out: set[int] = set()
-    if rank in topology.forward_workers:
-        out |= set(topology.layers_of_forward(topology.forward_workers.index(rank)))
-    if rank in topology.backward_workers:
-        out |= set(topology.layers_of_backward(topology.backward_workers.index(rank)))
-    return sorted(out)
-
-
 def _neighbours(plan: Plan) -> list[Plan]:
     """Plans with one stage boundary moved by one layer (both passes on combined kinds)."""
     out = []
-    combined = plan.forward_partition == plan.backward_partition and plan.schedule != "pipefb"
+    combined = (plan.forward_partition == plan.backward_partition
+                and not schedule_kind(plan.schedule).separate_partitions)
     for which in ("forward", "backward") if not combined else ("both",):
         bounds = plan.backward_partition if which == "backward" else plan.forward_partition
         for j in range(1, len(bounds) - 1):
@@ -489,20 +218,13 @@ def _neighbours(plan: Plan) -> list[Plan]:
 def _events(plan: Plan) -> int:
     """About how many actions simulating the plan executes (the search's budget unit)."""
     stages = len(plan.forward_partition) - 1 + (
-        len(plan.backward_partition) - 1 if plan.schedule == "pipefb" else 0)
+        len(plan.backward_partition) - 1 if schedule_kind(plan.schedule).split else 0)
     iterations = 2 if plan.mode == "sync" else 5 + plan.staleness
     return stages * plan.microbatches * 4 * iterations
 
 
 def _gb(nbytes: float) -> str:
     return "unbounded" if not math.isfinite(nbytes) else f"{nbytes / 1e9:.3g} GB"
-
-
-def _policy_summary(policy: Sequence[str]) -> str:
-    """`keep` for uniform policies, else counts, e.g. `offload 10, recompute 2`."""
-    counts = {p: policy.count(p) for p in dict.fromkeys(policy)}
-    return next(iter(counts)) if len(counts) == 1 else ", ".join(
-        f"{p} {n}" for p, n in counts.items())
 
 
 def search(profile: Profile, cluster: Cluster, batch_size: int, *,
@@ -534,8 +256,8 @@ def search(profile: Profile, cluster: Cluster, batch_size: int, *,
     if bad:
         raise ConfigError(f"micro-batch count {bad[0]} does not divide batch size {batch_size}")
     with _collector_paused():
-        return _search(_Planner(_Space(profile, cluster, batch_size, staleness)),
-                       _kinds(schedules, mode), counts)
+        return _search(_Planner(SearchSpace(profile, cluster, batch_size, staleness)),
+                       kinds_in_mode(schedules, mode), counts)
 
 
 class _Pause:
@@ -642,8 +364,8 @@ def best_estimate(profile: Profile, cluster: Cluster, batch_size: int, *,
     if profile.n_layers < cluster.size:
         raise ConfigError(f"{cluster.size} workers need at least as many layers; the model "
                           f"has {profile.n_layers} (loss included)")
-    planner = _Planner(_Space(profile, cluster, batch_size, staleness))
-    plans = planner.candidates(_kinds(schedules, mode),
+    planner = _Planner(SearchSpace(profile, cluster, batch_size, staleness))
+    plans = planner.candidates(kinds_in_mode(schedules, mode),
                                microbatch_choices(batch_size, cluster.size))
     best = min(plans, key=planner.estimate)
     return best, planner.estimate(best)

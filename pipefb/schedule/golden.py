@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipefb.schedule.generators import generate
 from pipefb.schedule.grid import format_grid, format_table
 from pipefb.schedule.ir import Topology
+from pipefb.schedule.kinds import generate
 from pipefb.schedule.lowering import lower
 from pipefb.schedule.validate import dry_run
 
