@@ -34,7 +34,7 @@ from pipefb.profile.profiler import (
     second_size,
 )
 from pipefb.runtime.execs import SplitExec
-from pipefb.runtime.stage import _needs_grad
+from pipefb.runtime.execs import needs_grad as _needs_grad
 from pipefb.sim.costs import Profile, uniform_profile
 from protos import server, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, profile_from_proto, profile_to_proto

@@ -104,8 +104,7 @@ from pipefb.job.data import Dataset, build_dataset
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
 from pipefb.job.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
 from pipefb.memory import tensor_bytes
-from pipefb.runtime.execs import Saved, SplitExec
-from pipefb.runtime.stage import _needs_grad  # the runtime's input-grad rule, shared on purpose
+from pipefb.runtime.execs import Saved, SplitExec, needs_grad
 from pipefb.runtime.versions import WeightVersions
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.sim.costs import LayerProfile, Profile
@@ -255,7 +254,7 @@ def _pipeline(seq: _Sequence, dataset: Dataset, size: int, timed: range, stop: i
     the layers in `timed`, last layer first; times from the rounds after `warmup`, each
     call's from cold caches ([Note: cold caches])."""
     device = seq.inputs.device
-    executors = [SplitExec(seq.layers[i], seq.specs[i], _needs_grad(i, seq.specs[i]), device)
+    executors = [SplitExec(seq.layers[i], seq.specs[i], needs_grad(i, seq.specs[i]), device)
                  for i in range(stop)]
     samples = _Samples({}, {}, {}, [], {})
     for r in range(warmup + repeats):
@@ -568,7 +567,7 @@ def _analytic_layer(seq: _Sequence, i: int, out: TensorSpec, device: _Device, se
                     ) -> LayerProfile:
     """Layer i's row from its FLOPs, its bytes and the device's rates."""
     layer, specs = seq.layers[i], seq.specs[i]
-    needs = _needs_grad(i, specs)
+    needs = needs_grad(i, specs)
     forward_flops, backward_flops = layer_flops(layer, specs, needs)
     inputs = sum(s.nbytes for s in specs)
     input_grads = sum(s.nbytes for s, g in zip(specs, needs, strict=True) if g)
