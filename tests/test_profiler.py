@@ -23,8 +23,8 @@ from pipefb.job.data import build_dataset
 from pipefb.job.shapes import TensorSpec, infer_input_specs, spec_of
 from pipefb.memory import tensor_bytes
 from pipefb.processes import Process
-from pipefb.profile import profiler
-from pipefb.profile.profiler import (
+from pipefb.profile import measure as profiler
+from pipefb.profile.measure import (
     analytic_profile,
     fixed_part,
     layer_flops,
