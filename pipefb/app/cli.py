@@ -294,7 +294,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_profile(job: JobConfig, args: argparse.Namespace, workers: int) -> Profile:
     """The layer profile `pipefb plan` uses: measured here or analytic."""
-    from pipefb.profile.measure import analytic_profile, measure_profile
+    from pipefb.profile.analytic import analytic_profile
+    from pipefb.profile.measure import measure_profile
 
     if args.profile == "analytic":
         return analytic_profile(job, job.microbatch_size, args.flops, args.memory_bandwidth)

@@ -46,7 +46,9 @@ class StageRuntime:
 
     def __init__(self, job: JobConfig, plan: Plan, rank: int, transport: Transport,
                  reducer: Reducer | None = None) -> None:
-        """Raises:
+        """Places rank `rank` in `plan` and builds its layers, executors and state.
+
+        Raises:
             ConfigError: the plan gives `rank` no stage.
         """
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
