@@ -132,8 +132,8 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
     device. Each time is the mean over `repeats` rounds of `IN_FLIGHT` micro-batches, after
     `warmup` untimed rounds (on CUDA each call waits for its kernels); the fixed parts
     come from the same timed at `second_size(microbatch_size, job.batch_size)` samples
-    ([Note: fixed part]). The torch thread count is the caller's; the caller's random
-    generator state is left unchanged.
+    ([Note: fixed part] in pipefb.profile.scaling). The torch thread count is the
+    caller's; the caller's random generator state is left unchanged.
 
     Args:
         job: the job whose layers, data, seed and optimizer to profile.

@@ -11,7 +11,7 @@ from pipefb.job.shapes import TensorSpec, infer_input_specs, spec_of
 
 class MicroBatches:
     """Inputs and targets of a rank's micro-batches; micro-batch m of its group is the
-    step's micro-batch `offset + m` ([Note: groups] in pipefb.runtime.stage)."""
+    step's micro-batch `offset + m` ([Note: groups] in pipefb.runtime.place)."""
 
     def __init__(self, job: JobConfig, size: int, offset: int, device: torch.device) -> None:
         self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
