@@ -50,7 +50,7 @@ from bench.schedules import GPU_MODEL, peak_bars, rank_peaks
 from bench.stats import error_bars, fmt, summary
 from pipefb.job.config import JobConfig
 from pipefb.planner.candidates import Candidate
-from pipefb.profile.profiler import measure_profile
+from pipefb.profile.measure import measure_profile
 from pipefb.runtime.reference import SingleProcess
 from pipefb.sim.cluster import Cluster, Link
 from pipefb.sim.simulate import simulate

@@ -110,7 +110,7 @@ QUICK_SCENARIO = Scenario({"n_layer": 24, "n_embd": 128, "n_head": 4, "block_siz
 def gpt_profile(sc: Scenario) -> Profile:
     """The scenario's analytic profile: one block profiled, its row repeated n_layer times,
     fixed parts set to launch plus parameter traffic (see [Note: planner bench scenario])."""
-    from pipefb.profile.profiler import analytic_profile
+    from pipefb.profile.analytic import analytic_profile
 
     cfg = sc.model_config
     job = JobConfig(model="gpt", dataset="synthetic", loss="cross_entropy", schedule="gpipe",

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig
-from pipefb.profile.profiler import REPEATS, WARMUP, median_profile, relative_speeds
+from pipefb.profile.measure import REPEATS, WARMUP
+from pipefb.profile.summary import median_profile, relative_speeds
 from pipefb.sim.costs import Profile
 from protos import worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, profile_from_proto

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig, parse_json_object
 from pipefb.plan.plan import Plan, WorkerAssignment
-from pipefb.profile.profiler import REPEATS, WARMUP
+from pipefb.profile.measure import REPEATS, WARMUP
 from pipefb.sim.costs import LayerProfile, Profile
 from protos import job_pb2, worker_pb2
 
@@ -82,7 +82,7 @@ def plan_from_proto(msg: job_pb2.Plan) -> Plan:
 
 @dataclass(frozen=True)
 class ProfileQuery:
-    """What a Profile request asks: the arguments of `pipefb.profile.profiler.measure_profile`."""
+    """What a Profile request asks: the arguments of `pipefb.profile.measure.measure_profile`."""
 
     job: JobConfig
     microbatch_size: int

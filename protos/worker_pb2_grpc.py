@@ -160,7 +160,7 @@ class StageWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Profile(self, request, context):
-        """Times every layer of a job on this worker (pipefb.profile.profiler.measure_profile): forward and
+        """Times every layer of a job on this worker (pipefb.profile.measure.measure_profile): forward and
         backward through the split executor a rank runs, their bytes, and one optimizer step.
         Independent of any assignment; it shares the worker's cores with a running job.
         """

@@ -22,8 +22,8 @@ from pipefb.job.shapes import infer_input_specs, spec_of
 from pipefb.memory import tensor_bytes
 from pipefb.runtime.evaluate import evaluate
 from pipefb.runtime.execs import SplitExec
+from pipefb.runtime.execs import needs_grad as _needs_grad
 from pipefb.runtime.reference import SingleProcess
-from pipefb.runtime.stage import _needs_grad
 from pipefb.schedule import Action
 from protos.convert import plan_from_proto
 from tests.conftest import store_client, worker_threads

@@ -24,7 +24,7 @@ from pipefb.job.config import JobConfig
 from pipefb.plan.partition import balanced_plan
 from pipefb.plan.plan import schedule_for
 from pipefb.runtime.reference import SingleProcess
-from pipefb.runtime.stage import weights_digest
+from pipefb.runtime.state import weights_digest
 from protos import coordinator_pb2
 from tests.conftest import worker_threads
 from tests.test_async import assert_store_and_versions_empty

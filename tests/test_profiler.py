@@ -23,18 +23,13 @@ from pipefb.job.data import build_dataset
 from pipefb.job.shapes import TensorSpec, infer_input_specs, spec_of
 from pipefb.memory import tensor_bytes
 from pipefb.processes import Process
-from pipefb.profile import profiler
-from pipefb.profile.profiler import (
-    analytic_profile,
-    fixed_part,
-    layer_flops,
-    measure_profile,
-    median_profile,
-    relative_speeds,
-    second_size,
-)
+from pipefb.profile import measure as profiler
+from pipefb.profile.analytic import analytic_profile, layer_flops
+from pipefb.profile.measure import measure_profile
+from pipefb.profile.scaling import fixed_part, second_size
+from pipefb.profile.summary import median_profile, relative_speeds
 from pipefb.runtime.execs import SplitExec
-from pipefb.runtime.stage import _needs_grad
+from pipefb.runtime.execs import needs_grad as _needs_grad
 from pipefb.sim.costs import Profile, uniform_profile
 from protos import server, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, profile_from_proto, profile_to_proto

@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from offload_store import StoreStats
 from pipefb.memory import KINDS
-from pipefb.runtime.stage import StepResult
+from pipefb.runtime.result import StepResult
 
 # Seconds of one F or B action (or a B's recompute): tiny layers take well under a
 # millisecond on a cpu, a large stage seconds.

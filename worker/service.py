@@ -21,7 +21,7 @@ from pipefb.errors import Aborted, CodecError, ConfigError, WorkerFailed
 from pipefb.job.config import job_device
 from pipefb.plan.migration import takeover
 from pipefb.plan.plan import Plan
-from pipefb.profile.profiler import measure_profile
+from pipefb.profile.measure import measure_profile
 from pipefb.runtime.allreduce import GroupAllReduce, rendezvous_key
 from pipefb.runtime.checkpoint import rank_file, resolve_under
 from pipefb.runtime.stage import StageRuntime

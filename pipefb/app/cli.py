@@ -295,7 +295,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_profile(job: JobConfig, args: argparse.Namespace, workers: int) -> Profile:
     """The layer profile `pipefb plan` uses: measured in this process, or analytic."""
-    from pipefb.profile.profiler import analytic_profile, measure_profile
+    from pipefb.profile.analytic import analytic_profile
+    from pipefb.profile.measure import measure_profile
 
     if args.profile == "analytic":
         return analytic_profile(job, job.microbatch_size, args.flops, args.memory_bandwidth)

@@ -26,6 +26,13 @@ Saved = dict[str, torch.Tensor]
 Params = Sequence[torch.Tensor] | None  # a weight version in module order; None: the live one
 
 
+def needs_grad(layer: int, specs: Sequence[TensorSpec]) -> list[bool]:
+    """Which inputs of layer `layer` of a layer sequence get a gradient: its first, when
+    floating, except at layer 0. Layer 0's input is data and a loss's targets are labels:
+    neither needs a gradient."""
+    return [layer > 0 and j == 0 and s.dtype.is_floating_point for j, s in enumerate(specs)]
+
+
 class LayerExec(Protocol):
     """Runs one layer; `saved` is whatever the backward of that micro-batch needs."""
 

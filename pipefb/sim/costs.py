@@ -1,7 +1,7 @@
 """Layer cost profiles: what each layer costs in time and bytes, as the planner sees it.
 
 A `Profile` holds one `LayerProfile` per layer of the layer sequence (loss included),
-measured (`pipefb.profile.profiler`) or derived from FLOPs and bytes for a device that is not
+measured (`pipefb.profile.measure`) or derived from FLOPs and bytes for a device that is not
 here. Times are per micro-batch of `microbatch_size` samples on the profiled device;
 `at(size)` rescales to another micro-batch size: bytes in proportion to samples, times as
 a fixed part (call overhead) plus a part in proportion to samples.
@@ -27,7 +27,7 @@ class LayerProfile:
         backward_seconds: backward time (input and weight gradients).
         forward_fixed_seconds: the part of `forward_seconds` that does not scale with
             samples: the line through the times at two micro-batch sizes, at zero
-            samples ([Note: fixed part] in pipefb.profile.profiler).
+            samples ([Note: fixed part] in pipefb.profile.scaling).
         backward_fixed_seconds: the same for the backward.
         weight_grad_seconds: the part of `backward_seconds` its weight-grad half takes
             when the backward runs input grads first ([Note: input grads first] in
@@ -74,7 +74,7 @@ class Profile:
         optimizer_seconds_per_byte: optimizer step time per parameter byte it updates.
         optimizer_fixed_seconds: the step's time beyond that, per call on a stage that
             owns parameters (the call's own overhead; [Note: optimizer fixed part] in
-            pipefb.profile.profiler).
+            pipefb.profile.measure).
         optimizer_state_ratio: optimizer state bytes per parameter byte (AdamW: 2).
         source: "measured" or "analytic".
         data_seconds: loading one micro-batch (inputs and targets), which the forward of

@@ -1,0 +1,133 @@
+"""The communication actions of a rank's list: activations, losses and gradients to and from
+its peers, saved tensors to and from the offload store, and weight versions pushed from
+backward to forward ranks. Each handler takes (action, training step, iteration)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import islice
+
+import torch
+
+from pipefb.runtime.flight import InFlight
+from pipefb.runtime.place import RankPlace
+from pipefb.runtime.result import Iteration
+from pipefb.runtime.state import RankState
+from pipefb.runtime.transport import Transport
+from pipefb.schedule import Action, Kind
+
+
+class Exchange:
+    """Moves one rank's tensors through its `Transport`, from and into its `InFlight`."""
+
+    def __init__(self, transport: Transport, place: RankPlace, flight: InFlight,
+                 state: RankState, device: torch.device, steps: int, sync: bool,
+                 stash_layers: Sequence[int], fetch_names: Mapping[int, list[str]]) -> None:
+        self.transport, self.place, self.flight, self.state = transport, place, flight, state
+        self.device, self.steps, self.sync = device, steps, sync
+        self.stash_layers = stash_layers  # layers whose saved tensors STASH puts in the store
+        self.fetch_names = fetch_names  # layer -> names of the saved tensors FETCH takes
+
+    def send_activation(self, action: Action, step: int, it: Iteration) -> None:
+        m, stage = microbatch(action), action.stage
+        dst = self.place.topology.forward_workers[stage + 1]
+        out = self.flight.outputs.pop((step, stage, m))
+        self.transport.send(Kind.RECV_F, dst, step, stage + 1, m, self.state.version,
+                            {"x": out})
+
+    def recv_activation(self, action: Action, step: int, it: Iteration) -> None:
+        m = microbatch(action)
+        got = self.transport.recv(Kind.RECV_F, step, action.stage, m)
+        self.flight.inputs[(step, action.stage, m)] = got["x"].to(self.device)
+
+    def send_loss(self, action: Action, step: int, it: Iteration) -> None:
+        m = microbatch(action)
+        workers = self.place.topology.backward_workers
+        loss = self.flight.outputs.pop((step, action.stage, m))
+        self.transport.send(Kind.RECV_L, workers[-1], step, len(workers) - 1, m,
+                            self.state.version, {"loss": loss})
+
+    def recv_loss(self, action: Action, step: int, it: Iteration) -> None:
+        self.transport.recv(Kind.RECV_L, step, action.stage, microbatch(action))
+
+    def send_grad(self, action: Action, step: int, it: Iteration) -> None:
+        m, stage = microbatch(action), action.stage
+        dst = self.place.topology.backward_workers[stage - 1]
+        grad = self.flight.input_grads.pop((step, stage, m), None)
+        if grad is None:
+            return  # its B sent it already ([Note: input grads first] in pipefb.runtime.stage)
+        self.transport.send(Kind.RECV_B, dst, step, stage - 1, m, self.state.version,
+                            {"g": grad})
+
+    def recv_grad(self, action: Action, step: int, it: Iteration) -> None:
+        m = microbatch(action)
+        got = self.transport.recv(Kind.RECV_B, step, action.stage, m)
+        self.flight.grads[(step, action.stage, m)] = got["g"].to(self.device)
+
+    def _version(self, step: int, stage: int, m: int) -> int:
+        return self.place.forward_version(self.flight.forward_version, step, stage, m)
+
+    def stash(self, action: Action, step: int, it: Iteration) -> None:
+        m = microbatch(action)
+        tensors = {i: self.flight.saved.pop((step, m, i)) for i in self.stash_layers}
+        version = self._version(step, action.stage, m)
+        it.stashed += self.transport.stash(step, self.place.mb_offset + m, version, tensors)
+        self.flight.stashed_here.add((step, m))
+
+    def fetch(self, action: Action, step: int, it: Iteration) -> None:
+        m = microbatch(action)
+        version = self._version(step, action.stage, m)
+        got = self.transport.fetch(step, self.place.mb_offset + m, version, self.fetch_names)
+        for i, stash in got.items():
+            self.flight.saved[(step, m, i)] = {k: t.to(self.device) for k, t in stash.items()}
+        self.flight.stashed_here.discard((step, m))
+
+    def prefetch_next(self, todo: list[tuple[int, Action]], index: int) -> None:
+        """Starts fetching the next FETCH's tensors while this backward runs, when they
+        are already in the store (a combined rank stashed them itself)."""
+        nxt = next(((t, a) for t, a in islice(todo, index + 1, None) if a.kind is Kind.FETCH),
+                   None)
+        if nxt is not None and (nxt[0], microbatch(nxt[1])) in self.flight.stashed_here:
+            step, action = nxt
+            m = microbatch(action)
+            version = self._version(step, action.stage, m)
+            self.transport.prefetch(step, self.place.mb_offset + m, version, self.fetch_names)
+
+    def push_weights(self, action: Action, step: int, it: Iteration) -> None:
+        if self.state.version + self.place.staleness >= self.steps:
+            return  # no forward step uses this version
+        topology = self.place.topology
+        for fwd_stage in topology.forward_stages_overlapping(action.stage):
+            layers = set(topology.layers_of_forward(fwd_stage)) & set(self.place.bwd_layers)
+            tensors = self.state.named_params(sorted(layers))
+            if not tensors:
+                continue  # those layers hold no parameters: their forward never waits for one
+            self.transport.push_weights(topology.forward_workers[fwd_stage],
+                                        self.state.version, tensors)
+        if self.sync:  # the next backward runs with these weights: derive now, while the
+            self.state.prepare()  # forward ranks compute its stash
+
+    def recv_weights(self, action: Action, step: int, it: Iteration) -> None:
+        """Installs the version step `step`'s forward uses: step - staleness (at least 0)."""
+        version = self.place.split_version(step)
+        if version <= self.state.version:
+            return  # version 0: initial weights, identical everywhere by construction
+        names = self.state.param_names(self.place.fwd_layers)
+        self.state.install(version, self.transport.wait_weights(version, names))
+
+    def pending_weights(self, step: int) -> dict[str, torch.Tensor]:
+        """A forward rank's weights of the version step `step` uses, `layers.i.p`: the
+        pushed version waiting in its inbox, or the installed one if it is that version
+        (a migration keeps a forward layer that stays on this rank from here)."""
+        version = self.place.split_version(step)
+        if version <= self.state.version:
+            return self.state.weights_of(self.place.fwd_layers)
+        got = self.transport.wait_weights(version,
+                                          self.state.param_names(self.place.fwd_layers))
+        return {f"layers.{k}": v for k, v in got.items()}
+
+
+def microbatch(action: Action) -> int:
+    """The micro-batch of a compute or communication action."""
+    assert action.microbatch is not None  # the validator guarantees it
+    return action.microbatch

@@ -1,0 +1,251 @@
+"""One rank's weights, optimizer and weight versions: what its actions update and what
+checkpoints, migrations and evaluations read and write."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from pipefb.codec import raw_view
+from pipefb.errors import ConfigError
+from pipefb.job.config import JobConfig
+from pipefb.job.optim import build_optimizer, optimizer_state_bytes
+from pipefb.memory import tensor_bytes
+from pipefb.runtime.allreduce import Reducer
+from pipefb.runtime.checkpoint import (
+    Part,
+    layer_of,
+    load_optimizer,
+    load_rank,
+    optimizer_share,
+    optimizer_tensors,
+    save_rank,
+)
+from pipefb.runtime.execs import LayerExec
+from pipefb.runtime.versions import WeightVersions
+
+
+def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
+    """CRC-32 of the tensors' names and bytes in name order: equal across groups when their
+    copies of a stage are bit-identical.
+
+    A consistency check, not a security one: it runs on the step's critical path, where a
+    cryptographic hash would cost a noticeable share of a small model's step."""
+    crc = 0
+    for name, tensor in sorted(weights.items()):
+        crc = zlib.crc32(raw_view(tensor)[2], zlib.crc32(name.encode(), crc))
+    return f"{crc:08x}"
+
+
+class RankState:
+    """The layers a rank holds (forward and backward), the optimizer of those it owns (its
+    backward layers), their weight version, and the copies kept of older versions.
+
+    Every in-place change of a layer's weights goes through here and tells the layer's
+    executor (`LayerExec.weights_changed`).
+    """
+
+    def __init__(self, job: JobConfig, rank: int, layers: dict[int, torch.nn.Module],
+                 execs: Mapping[int, LayerExec], forward_layers: range, owned_layers: range
+                 ) -> None:
+        self.job, self.rank = job, rank
+        self.layers, self.execs = layers, execs
+        self.fwd_layers, self.bwd_layers = forward_layers, owned_layers
+        self.owned = [p for i in owned_layers for p in layers[i].parameters()]
+        # the largest tensor a migrating peer may send: a parameter or its optimizer state
+        self.max_state_bytes = max((p.numel() * p.element_size() for layer in layers.values()
+                                    for p in layer.parameters()), default=0) + 8
+        self.optimizer = (
+            build_optimizer(job.optimizer, self.owned, job.lr, job.optimizer_config)
+            if self.owned else None  # a stage of parameter-free layers has nothing to update
+        )
+        self.version = 0
+        self.versions = WeightVersions()
+        self._eval_weights: dict[int, dict[str, torch.Tensor]] = {}  # version -> owned weights
+        self._eval_bytes = 0  # of `_eval_weights`, updated where it changes
+        params = [p for layer in layers.values() for p in layer.parameters()]
+        self.param_bytes = tensor_bytes(params)
+        self.param_storage = {p.untyped_storage().data_ptr() for p in params}
+        self.grad_bytes = self.optimizer_bytes = 0  # updated where they change
+
+    def memory(self) -> dict[str, int]:
+        """Bytes by kind: parameters, gradients, optimizer state, kept weight versions."""
+        return {
+            "parameters": self.param_bytes,
+            "gradients": self.grad_bytes,
+            "optimizer_state": self.optimizer_bytes,
+            "weight_versions": self.versions.nbytes + self._eval_bytes,
+        }
+
+    # -- the weights the actions use and change --------------------------------------------
+
+    def params(self, version: int, layer: int) -> list[torch.Tensor] | None:
+        """A layer's parameters at `version`; None for the live (newest) ones."""
+        return None if version == self.version else self.versions.params(version, layer)
+
+    def count_grads(self) -> None:
+        """Counts the owned parameters' gradient bytes (after gradients were accumulated)."""
+        self.grad_bytes = tensor_bytes(p.grad for p in self.owned if p.grad is not None)
+
+    def step(self, needed: set[int], reducer: Reducer | None) -> None:
+        """The optimizer step (OPT): keeps the current version if a later backward needs it
+        (`needed`), sums the gradients across groups (`reducer`), updates the owned
+        weights to the next version and drops the kept versions not `needed`; on the job's
+        `eval_every` cadence keeps a copy of the new version for evaluation."""
+        if self.version in needed:
+            self.versions.keep(self.version, {i: self.layers[i] for i in self.bwd_layers})
+        if self.optimizer is not None:  # None: the stage owns no parameters
+            if reducer is not None:
+                self._sum_gradients_across_groups(reducer)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer_bytes = optimizer_state_bytes(self.optimizer)
+        for i in self.bwd_layers:
+            self.execs[i].weights_changed()
+        self.grad_bytes = 0
+        self.version += 1
+        self.versions.prune(needed)
+        every = self.job.eval_every
+        if every and self.version % every == 0 and self.version < self.job.steps:
+            self._eval_weights[self.version] = {k: v.clone()
+                                                for k, v in self.owned_weights().items()}
+            self._eval_bytes = self._kept_eval_bytes()
+
+    def _sum_gradients_across_groups(self, reducer: Reducer) -> None:
+        """Every group's copy of this stage ends with the step's whole gradient (a parameter
+        no micro-batch touched contributes zeros)."""
+        for p in self.owned:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        reducer.sum_([p.grad for p in self.owned if p.grad is not None])
+
+    def prepare(self) -> None:
+        """Derives now what the owned layers' next backwards need from the current weights."""
+        for i in self.bwd_layers:
+            self.execs[i].prepare()
+
+    def install(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copies a pushed weight version (`{layer}.{param}` names) into the forward layers."""
+        with torch.no_grad():
+            for i in self.fwd_layers:
+                for name, p in self.layers[i].named_parameters():
+                    p.copy_(weights[f"{i}.{name}"])
+                self.execs[i].weights_changed()
+        self.version = version
+
+    # -- names -----------------------------------------------------------------------------
+
+    def named_params(self, layers: Iterable[int]) -> dict[str, torch.Tensor]:
+        """The parameters of `layers`, named `{layer}.{param}` as weight pushes name them."""
+        return {f"{i}.{name}": p.detach()
+                for i in layers for name, p in self.layers[i].named_parameters()}
+
+    def weights_of(self, layers: Iterable[int]) -> dict[str, torch.Tensor]:
+        """The weights of `layers`, named `layers.{i}.{param}` as in rank files."""
+        return {f"layers.{i}.{name}": p.detach()
+                for i in layers for name, p in self.layers[i].named_parameters()}
+
+    def owned_weights(self) -> dict[str, torch.Tensor]:
+        """The weights this rank owns (its backward layers), named `layers.{i}.{param}`."""
+        return self.weights_of(self.bwd_layers)
+
+    def param_names(self, layers: Iterable[int]) -> list[str]:
+        """`{layer}.{param}` of every parameter of `layers`, in order (for the owned
+        layers, the optimizer's order)."""
+        return [f"{i}.{n}" for i in layers for n, _ in self.layers[i].named_parameters()]
+
+    def _owned_names(self) -> list[str]:
+        """`{layer}.{param}` of every owned parameter, in the optimizer's order."""
+        return self.param_names(self.bwd_layers)
+
+    # -- checkpoints, migration, evaluation ------------------------------------------------
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Writes the owned weights and optimizer state (`pipefb.runtime.checkpoint.save_rank`)."""
+        save_rank(path, self.owned_weights(), self.optimizer, self._owned_names())
+
+    def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
+                    ) -> dict[str, torch.Tensor]:
+        """What a migration moves off this rank: the weights of `layers` and the optimizer
+        state of `optimizer_layers`, each owned here, named as in a rank file.
+
+        Raises:
+            ConfigError: a layer this rank does not own.
+        """
+        wanted, optim = set(layers), set(optimizer_layers)
+        foreign = sorted((wanted | optim) - set(self.bwd_layers))
+        if foreign:
+            raise ConfigError(f"layers {foreign} are not owned by rank {self.rank} "
+                              f"(it owns {list(self.bwd_layers)})")
+        out = self.weights_of(sorted(wanted))
+        if self.optimizer is not None and optim:
+            state, _ = optimizer_tensors(self.optimizer, self._owned_names())
+            out.update({k: v for k, v in state.items() if layer_of(k)[0] in optim})
+        return out
+
+    def restore(self, files: Mapping[int, Path], step: int) -> None:
+        """Resumes at `step` from a checkpoint's rank files (rank -> file): the weights
+        of every layer held here and the optimizer state of every layer owned here,
+        whichever rank saved them (the checkpoint's partition may differ from this one).
+
+        Raises:
+            ConfigError: a held weight is missing or has another shape or dtype.
+        """
+        order = sorted(files, key=lambda r: r != self.rank)  # its own file first
+        self.restore_parts([load_rank(files[rank]) for rank in order], step,
+                           f"checkpoint of step {step}")
+
+    def restore_parts(self, parts: Sequence[Part], step: int, source: str) -> None:
+        """Resumes at `step` from parts of the job's state, each (weights `layers.i.p`,
+        optimizer tensors `optimizer.i.p.key`, metadata with the param groups) as a rank
+        file or a migrating peer gives them; the first part with param groups gives the
+        optimizer's hyper-parameters, else this rank's own optimizer does.
+
+        Raises:
+            ConfigError: a held weight is missing from every part, or has another shape
+                or dtype (the message names `source`).
+        """
+        weights: dict[str, torch.Tensor] = {}
+        states: list[tuple[dict[str, torch.Tensor], dict[str, str]]] = []
+        for got, optim, meta in parts:
+            weights.update(got)
+            states.append((optim, meta))
+        with torch.no_grad():
+            for i, layer in self.layers.items():
+                for name, p in layer.named_parameters():
+                    saved = weights.get(f"layers.{i}.{name}")
+                    if saved is None or saved.shape != p.shape or saved.dtype != p.dtype:
+                        raise ConfigError(f"{source} has no weight layers.{i}.{name} "
+                                          f"{list(p.shape)} {p.dtype}")
+                    p.copy_(saved)
+                self.execs[i].weights_changed()
+        if self.optimizer is not None:
+            names = self._owned_names()
+            states.append(({}, optimizer_tensors(self.optimizer, names)[1]))  # groups last
+            load_optimizer(self.optimizer, names, *optimizer_share(states, names))
+            self.optimizer_bytes = optimizer_state_bytes(self.optimizer)
+        self.version = step
+
+    def weights_digest(self) -> str:
+        """`weights_digest` of the owned weights (the coordinator compares the groups')."""
+        return weights_digest(self.owned_weights())
+
+    def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:
+        """The owned weights of `version`, kept after its OPT for evaluation (`eval_every`).
+
+        Raises:
+            KeyError: the version was not kept or was already taken.
+        """
+        if version not in self._eval_weights:
+            raise KeyError(f"weight version {version} is not kept for evaluation "
+                           f"(kept: {sorted(self._eval_weights)})")
+        weights = self._eval_weights.pop(version)
+        self._eval_bytes = self._kept_eval_bytes()
+        return weights
+
+    def _kept_eval_bytes(self) -> int:
+        return tensor_bytes(t for kept in list(self._eval_weights.values())
+                            for t in kept.values())
