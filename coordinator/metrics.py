@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from coordinator.registry import Registry
 from offload_store import StoreAdmin, StoreUnavailable, open_admin
+from pipefb.runtime.step_metrics import STEP_METRICS
 from pipefb.schedule import Action, Kind
 from protos import coordinator_pb2
 
@@ -63,9 +64,13 @@ class CoordinatorMetrics:
         self._store_address = store_address
         self._store: StoreAdmin | None = None
         self._lock = threading.Lock()
+        self.catalogue = {m.name: Counter(f"pipefb_job_{m.name}_total", f"{m.help}, every "
+                                          "rank", ["job"], registry=registry)
+                          for m in STEP_METRICS}  # [Note: step metrics]
         self._per_job = (self.step, self.loss, self.samples_per_second, self.step_seconds,
                          self.predicted, self.bubble, self.version_lag, self.migrations,
-                         self.migrated_bytes_total, self.migration_seconds, self.restarts)
+                         self.migrated_bytes_total, self.migration_seconds, self.restarts,
+                         *self.catalogue.values())
 
     def job_started(self, job: str) -> None:
         """Exports the job's counters (0 so far), its prediction (none yet) and the store's
@@ -74,6 +79,8 @@ class CoordinatorMetrics:
         self.migrated_bytes_total.labels(job)
         self.migration_seconds.labels(job)
         self.restarts.labels(job)
+        for counter in self.catalogue.values():
+            counter.labels(job)
         self.predicted.labels(job).set(0.0)
         self.read_store()
 
@@ -100,6 +107,10 @@ class CoordinatorMetrics:
         self.predicted.labels(job).set(predicted_seconds)
         self.bubble.labels(job).set(bubble_fraction(report))
         self.version_lag.labels(job).set(weight_version_lag(report))
+        for w in report.workers:
+            for name, value in w.metrics.items():
+                if name in self.catalogue:  # a newer worker's metric is not exported here
+                    self.catalogue[name].labels(job).inc(value)
         self.read_store()
 
     def read_store(self) -> None:

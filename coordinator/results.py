@@ -37,7 +37,7 @@ def step_report(job: Job, step: int, seconds: float, replies: list[worker_pb2.St
         kept_versions=rep.kept_versions, weight_version=rep.weight_version,
         kind_peak_bytes=rep.kind_peak_bytes, activation_peak_bytes=rep.activation_peak_bytes,
         device_memory_bytes=rep.device_memory_bytes, weights_digest=rep.weights_digest,
-        layer_seconds=rep.layer_seconds)
+        layer_seconds=rep.layer_seconds, metrics=rep.metrics)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
     report = coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from pipefb.runtime.step_metrics import STEP_METRICS
+
 # The metric contract (issue 7, docs/metrics.md): name -> (type, labels).
 _WORKER = ("job", "worker", "role")
 _GRPC = ("grpc_service", "grpc_method", "grpc_code")
@@ -39,6 +41,10 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "pipefb_grpc_server_handled_total": ("counter", _GRPC),
     "pipefb_grpc_server_handling_seconds": ("histogram", _GRPC[:2]),
 }
+# The step metrics catalogue's series ([Note: step metrics]).
+for _metric in STEP_METRICS:
+    CONTRACT[f"pipefb_worker_{_metric.name}_total"] = ("counter", _WORKER)
+    CONTRACT[f"pipefb_job_{_metric.name}_total"] = ("counter", ("job",))
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 
 SELECTOR = re.compile(r"([A-Za-z_:][\w:]*)?\s*\{([^}]*)\}")

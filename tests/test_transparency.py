@@ -145,6 +145,9 @@ def test_every_policy_equals_single_process(client: Any, cluster: Any, model: st
     assert len(plan.policy) == len(policy.split(",")) or set(plan.policy) == {policy}
     stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
     assert (stashed > 0) == (schedule == "pipefb" or "offload" in policy)
+    for w in (w for r in reports for w in r.workers):  # [Note: step metrics]
+        on_store = w.action_seconds.get("STASH", 0.0) + w.action_seconds.get("FETCH", 0.0)
+        assert dict(w.metrics) == {"store_blocked_seconds": pytest.approx(on_store, rel=1e-9)}
     store = store_client(cluster)
     assert list(store.scan_iter(match=job_pattern(reports[0].job_id))) == []
     assert all(not w.kept_versions for w in reports[-1].workers)

@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from offload_store import StoreStats
 from pipefb.memory import KINDS
 from pipefb.runtime.result import StepResult
+from pipefb.runtime.step_metrics import STEP_METRICS
 
 # Seconds of one F or B action (or a B's recompute): tiny layers take well under a
 # millisecond on a cpu, a large stage seconds.
@@ -68,6 +69,8 @@ class WorkerMetrics:
                                "Backoff sleeps after the store refused a write (full)",
                                ["worker"])
         self.retries.labels(worker)  # exported as 0 from the start
+        self.catalogue = {m.name: counter(f"pipefb_worker_{m.name}_total", m.help, job_role)
+                          for m in STEP_METRICS}  # [Note: step metrics]
         self._gauges = (self.stash_bytes, self.stash_keys, self.peak, self.version)
 
     def assigned(self, job: str, role: str) -> None:
@@ -76,7 +79,7 @@ class WorkerMetrics:
             if self._job and self._job != job:
                 self._remove_gauges(self._job)
             self._job, self._store_seen = job, StoreStats()
-        for m in (self.samples, self.steps, self.idle):
+        for m in (self.samples, self.steps, self.idle, *self.catalogue.values()):
             m.labels(job, self.worker, role)
         for channel in CHANNELS:
             self.sent.labels(job, self.worker, channel)
@@ -109,6 +112,8 @@ class WorkerMetrics:
             self.memory.labels(job, self.worker, kind).set(nbytes)
         self.peak.labels(job, self.worker).set(result.peak_memory_bytes)
         self.version.labels(job, self.worker).set(result.weight_version)
+        for name, value in result.metrics.items():
+            self.catalogue[name].labels(*labels).inc(value)
 
     def _store_step(self, job: str, now: StoreStats) -> None:
         """What the store counters gained since the previous step."""

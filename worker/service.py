@@ -305,7 +305,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             kept_versions=r.kept_versions, kind_peak_bytes=r.kind_peak_bytes,
             activation_peak_bytes=r.activation_peak_bytes,
             device_memory_bytes=r.device_memory_bytes, weights_digest=r.weights_digest,
-            layer_seconds=r.layer_seconds,
+            layer_seconds=r.layer_seconds, metrics=r.metrics,
         )
 
     def Checkpoint(self, request: worker_pb2.CheckpointRequest, context: grpc.ServicerContext

@@ -240,7 +240,8 @@ def step_dict(msg: Any) -> dict[str, Any]:
                      "kind_peak_bytes": dict(w.kind_peak_bytes),
                      "activation_peak_bytes": w.activation_peak_bytes,
                      "device_memory_bytes": dict(w.device_memory_bytes),
-                     "weights_digest": w.weights_digest} for w in msg.workers],
+                     "weights_digest": w.weights_digest,
+                     "metrics": dict(w.metrics)} for w in msg.workers],
     }
 
 

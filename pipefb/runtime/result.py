@@ -8,6 +8,7 @@ from pipefb.schedule import Kind
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
 WAITS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.RECV_L, Kind.FETCH, Kind.RECV_W})
+STORE = frozenset({Kind.STASH, Kind.FETCH})  # actions that wait on the offload store
 
 
 @dataclass
@@ -34,6 +35,7 @@ class StepResult:
     phase_seconds: list[tuple[str, float]]  # (forward|backward|recompute, seconds) per action
     weights_digest: str = ""  # several groups: digest of the owned weights after the step
     layer_seconds: dict[int, float] = field(default_factory=dict)  # per layer (`replan`)
+    metrics: dict[str, float] = field(default_factory=dict)  # [Note: step metrics]
 
 
 @dataclass
@@ -50,6 +52,11 @@ class Iteration:
     samples: int = 0
     phases: list[tuple[str, float]] = field(default_factory=list)
     recompute: float = 0.0  # seconds re-running forwards inside B actions so far
+    counted: dict[str, float] = field(default_factory=dict)  # [Note: step metrics]
+
+    def count(self, metric: str, amount: float) -> None:
+        """Adds `amount` to a catalogue metric of this step ([Note: step metrics])."""
+        self.counted[metric] = self.counted.get(metric, 0.0) + amount
 
     def record(self, label: str, kind: Kind, wall: float, elapsed: float) -> None:
         """Adds an action's span (from wall-clock `wall`) and its seconds to its kind's,
@@ -60,6 +67,8 @@ class Iteration:
             self.compute += elapsed
         elif kind in WAITS:
             self.idle += elapsed
+        if kind in STORE:
+            self.count("store_blocked_seconds", elapsed)
 
     def record_phase(self, kind: Kind, elapsed: float, recompute: float) -> None:
         """Records an F or B action's compute phases, a B's `recompute` seconds apart."""

@@ -35,6 +35,7 @@ from pipefb.runtime.receives import check_received, receive_specs
 from pipefb.runtime.result import COMPUTE, Iteration, StepResult
 from pipefb.runtime.runner import LayerRunner
 from pipefb.runtime.state import RankState
+from pipefb.runtime.step_metrics import step_metrics
 from pipefb.runtime.transport import Transport
 from pipefb.schedule import Action, Kind, iteration
 
@@ -187,6 +188,7 @@ class StageRuntime:
             phase_seconds=it.phases,
             weights_digest=self.state.weights_digest() if self._check_groups(step) else "",
             layer_seconds=dict(self.clock.layer_seconds),
+            metrics=step_metrics(it.counted),
         )
 
     def _check_groups(self, step: int) -> bool:
