@@ -302,7 +302,7 @@ def measure_cluster(run: dict[str, Any]) -> None:
     the benches after it) and keeps what it found in the run's record: the planner's
     predictions on this page all start from it, and it drifts (the loopback latency came
     out 0.24-0.40 ms on one day here)."""
-    from calibration.calibrate import local_cluster
+    from calibration.cluster import local_cluster
 
     run["cluster"] = local_cluster(1, refresh=True).to_dict()
     run["cluster_measured"] = machine.now()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from calibration import calibrate
-from calibration.calibrate import CalibrationError, Measured, Settings
+from calibration import cluster as calibrate
+from calibration.cluster import CalibrationError, Measured, Settings
 from pipefb.errors import ConfigError
 from pipefb.memory import KINDS
 from pipefb.sim.cluster import Cluster, Link

@@ -634,7 +634,7 @@ def _helpers(inbox: Inbox) -> Iterator[tuple[Process, Process]]:
             contextlib.ExitStack() as stack:
         children = [Process("redis", ["-m", "offload_store", "--port", "0", "--maxmemory",
                                       STORE_MAXMEMORY], Path(logs), env),
-                    Process("peer", ["-m", "calibration.calibrate", "--echo-to", address],
+                    Process("peer", ["-m", "calibration.cluster", "--echo-to", address],
                             Path(logs), env)]
         stack.callback(_stop_all, children)
         srv = _serve(inbox, address)[0]
