@@ -155,7 +155,8 @@ def round_cluster(folder: Path, workers: int, fresh: bool) -> tuple[Path, dict[s
     """FOLDER/cluster.yaml, the cluster description a round plans on: this machine measured
     again (cached in FOLDER alone, not in the user's cache) when `fresh`, else the cached
     calibration; with its links and when they were measured."""
-    from calibration.cluster import cache_path, local_cluster, read_cache
+    from calibration.cache import cache_path, read_cache
+    from calibration.cluster import local_cluster
 
     cache = folder / "calibration" if fresh else None
     cluster = local_cluster(workers, cache_dir=cache, refresh=fresh)
