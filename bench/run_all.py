@@ -298,11 +298,11 @@ def provenance(run: dict[str, Any]) -> str:
 
 
 def measure_cluster(run: dict[str, Any]) -> None:
-    """Measures this machine's local cluster again (`calibration.calibrate`, cached for
+    """Measures this machine's local cluster again (`calibration.cluster`, cached for
     the benches after it) and keeps what it found in the run's record: the planner's
     predictions on this page all start from it, and it drifts from one calibration to the
     next."""
-    from calibration.calibrate import local_cluster
+    from calibration.cluster import local_cluster
 
     run["cluster"] = local_cluster(1, refresh=True).to_dict()
     run["cluster_measured"] = machine.now()
@@ -315,7 +315,7 @@ def cluster_lines(run: dict[str, Any]) -> list[str]:
         return []
     net, store, over = c["network"], c["store"], c["overheads"]
     host = (c.get("hosts") or [{}])[0]
-    return [f"- local cluster (`python -m calibration.calibrate`, measured at "
+    return [f"- local cluster (`python -m calibration`, measured at "
             f"{run['cluster_measured']} for this run): loopback gRPC "
             f"{net['latency'] * 1e3:.2f} ms + bytes at {net['bandwidth'] / 1e9:.2f} GB/s "
             f"({net.get('cpu', 1.0):.2f} cores busy), store {store['latency'] * 1e3:.2f} ms "

@@ -3,7 +3,7 @@
 Each run is one `plan: auto` job with its schedule fixed: the coordinator profiles the
 layers on its workers (each worker once per model: later runs reuse its reply, [Note:
 profile reuse]), plans the partition and policy, simulates the plan on this machine's
-calibrated cluster (`calibration.calibrate`) and trains it. Two predictions are compared
+calibrated cluster (`calibration.cluster`) and trains it. Two predictions are compared
 with the measured step time of the steps after warm-up (their wall time over their count:
 steps overlap, so single gaps come in bursts; error: simulated / measured - 1): the
 planner's, from the profile measured on idle workers, and the in-situ one, the same plan
@@ -153,7 +153,8 @@ def round_cluster(folder: Path, workers: int, fresh: bool) -> tuple[Path, dict[s
     """FOLDER/cluster.yaml, the cluster description a round plans on: this machine measured
     again (cached in FOLDER alone, not in the user's cache) when `fresh`, else the cached
     calibration; with its links and when they were measured."""
-    from calibration.calibrate import cache_path, local_cluster, read_cache
+    from calibration.cache import cache_path, read_cache
+    from calibration.cluster import local_cluster
 
     cache = folder / "calibration" if fresh else None
     cluster = local_cluster(workers, cache_dir=cache, refresh=fresh)

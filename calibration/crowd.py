@@ -1,9 +1,9 @@
-"""One busy process of the calibration's oversubscription probe (`calibration.calibrate`).
+"""One busy process of the calibration's oversubscription probe (`calibration.crowding`).
 
 Run as `python -m calibration.crowd SECONDS`: warms up one `gpt` block's forward and
 backward (the bench's size, one torch thread), prints `ready`, waits for a line on stdin,
-runs them for SECONDS and prints how many it ran. It imports torch and the model only, so
-a probe of several processes starts in about a second.
+runs them for SECONDS and prints how many it ran. It imports torch and the model only (the
+`calibration` package itself imports nothing), so the probe's processes start quickly.
 """
 
 from __future__ import annotations

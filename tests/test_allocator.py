@@ -16,7 +16,7 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 STEPS = r"""
 import json, resource, sys
 import torch
-from calibration.calibrate import _NoPeers
+from calibration.overheads import _NoPeers
 from pipefb.allocator import keep_freed_memory
 from pipefb.job.config import JobConfig
 from pipefb.job.checks import check_job

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from calibration import calibrate
-from calibration.calibrate import CalibrationError, Measured, Settings
+from calibration import cache, cpu, fit, links, store
+from calibration.__main__ import main
+from calibration.cluster import local_cluster
+from calibration.settings import HOST, CalibrationError, Measured, Settings
 from pipefb.errors import ConfigError
 from pipefb.memory import KINDS
 from pipefb.sim.cluster import Cluster, Link
@@ -29,7 +31,7 @@ OTHER = Measured(Link(2e9, 3e-5), Link(1e9, 4e-5), 5e-6, 6e-4)  # a re-measureme
 def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Cluster]:
     """One real measurement (Redis, an echo peer process, a runtime), cached in a folder."""
     folder = tmp_path_factory.mktemp("cache")
-    return folder, calibrate.local_cluster(2, cache_dir=folder, settings=FAST)
+    return folder, local_cluster(2, cache_dir=folder, settings=FAST)
 
 
 @pytest.fixture
@@ -41,14 +43,14 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
         calls.append(settings)
         return OTHER
 
-    monkeypatch.setattr(calibrate, "measure", fake)
+    monkeypatch.setattr("calibration.cluster.measure", fake)
     return calls
 
 
 def copy_cache(measured: tuple[Path, Cluster], folder: Path) -> Path:
-    path = calibrate.cache_path(folder)
+    path = cache.cache_path(folder)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(calibrate.cache_path(measured[0]).read_text())
+    path.write_text(cache.cache_path(measured[0]).read_text())
     return path
 
 
@@ -64,10 +66,10 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
     assert 1e-6 <= cluster.step_overhead < 0.1  # at least an RPC round trip
     # a Step call's CPU, both ends; 0 only where /proc is missing
     assert 20e-6 <= cluster.step_cpu < 0.05 if PROC else cluster.step_cpu == 0.0
-    cached = yaml.safe_load(calibrate.cache_path(measured[0]).read_text())
+    cached = yaml.safe_load(cache.cache_path(measured[0]).read_text())
     assert cached["overheads"]["step_cpu"] == cluster.step_cpu
     # twice as many busy processes as cores run slower in all
-    speed = cluster.oversubscribed_of(calibrate.HOST)
+    speed = cluster.oversubscribed_of(HOST)
     assert 0.5 <= speed <= 1.0 and cached["hosts"][0]["oversubscribed"] == speed
     # a send followed by compute arrives later, never earlier
     assert 0.0 <= cluster.busy_send < 0.05
@@ -75,8 +77,8 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
 
 
 def test_the_step_probe_answers_as_a_worker_does() -> None:
-    reply = calibrate.probe_reply(7)
-    assert reply.step == 7 and len(reply.spans) == calibrate.PROBE_SPANS
+    reply = links.probe_reply(7)
+    assert reply.step == 7 and len(reply.spans) == links.PROBE_SPANS
     assert set(reply.memory_bytes) == set(reply.kind_peak_bytes) == set(KINDS)
 
 
@@ -89,7 +91,7 @@ def test_cpu_meter_counts_every_thread_of_every_process_it_watches() -> None:
     child = subprocess.Popen([sys.executable, "-c", busy])
     try:
         time.sleep(0.3)  # the child is spinning
-        meter = calibrate.CpuMeter([os.getpid(), child.pid])
+        meter = cpu.CpuMeter([os.getpid(), child.pid])
         with meter.span():
             end = time.perf_counter() + 0.5
             while time.perf_counter() < end:
@@ -99,7 +101,7 @@ def test_cpu_meter_counts_every_thread_of_every_process_it_watches() -> None:
     finally:
         child.kill()
         child.wait()
-    gone = calibrate.CpuMeter([child.pid])
+    gone = cpu.CpuMeter([child.pid])
     with gone.span():
         pass
     assert gone.cores() == 1.0
@@ -117,19 +119,19 @@ def test_cluster_shape(measured: tuple[Path, Cluster]) -> None:
 def test_cache_is_written_with_a_header_and_reads_back_equal(
         measured: tuple[Path, Cluster]) -> None:
     folder, cluster = measured
-    path = calibrate.cache_path(folder)
+    path = cache.cache_path(folder)
     text = path.read_text()
     assert text.startswith("# pipefb local cluster, measured ")
     for version in ("python 3.", "torch 2.", "grpc 1."):
         assert version in text
     assert Cluster.load(path) == cluster
-    assert calibrate.local_cluster(2, cache_dir=folder) == cluster
+    assert local_cluster(2, cache_dir=folder) == cluster
 
 
 def test_cache_is_reused_for_any_worker_count(measured: tuple[Path, Cluster], spy: list[Settings],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     folder, cluster = measured
-    bigger = calibrate.local_cluster(5, cache_dir=folder)
+    bigger = local_cluster(5, cache_dir=folder)
     assert spy == []
     assert capsys.readouterr().err == ""
     assert [w.name for w in bigger.workers] == [f"w{i}" for i in range(5)]
@@ -142,7 +144,7 @@ def test_refresh_measures_again_and_rewrites(measured: tuple[Path, Cluster], spy
                                              tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     path = copy_cache(measured, tmp_path)
-    cluster = calibrate.local_cluster(3, cache_dir=tmp_path, refresh=True)
+    cluster = local_cluster(3, cache_dir=tmp_path, refresh=True)
     assert len(spy) == 1
     assert (cluster.network, cluster.store) == (OTHER.network, OTHER.store)
     assert Cluster.load(path) == cluster
@@ -151,17 +153,17 @@ def test_refresh_measures_again_and_rewrites(measured: tuple[Path, Cluster], spy
 
 
 def test_missing_cache_measures_once(spy: list[Settings], tmp_path: Path) -> None:
-    first = calibrate.local_cluster(1, cache_dir=tmp_path / "new")
-    again = calibrate.local_cluster(1, cache_dir=tmp_path / "new")
+    first = local_cluster(1, cache_dir=tmp_path / "new")
+    again = local_cluster(1, cache_dir=tmp_path / "new")
     assert len(spy) == 1 and first == again
 
 
 def test_cache_dir_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
     monkeypatch.setenv("PIPEFB_CACHE_DIR", str(tmp_path))
-    assert calibrate.cache_path().parent == tmp_path
+    assert cache.cache_path().parent == tmp_path
     monkeypatch.delenv("PIPEFB_CACHE_DIR")
-    assert calibrate.cache_path().parent == Path.home() / ".cache" / "pipefb"
+    assert cache.cache_path().parent == Path.home() / ".cache" / "pipefb"
 
 
 CORRUPT: dict[str, Callable[[str], bytes]] = {
@@ -183,7 +185,7 @@ def test_corrupt_cache_is_measured_again_with_a_warning(
         capsys: pytest.CaptureFixture[str], case: str) -> None:
     path = copy_cache(measured, tmp_path)
     path.write_bytes(CORRUPT[case](path.read_text()))
-    cluster = calibrate.local_cluster(2, cache_dir=tmp_path)
+    cluster = local_cluster(2, cache_dir=tmp_path)
     assert len(spy) == 1
     assert cluster.network == OTHER.network
     assert Cluster.load(path) == cluster
@@ -196,10 +198,10 @@ def test_cache_of_older_probes_is_measured_again(
         measured: tuple[Path, Cluster], spy: list[Settings], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     path = copy_cache(measured, tmp_path)
-    tag = f", probe version {calibrate.PROBE_VERSION}\n"
+    tag = f", probe version {cache.PROBE_VERSION}\n"
     assert tag in path.read_text()
     path.write_text(path.read_text().replace(tag, "\n"))  # an older probe's cache: no tag
-    cluster = calibrate.local_cluster(2, cache_dir=tmp_path)
+    cluster = local_cluster(2, cache_dir=tmp_path)
     assert len(spy) == 1 and cluster.store == OTHER.store
     assert tag in path.read_text()
     err = capsys.readouterr().err.splitlines()
@@ -207,39 +209,39 @@ def test_cache_of_older_probes_is_measured_again(
 
 
 def test_probe_stashes_are_shaped_as_a_stage_s() -> None:
-    stash = calibrate._probe_stash(16 << 20)
+    stash = store._probe_stash(16 << 20)
     tensors = [t for layer in stash.values() for t in layer.values()]
-    assert len(stash) == calibrate.STASH_LAYERS and len(tensors) == calibrate.STASH_TENSORS
+    assert len(stash) == store.STASH_LAYERS and len(tensors) == store.STASH_TENSORS
     assert sum(t.nbytes for t in tensors) == 16 << 20
     assert len({t.data_ptr() for t in tensors}) == len(tensors)  # fresh, not one reused
-    again = calibrate._probe_stash(16 << 20)
+    again = store._probe_stash(16 << 20)
     assert again[0]["t0"].data_ptr() != stash[0]["t0"].data_ptr()
 
 
 def test_fit_link_from_two_points() -> None:
-    link = calibrate.fit_link("x", 1_000, 0.001, 1_001_000, 0.002)
+    link = fit.fit_link("x", 1_000, 0.001, 1_001_000, 0.002)
     assert link.bandwidth == pytest.approx(1e9)
     assert link.latency == pytest.approx(0.001 - 1e-6)
     with pytest.raises(CalibrationError, match="not more than"):
-        calibrate.fit_link("x", 1_000, 0.002, 1_001_000, 0.002)
+        fit.fit_link("x", 1_000, 0.002, 1_001_000, 0.002)
 
 
 def test_probes_fit_through_means_or_through_medians_past_a_slow_small_probe() -> None:
     small, large = [0.001, 0.001, 0.001], [0.002, 0.002, 0.002]
-    assert calibrate.fit_probes("x", 1_000, small, 1_001_000, large) == calibrate.fit_link(
+    assert fit.fit_probes("x", 1_000, small, 1_001_000, large) == fit.fit_link(
         "x", 1_000, 0.001, 1_001_000, 0.002)
     # one 5 ms hiccup puts the small mean (2.33 ms) above the large one (2 ms)
     slow = [0.001, 0.005, 0.001]
-    assert calibrate.fit_probes("x", 1_000, slow, 1_001_000, large).bandwidth == (
+    assert fit.fit_probes("x", 1_000, slow, 1_001_000, large).bandwidth == (
         pytest.approx(1e9))
     with pytest.raises(CalibrationError, match=r"x: 1001000 bytes took 0\.002000 s"):
-        calibrate.fit_probes("x", 1_000, [0.002, 0.005, 0.002], 1_001_000, large)
+        fit.fit_probes("x", 1_000, [0.002, 0.005, 0.002], 1_001_000, large)
 
 
 def test_no_workers_is_a_config_error(measured: tuple[Path, Cluster],
                                       spy: list[Settings]) -> None:
     with pytest.raises(ConfigError, match="at least one worker"):
-        calibrate.local_cluster(0, cache_dir=measured[0])
+        local_cluster(0, cache_dir=measured[0])
     assert spy == []
 
 
@@ -247,7 +249,7 @@ def test_cli_prints_yaml_that_cluster_load_reads(measured: tuple[Path, Cluster],
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("PIPEFB_CACHE_DIR", str(measured[0]))
-    assert calibrate.main(["--workers", "3"]) == 0
+    assert main(["--workers", "3"]) == 0
     out = capsys.readouterr()
     assert out.err == ""  # the cache was used: nothing measured
     (tmp_path / "c.yaml").write_text(out.out)
@@ -258,6 +260,6 @@ def test_cli_prints_yaml_that_cluster_load_reads(measured: tuple[Path, Cluster],
 def test_cli_writes_the_out_file(measured: tuple[Path, Cluster], tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIPEFB_CACHE_DIR", str(measured[0]))
-    assert calibrate.main(["--workers", "4", "--out", str(tmp_path / "c.yaml")]) == 0
+    assert main(["--workers", "4", "--out", str(tmp_path / "c.yaml")]) == 0
     loaded = Cluster.load(tmp_path / "c.yaml")
     assert loaded.size == 4 and loaded.store == measured[1].store

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibration.calibrate import _NoPeers
+from calibration.overheads import _NoPeers
 from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig
 from pipefb.plan.partition import balanced_plan

@@ -263,7 +263,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         cluster = Cluster.load(args.cluster)
     else:
-        from calibration.calibrate import local_cluster
+        from calibration.cluster import local_cluster
 
         cluster = local_cluster(job.workers)
     check_job(replace(job, workers=cluster.size))

@@ -214,7 +214,7 @@ def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
 def local_cluster_file(workers: int, out: Path) -> Path:
     """`out`/cluster.yaml: this machine's cluster description for `workers` workers
     (measured once, cached), what the coordinator plans "auto" on."""
-    from calibration.calibrate import local_cluster
+    from calibration.cluster import local_cluster
 
     path = out / "cluster.yaml"
     out.mkdir(parents=True, exist_ok=True)

@@ -333,7 +333,7 @@ def _optimizer_costs(job: JobConfig, params: list[torch.Tensor], warmup: int, re
 def _weight_copy_seconds_per_byte(layers: Mapping[int, nn.Module], warmup: int,
                                   repeats: int, caches: _Caches | None = None) -> float:
     """Keeping a weight version of `layers`, per parameter byte, with the runtime's own
-    `WeightVersions` ([Note: weight versions] in pipefb.sim.simulate): each copy is held while
+    `WeightVersions` ([Note: weight versions] in pipefb.sim.program): each copy is held while
     the next `KEPT_COPIES - 1` are made, and the caches are emptied (if given) before
     each."""
     nbytes = tensor_bytes(params_of(list(layers.values())))

@@ -15,7 +15,7 @@ from pipefb.sim.cluster import MIN_OVERSUBSCRIBED
 # between two of its workers is a job too, the link's whole time (latency plus bytes over
 # bandwidth): copying and (de)serialising the bytes, and waking the threads that hand them
 # on, all need a core, so a hop on a busy host takes longer (the calibration's latency is
-# of a link idle before the hop, [Note: idle links] in calibration.calibrate). Both ends
+# of a link idle before the hop, [Note: idle links] in calibration.links). Both ends
 # work at once, so a transfer keeps `Link.cpu` cores busy for its time, not one: a second
 # job of (cpu - 1) times the work runs beside it, and a STASH or FETCH on a loopback host
 # gets one for the local Redis's share (`store.cpu`); the calibration measures both as

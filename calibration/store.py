@@ -1,0 +1,93 @@
+"""The offload-store link probe: stashes shaped as a stage's put into and taken from a
+real Redis through `OffloadStore`, the worker's own stash and fetch.
+
+The Redis is started as `LocalCluster` starts it (`python -m offload_store`). A probe
+round puts `STASH_DEPTH` fresh stashes of `STASH_TENSORS` tensors over `STASH_LAYERS`
+layers before the first is taken (micro-batches in flight), each put and take after the
+idle gap ([Note: idle links] in calibration.links); a link's time is the mean of one put
+and one take, and its `cpu` counts this process and redis-server (`calibration.cpu`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+
+from calibration.cpu import CpuMeter
+from calibration.fit import fit_probes
+from calibration.settings import JOB, PROBE_TIMEOUT_S, Settings
+from offload_store import OffloadStore, connect
+from pipefb.sim.cluster import Link
+
+STORE_MAXMEMORY = "256mb"  # the probe Redis holds `STASH_DEPTH` stashes at a time
+STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several per layer
+STASH_LAYERS = 4  # layers a probe stash spreads them over
+STASH_DEPTH = 2  # probe stashes in the store before the first is taken
+
+
+def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
+    """A fresh stash of about `size` bytes: `STASH_TENSORS` float32 tensors over
+    `STASH_LAYERS` layers."""
+    numel = max(1, size // (4 * STASH_TENSORS))
+    per_layer = STASH_TENSORS // STASH_LAYERS
+    return {layer: {f"t{k}": torch.ones(numel) for k in range(per_layer)}
+            for layer in range(STASH_LAYERS)}
+
+
+def _store_round(store: OffloadStore, first_step: int, size: int, gap: float,
+                 meter: CpuMeter | None = None) -> float:
+    """Mean seconds of one put or take of `STASH_DEPTH` fresh stashes, all put before the
+    first is taken, each after the store sat idle `gap` seconds ([Note: idle links]);
+    `meter` times the puts and takes alone (not the stashes' making, nor the gaps)."""
+    stashes = [_probe_stash(size) for _ in range(STASH_DEPTH)]
+    names = {layer: list(tensors) for layer, tensors in stashes[0].items()}
+    ops: list[Callable[[], object]] = [
+        functools.partial(store.put, first_step + k, 0, 0, stash)
+        for k, stash in enumerate(stashes)]
+    ops += [functools.partial(store.take, first_step + k, 0, 0, names)
+            for k in range(STASH_DEPTH)]
+    seconds = 0.0
+    for op in ops:
+        time.sleep(gap)
+        with meter.span() if meter is not None else contextlib.nullcontext():
+            started = time.perf_counter()
+            op()
+            seconds += time.perf_counter() - started
+    return seconds / len(ops)
+
+
+def _store_seconds(store: OffloadStore, size: int, repeats: int, warmup: int,
+                   first_step: int, gap: float, meter: CpuMeter | None = None
+                   ) -> list[float]:
+    """Seconds of one stash or fetch of `size` bytes, in each of `repeats` rounds after
+    `warmup` untimed (see `_store_round`)."""
+    times = [_store_round(store, first_step + i * STASH_DEPTH, size, gap, meter)
+             for i in range(warmup + repeats)]
+    return times[warmup:]
+
+
+def store_link(address: str, settings: Settings, pids: Sequence[int] = ()) -> Link:
+    """The offload-store link, from puts and takes on the Redis at `address`; `pids` are
+    the processes whose CPU a transfer uses besides this one (the redis-server)."""
+    meter = CpuMeter([os.getpid(), *pids])
+    # the probe's own Redis has no users, whatever $PIPEFB_STORE_USER and _PASSWORD say
+    store = OffloadStore(connect(address, username=None, password=None), JOB,
+                         max_wait_seconds=PROBE_TIMEOUT_S)
+    try:
+        small = _store_seconds(store, settings.small_bytes, settings.small_repeats,
+                               settings.warmup, 0, settings.idle_gap)
+        large = _store_seconds(store, settings.large_bytes, settings.large_repeats,
+                               settings.warmup,
+                               (settings.warmup + settings.small_repeats) * STASH_DEPTH,
+                               settings.idle_gap, meter)
+        store.clear_job()
+    finally:
+        store.close()
+    link = fit_probes("Redis store", settings.small_bytes, small, settings.large_bytes, large)
+    return replace(link, cpu=meter.cores())
