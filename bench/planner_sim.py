@@ -150,8 +150,8 @@ def pass_times(profile: Profile, store: Link, policy: Sequence[str]) -> Costs:
 
 
 def param_costs(profile: Profile) -> Costs:
-    """The even split's cost of every pass: 1 + parameter count (`pipefb.plan.plan.layer_costs`
-    of the fp32 layers), as `plan: ""` balances."""
+    """The even split's cost of every pass: 1 + parameter count
+    (`pipefb.job.config.layer_costs` of the fp32 layers), as `plan: ""` balances."""
     costs = [1.0 + x.param_bytes / 4 for x in profile.layers]
     return lambda which: costs
 

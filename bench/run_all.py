@@ -237,6 +237,9 @@ GPU_READING = [
     "counts what the accounting leaves out (temporaries inside a layer, workspaces, block "
     "rounding), so it is at least the accounted peak (tests/test_device.py checks it).", ""]
 
+# The figures behind the code's constants and notes: hand-written, copied to the page.
+FINDINGS = Path(__file__).resolve().parent / "findings.md"
+
 READING = [
     "## Reading these figures", "",
     "- The machine has 2 cores shared with other tenants (CPU steal is visible in `vmstat`); "
@@ -377,6 +380,7 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
     for name in ("replan", "replan_layer"):
         lines += replan.doc_section(*results[name], rel(out, doc, name, "replan.png"))
     lines += READING
+    lines += [FINDINGS.read_text().rstrip(), ""]
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines))
 

@@ -2,7 +2,7 @@
 
 A link's time at each size is the mean of its probes, not their median, as the profile's
 times are means: a step's time is the sum of its actions' ([Note: timed as a pipeline
-runs] in pipefb.profile.profiler), and a link's probes have a slow tail that a median
+runs] in pipefb.profile.measure), and a link's probes have a slow tail that a median
 would hide. With few probes one slow small probe can put the small size's mean above the
 large size's; the line then goes through the two sizes' medians instead (`fit_probes`).
 """

@@ -10,7 +10,7 @@ layer (a grown input) slows that layer alone and moves with it: a rank's slownes
 from the items it has been running at its pace (`Replanner._slowness`), and an item more
 than `CHANGE` off it carries a factor of its own, kept after it moves. An item's cost is
 its measured time over its rank's slowness; a fresh partition for those costs on ranks of
-those speeds (the planner's dynamic program, `pipefb.plan.plan.partition`) predicts a new
+those speeds (the planner's dynamic program, `pipefb.plan.partition.partition`) predicts a new
 bottleneck, the slowest rank's seconds per step (its layers plus what it spends beyond
 them). Moving pays when the seconds per step it saves, less the move's cost (a fixed
 part, re-assigning every rank, as the last moves measured it, plus the bytes

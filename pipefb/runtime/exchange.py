@@ -55,7 +55,7 @@ class Exchange:
         dst = self.place.topology.backward_workers[stage - 1]
         grad = self.flight.input_grads.pop((step, stage, m), None)
         if grad is None:
-            return  # its B sent it already ([Note: input grads first] in pipefb.runtime.stage)
+            return  # its B sent it already ([Note: input grads first] in docs/architecture.md)
         self.transport.send(Kind.RECV_B, dst, step, stage - 1, m, self.state.version,
                             {"g": grad})
 

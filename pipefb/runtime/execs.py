@@ -9,7 +9,7 @@ runs through its explicit forward/backward split
 returns the stash, the backward needs only the stash. Both accumulate parameter gradients
 into `param.grad`, micro-batch after micro-batch, like `loss.backward()` does. Only the
 split can run its backward in two parts, input grads first (a stage that sends gradients
-on runs it for every layer: [Note: input grads first] in pipefb.runtime.stage).
+on runs it for every layer: [Note: input grads first] in docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class SplitExec:
 
     def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
                        ) -> tuple[list[torch.Tensor | None], DeferredGrads]:
-        """The input-grad part of `backward` ([Note: input grads first] in pipefb.runtime.stage);
+        """The input-grad part of `backward` ([Note: input grads first] in docs/architecture.md);
         `backward_weights` of what it returns accumulates the rest later."""
         return self.split.backward_input(saved, grad_output, params)
 

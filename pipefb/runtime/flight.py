@@ -46,7 +46,7 @@ class InFlight:
     forward_version: dict[Key, int] = field(default_factory=dict)  # combined ranks
     stashed_here: set[tuple[int, int]] = field(default_factory=set)  # (step, mb) in the store
     # (step, mb) -> layer -> the weight-grad half of its backward, oldest first ([Note:
-    # input grads first] in pipefb.runtime.stage); changed through `defer` and `undefer` only
+    # input grads first] in docs/architecture.md); changed through `defer` and `undefer` only
     deferred: dict[tuple[int, int], dict[int, DeferredGrads]] = field(default_factory=dict)
     _deferred_storages: dict[tuple[int, int], list[Storage]] = field(default_factory=dict)
 

@@ -31,7 +31,7 @@ class RankPlace:
     #: forward stages whose outputs an action of this rank sends (SEND_F, SEND_L); a
     #: combined last stage's output (the loss) goes nowhere, so it is not kept
     sent_outputs: frozenset[int]
-    #: [Note: input grads first] in pipefb.runtime.stage: micro-batches whose weight grads
+    #: [Note: input grads first] in docs/architecture.md: micro-batches whose weight grads
     #: may wait, and the micro-batch of the step's last B, which runs them all
     defer: int
     last_b: int | None
