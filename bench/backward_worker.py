@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pipefb.app.local import LocalCluster
+from pipefb.app.local import LocalServices
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.job.data import build_dataset
 from pipefb.seeding import derive_seed, seed_random_ops
@@ -55,7 +55,7 @@ def worker_rounds(job: JobConfig, warmup: int, rounds: int
     keep_freed_memory()  # this process runs the eager baseline: allocator set as a worker's
     pairs = []
     with tempfile.TemporaryDirectory() as logs, \
-            LocalCluster(job.workers, Path(logs), threads=1) as cluster, \
+            LocalServices(job.workers, Path(logs), threads=1) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(job.workers)
         for _ in range(rounds):

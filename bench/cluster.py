@@ -26,12 +26,12 @@ def local_client(workers: int, folder: Path, *, threads: int = 0,
         cluster_file: give the coordinator this cluster description instead.
     """
     from coordinator.client import CoordinatorClient
-    from pipefb.app.local import LocalCluster
+    from pipefb.app.local import LocalServices
     from pipefb.app.train import local_cluster_file
 
     if cluster_file is None and calibrated:
         cluster_file = local_cluster_file(workers, folder)
-    with LocalCluster(workers, folder, threads=threads, extra_env=env,
+    with LocalServices(workers, folder, threads=threads, extra_env=env,
                       cluster_file=cluster_file) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(workers)

@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs every system on every model `args.repeats` times on one local cluster."""
     from coordinator.client import CoordinatorClient
-    from pipefb.app.local import LocalCluster
+    from pipefb.app.local import LocalServices
 
     specs = QUICK_MODELS if args.quick else MODELS
     names = [m for m in args.models.split(",") if m]
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as logs, \
-            LocalCluster(WORKERS, Path(logs), extra_env=env) as cluster, \
+            LocalServices(WORKERS, Path(logs), extra_env=env) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(WORKERS)
         for r in range(args.repeats):

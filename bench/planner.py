@@ -9,7 +9,7 @@ count instead; step time, samples/s, peak memory, the ratios beside the publishe
 
 Part 2 (measured): `plan: auto` (schedule auto, sync and async) and `plan: auto` with each
 schedule fixed, against the even split (`plan: ""`, stages balanced by parameter count) of
-gpipe, 1f1b, pipedream and pipefb, on 2 and 4 local workers (`pipefb.app.local.LocalCluster`,
+gpipe, 1f1b, pipedream and pipefb, on 2 and 4 local workers (`pipefb.app.local.LocalServices`,
 the calibrated local cluster description), for a `gpt` whose head and loss (a large
 vocabulary) outweigh its blocks. Medians and ranges (min-max) over the timed steps of all
 repeats; ratios compare per-repeat medians; systems interleaved.

@@ -75,11 +75,11 @@ def run_job(client: Any, job: JobConfig) -> dict[str, Any]:
 def run_measured(args: argparse.Namespace) -> dict[str, Any]:
     """Every system `--repeats` times, interleaved, on one local cluster."""
     from coordinator.client import CoordinatorClient
-    from pipefb.app.local import LocalCluster
+    from pipefb.app.local import LocalServices
 
     with tempfile.TemporaryDirectory(prefix="pipefb-bench-replan-") as tmp:
         env = {"PIPEFB_CHECKPOINT_ROOT": tmp}
-        with LocalCluster(WORKERS, Path(tmp) / "logs", threads=args.threads,
+        with LocalServices(WORKERS, Path(tmp) / "logs", threads=args.threads,
                           extra_env=env) as cluster, \
                 CoordinatorClient(cluster.coordinator) as client:
             client.wait_for_workers(WORKERS)

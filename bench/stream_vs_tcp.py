@@ -33,7 +33,7 @@ import torch
 from bench import machine
 from bench.output import args_json, write_results
 from bench.stats import fmt, ratio, summary
-from dataplane.transport import PeerStream
+from dataplane.grpc_transport import PeerStream
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
 
 TARGET = 0.5  # gRPC stream MB/s / raw TCP MB/s

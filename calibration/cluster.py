@@ -21,8 +21,8 @@ from pathlib import Path
 from calibration import cache, crowding, links, overheads, store
 from calibration.cpu import child_pids
 from calibration.settings import DEFAULTS, HOST, PROBE_TIMEOUT_S, Measured, Settings
+from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS
 from dataplane.inbox import Inbox
-from dataplane.transport import SWITCH_INTERVAL_SECONDS
 from pipefb.errors import ConfigError
 from pipefb.processes import Process, project_env
 from pipefb.sim.cluster import Cluster, WorkerSpec

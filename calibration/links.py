@@ -4,7 +4,7 @@ one-way probe times, and how much later a send followed by compute arrives.
 - **network**: this process and a peer process (`python -m calibration --echo-to
   ADDRESS`, `echo`) each serve a StageWorker `Activations` stream that decodes with
   `protos.wire.decode_transfers` into a `dataplane.inbox.Inbox`, and send with
-  `dataplane.transport.GrpcTransport.send` (one `PeerStream`, `wire.encode_stream`). A
+  `dataplane.grpc_transport.GrpcTransport.send` (one `PeerStream`, `wire.encode_stream`). A
   tensor goes to the peer, whose receive loop takes it from its inbox, stamps when it did
   and sends it back: a delivery is send call to the peer's `recv` return, one way. Small
   tensors give the latency, large ones the bandwidth (`calibration.fit`); the CPU of both
@@ -47,8 +47,8 @@ import torch
 from calibration.cpu import CpuMeter
 from calibration.fit import fit_probes
 from calibration.settings import JOB, PROBE_TIMEOUT_S, CalibrationError, Settings
+from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS, GrpcTransport, inbox_key, nbytes
 from dataplane.inbox import Inbox
-from dataplane.transport import SWITCH_INTERVAL_SECONDS, GrpcTransport, inbox_key, nbytes
 from pipefb.errors import Aborted
 from pipefb.memory import KINDS
 from pipefb.processes import Process

@@ -1,7 +1,7 @@
 """The offload-store link probe: stashes shaped as a stage's put into and taken from a
 real Redis through `OffloadStore`, the worker's own stash and fetch.
 
-The Redis is started as `LocalCluster` starts it (`python -m offload_store`). A probe
+The Redis is started as `LocalServices` starts it (`python -m offload_store`). A probe
 round puts `STASH_DEPTH` fresh stashes of `STASH_TENSORS` tensors over `STASH_LAYERS`
 layers before the first is taken (micro-batches in flight), each put and take after the
 idle gap ([Note: idle links] in calibration.links); a link's time is the mean of one put

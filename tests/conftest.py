@@ -38,11 +38,11 @@ def plugin_path() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory, plugin_path: Path) -> Iterator[object]:
     """Real processes on 127.0.0.1: redis-server, a coordinator and 4 workers."""
-    from pipefb.app.local import LocalCluster
+    from pipefb.app.local import LocalServices
 
     env = {"PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")]),
            "PIPEFB_CHECKPOINT_ROOT": str(tmp_path_factory.mktemp("checkpoints"))}
-    with LocalCluster(4, tmp_path_factory.mktemp("cluster"), threads=WORKER_THREADS,
+    with LocalServices(4, tmp_path_factory.mktemp("cluster"), threads=WORKER_THREADS,
                       extra_env=env) as c:
         c.checkpoint_root = Path(env["PIPEFB_CHECKPOINT_ROOT"])  # type: ignore[attr-defined]
         yield c

@@ -80,10 +80,10 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
 HUNG_CLEAN_UP = """
 import sys, time
 from pipefb.app import cli
-from pipefb.app.local import LocalCluster
+from pipefb.app.local import LocalServices
 
 def hang(args):
-    with LocalCluster(1, args.out / "logs"):
+    with LocalServices(1, args.out / "logs"):
         try:
             print("serving", file=sys.stderr, flush=True)
             time.sleep(300)

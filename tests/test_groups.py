@@ -18,7 +18,7 @@ import torch
 from coordinator.client import CoordinatorClient
 from coordinator.results import check_groups_agree
 from pipefb.app.cli import main
-from pipefb.app.local import LocalCluster
+from pipefb.app.local import LocalServices
 from pipefb.errors import ConfigError, WorkerFailed
 from pipefb.job.config import JobConfig
 from pipefb.plan.partition import balanced_plan
@@ -158,7 +158,7 @@ def test_killing_a_group_mid_run_leaves_no_hung_process(tmp_path: Path) -> None:
     """Two groups of one worker (data parallelism) spend most of each short step in the
     all-reduce; SIGKILL one: the job fails naming it, the survivor's all-reduce ends (no
     hang) and the survivor trains the next job with a fresh worker."""
-    with LocalCluster(2, tmp_path, threads=1) as cluster, \
+    with LocalServices(2, tmp_path, threads=1) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(2)
         job = make_job("mlp", "gpipe", 2, "sgd", groups=2, steps=100_000)

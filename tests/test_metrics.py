@@ -116,12 +116,12 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     if not (shutil.which("prometheus") and shutil.which("promtool")):
         pytest.skip(NO_PROMETHEUS)
     from coordinator.client import CoordinatorClient
-    from pipefb.app.local import LocalCluster
+    from pipefb.app.local import LocalServices
     from pipefb.app.report import write_report
     from pipefb.app.train import train_on
 
     folder = tmp_path_factory.mktemp("metrics")
-    with LocalCluster(JOB.workers, folder / "logs", threads=1, metrics=True) as cluster, \
+    with LocalServices(JOB.workers, folder / "logs", threads=1, metrics=True) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         urls = cluster.metrics_urls()
         prometheus = Prometheus([urllib.parse.urlsplit(u).netloc for u in urls.values()],

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from coordinator.client import CoordinatorClient
-from pipefb.app.local import LocalCluster
+from pipefb.app.local import LocalServices
 from pipefb.job.config import JobConfig
 from protos.coordinator_pb2 import DONE, FAILED, RECOVERING, RUNNING, STOPPED
 from tests.conftest import WORKER_THREADS, store_client
@@ -27,17 +27,17 @@ STEPS = 120  # long enough that a kill after a few steps lands mid-run
 
 
 @pytest.fixture(scope="module")
-def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def restarting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServices]:
     """Redis, a coordinator and 4 workers that are relaunched when they die."""
     root = tmp_path_factory.mktemp("recovery-checkpoints")
-    with LocalCluster(4, tmp_path_factory.mktemp("recovery"), threads=WORKER_THREADS,
+    with LocalServices(4, tmp_path_factory.mktemp("recovery"), threads=WORKER_THREADS,
                       extra_env={"PIPEFB_CHECKPOINT_ROOT": str(root)}, restart=True) as cluster:
         cluster.checkpoint_root = root  # type: ignore[attr-defined]
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def client(restarting: LocalCluster) -> Iterator[CoordinatorClient]:
+def client(restarting: LocalServices) -> Iterator[CoordinatorClient]:
     with CoordinatorClient(restarting.coordinator) as c:
         c.wait_for_workers(4)
         yield c
@@ -88,7 +88,7 @@ def assert_trained_as_uninterrupted(client: CoordinatorClient, job: JobConfig,
         assert got[name].equal(want), name  # bit for bit: sync replay from the checkpoint
 
 
-def assert_equals_uninterrupted(client: CoordinatorClient, restarting: LocalCluster,
+def assert_equals_uninterrupted(client: CoordinatorClient, restarting: LocalServices,
                                 job: JobConfig, status: Any) -> None:
     """The job finished after one restart, trained what one process trains, reported
     each step once, and left no key of any attempt in the store."""
@@ -102,7 +102,7 @@ def assert_equals_uninterrupted(client: CoordinatorClient, restarting: LocalClus
 
 @pytest.mark.parametrize("victim", ["worker-0", "worker-3"])
 def test_a_killed_worker_is_relaunched_and_the_job_replays_to_the_same_weights(
-        client: CoordinatorClient, restarting: LocalCluster, victim: str) -> None:
+        client: CoordinatorClient, restarting: LocalServices, victim: str) -> None:
     """worker-0 runs forward stage 0, worker-3 backward stage 0 (it receives the gradient
     stream of backward stage 1); each is SIGKILLed mid-run."""
     job = recoverable_job(f"kill-{victim}")
@@ -116,7 +116,7 @@ def test_a_killed_worker_is_relaunched_and_the_job_replays_to_the_same_weights(
 
 
 def test_a_store_restarted_empty_replays_the_lost_steps(
-        client: CoordinatorClient, restarting: LocalCluster) -> None:
+        client: CoordinatorClient, restarting: LocalServices) -> None:
     job = recoverable_job("kill-redis")
     client.submit(job)
     running_at(client, job.job_id, 8)
@@ -127,7 +127,7 @@ def test_a_store_restarted_empty_replays_the_lost_steps(
 
 
 def test_a_stopped_worker_is_declared_dead_in_time_and_its_return_is_fenced(
-        client: CoordinatorClient, restarting: LocalCluster) -> None:
+        client: CoordinatorClient, restarting: LocalServices) -> None:
     """SIGSTOP past the heartbeat deadline: the job notices within the deadline plus a
     margin (no hang) and waits for a replacement; after SIGCONT the same worker registers
     again and the replay finishes with the uninterrupted run's weights."""
@@ -152,7 +152,7 @@ def test_a_stopped_worker_is_declared_dead_in_time_and_its_return_is_fenced(
 
 
 def test_a_crash_loop_ends_the_job_after_max_restarts(
-        client: CoordinatorClient, restarting: LocalCluster) -> None:
+        client: CoordinatorClient, restarting: LocalServices) -> None:
     job = recoverable_job("crash-loop", steps=STEPS)
     client.submit(job)
     for attempt in range(job.max_restarts + 1):
@@ -167,7 +167,7 @@ def test_a_crash_loop_ends_the_job_after_max_restarts(
 
 
 def test_without_restarts_a_job_still_fails_on_the_first_death(
-        client: CoordinatorClient, restarting: LocalCluster, tmp_path: Path) -> None:
+        client: CoordinatorClient, restarting: LocalServices, tmp_path: Path) -> None:
     job = replace(recoverable_job("no-restarts"), max_restarts=0)
     client.submit(job)
     running_at(client, job.job_id, 3)
@@ -179,7 +179,7 @@ def test_without_restarts_a_job_still_fails_on_the_first_death(
 
 
 def test_a_killed_coordinator_is_relaunched_and_resumes_its_job_from_the_journal(
-        client: CoordinatorClient, restarting: LocalCluster) -> None:
+        client: CoordinatorClient, restarting: LocalServices) -> None:
     """The relaunched coordinator (same address, same journal) resumes the job with
     attempt + 1 from its newest checkpoint; the workers register again; the steps from
     that checkpoint on are reported and everything equals the uninterrupted run."""
@@ -201,7 +201,7 @@ def test_a_killed_coordinator_is_relaunched_and_resumes_its_job_from_the_journal
 
 
 def test_a_sigtermed_coordinator_drains_checkpoints_and_its_successor_resumes(
-        client: CoordinatorClient, restarting: LocalCluster) -> None:
+        client: CoordinatorClient, restarting: LocalServices) -> None:
     """SIGTERM: the running steps end, every owner saves a checkpoint at that step (not
     a multiple of checkpoint_every), the coordinator exits 0 with the job journaled, and
     the relaunched one resumes from exactly that step: no step is lost or run twice."""

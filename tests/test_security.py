@@ -174,12 +174,12 @@ def test_a_job_trains_over_mtls_with_the_token_as_one_process_does(
     weight pushes, export) goes over mTLS with the token: the client here, the coordinator
     and the workers all read the same environment."""
     from coordinator.client import CoordinatorClient
-    from pipefb.app.local import LocalCluster
+    from pipefb.app.local import LocalServices
 
     for name, value in _env(pki, mtls=True).items():
         monkeypatch.setenv(name, value)
     job = make_job("mlp", "pipefb", 2, "adamw")
-    with LocalCluster(2, tmp_path, threads=WORKER_THREADS) as cluster, \
+    with LocalServices(2, tmp_path, threads=WORKER_THREADS) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(2)
         reports, weights = run_on_cluster(client, job)

@@ -12,7 +12,7 @@ import time
 import grpc
 import torch
 
-from dataplane.transport import SWITCH_INTERVAL_SECONDS
+from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS
 from pipefb.allocator import keep_freed_memory
 from pipefb.runtime.checkpoint import add_root_flag
 from protos import coordinator_pb2, coordinator_pb2_grpc, monitoring, server, worker_pb2_grpc

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import torch
 
+from dataplane.grpc_transport import GrpcTransport, inbox_key, nbytes, weight_key
 from dataplane.inbox import Inbox
-from dataplane.transport import GrpcTransport, inbox_key, nbytes, weight_key
 from offload_store import open_store
 from pipefb import codec
 from pipefb.allocator import release_freed_memory

@@ -28,10 +28,10 @@ from pipefb.processes import Process, default_threads, project_env
 
 SUPERVISE_SECONDS = 0.2  # with restart: how often dead processes are looked for
 STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no redis code)
-_RUNNING: weakref.WeakSet[LocalCluster] = weakref.WeakSet()  # started, not yet stopped
+_RUNNING: weakref.WeakSet[LocalServices] = weakref.WeakSet()  # started, not yet stopped
 
 
-class LocalCluster:
+class LocalServices:
     """Context manager: the offload store, a coordinator and `workers` workers, all local;
     with `metrics`, the coordinator and workers serve /metrics (Redis has no exporter)."""
 
@@ -57,7 +57,7 @@ class LocalCluster:
         self.processes: list[Process] = []
         self.store = self.coordinator = ""
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> LocalServices:
         try:
             self.start()
         except BaseException:

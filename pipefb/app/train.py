@@ -26,7 +26,7 @@ from rich.progress import (
 from rich.table import Table
 
 from pipefb.allocator import keep_freed_memory
-from pipefb.app.local import LocalCluster
+from pipefb.app.local import LocalServices
 from pipefb.app.report import write_report
 from pipefb.job.config import JobConfig
 from pipefb.memory import KINDS
@@ -171,7 +171,7 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0,
     from coordinator.client import CoordinatorClient
 
     cluster_file = local_cluster_file(job.workers, out) if job.plan == "auto" else None
-    with LocalCluster(job.workers, out / "logs", threads=threads,
+    with LocalServices(job.workers, out / "logs", threads=threads,
                       extra_env={"PIPEFB_CHECKPOINT_ROOT": str(out.resolve())},
                       cluster_file=cluster_file, metrics=metrics,
                       restart=job.max_restarts > 0) as cluster, \
