@@ -26,6 +26,7 @@ def check_job(config: JobConfig) -> list[float]:
     from pipefb.job.shapes import SpecError, infer_input_specs, spec_of
 
     layers = build_layers(config)
+    check_no_shared_parameters(config.model, layers)
     dataset = build_dataset(config.dataset, config.dataset_config, config.seed)
     x, y = dataset.microbatch(0, 0, config.microbatch_size)
     try:  # the model, data and loss fit together
@@ -49,3 +50,24 @@ def check_job(config: JobConfig) -> list[float]:
                 f"{len(layers)} layers (loss included)"
             )
     return layer_costs(layers)
+
+
+def check_no_shared_parameters(model: str, layers: list[torch.nn.Module]) -> None:
+    """Refuses a parameter that two layers share (tied weights, such as a GPT-2 head that
+    reuses the embedding): each stage trains its own layers' parameters, so a shared one
+    would be updated apart on two stages and train silently wrong.
+
+    Raises:
+        ConfigError: naming both layers, their classes and the parameter.
+    """
+    first: dict[int, tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            seen = first.setdefault(id(p), (i, name))
+            if seen[0] != i:
+                j, other = seen
+                raise ConfigError(
+                    f"model {model!r}: layer {j} ({type(layers[j]).__name__}) parameter "
+                    f"{other!r} is also layer {i} ({type(layer).__name__}) parameter "
+                    f"{name!r}; parameters shared between layers (tied weights) are not "
+                    "supported yet: tie them inside one layer")

@@ -138,6 +138,27 @@ def output_spec(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> TensorSp
     return spec_of(out)
 
 
+def writes_its_input(layer: nn.Module, input_specs: Sequence[TensorSpec],
+                     requires_grad: Sequence[bool]) -> bool:
+    """Whether a layer writes in place into an input that needs a gradient (such as
+    `nn.ReLU(inplace=True)`), found by a run on fake tensors: such an input must be a copy
+    of the received tensor, not the leaf itself, as it is a copy in one process's graph."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        real = _state(layer)
+        device = next(iter(real.values())).device if real else torch.device("cpu")
+        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in real.items()}
+        inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device).requires_grad_(g)
+                       for s, g in zip(input_specs, requires_grad, strict=True))
+        try:
+            with torch.enable_grad():
+                functional_call(layer, state, inputs)
+        except RuntimeError as error:
+            if "in-place operation" in str(error):
+                return True
+            raise
+    return False
+
+
 def infer_input_specs(
     layers: Sequence[nn.Module], input_spec: TensorSpec, target_spec: TensorSpec | None
 ) -> list[list[TensorSpec]]:

@@ -27,7 +27,7 @@ from pipefb.profile.sequence import (
     sequence,
     stash_bytes,
 )
-from pipefb.runtime.execs import SplitExec, needs_grad
+from pipefb.runtime.execs import grad_flows, needs_grad, split_exec
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.sim.costs import LayerProfile, Profile
 
@@ -100,7 +100,7 @@ def _analytic_layer(seq: LayerSequence, i: int, out: TensorSpec, device: _Device
                     ) -> LayerProfile:
     """Layer i's row from its FLOPs, its bytes and the device's rates."""
     layer, specs = seq.layers[i], seq.specs[i]
-    needs = needs_grad(i, specs)
+    needs = needs_grad(i, specs, grad_flows(seq.layers)[i])
     forward_flops, backward_flops = layer_flops(layer, specs, needs)
     inputs = sum(s.nbytes for s in specs)
     input_grads = sum(s.nbytes for s, g in zip(specs, needs, strict=True) if g)
@@ -119,7 +119,7 @@ def _analytic_layer(seq: LayerSequence, i: int, out: TensorSpec, device: _Device
 def _example_stash_bytes(layer: nn.Module, specs: list[TensorSpec], needs: list[bool],
                          seed: int) -> int:
     """The stash bytes of one forward of the layer's captured split on example inputs."""
-    executor = SplitExec(layer, specs, needs)
+    executor = split_exec(layer, specs, needs)
     generator = torch.Generator().manual_seed(_EXAMPLE_SEED)
     if executor.has_random_ops:
         seed_random_ops(seed)

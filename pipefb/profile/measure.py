@@ -77,7 +77,7 @@ from pipefb.profile.sequence import (
     sequence,
     stash_bytes,
 )
-from pipefb.runtime.execs import Saved, SplitExec, needs_grad
+from pipefb.runtime.execs import NoGradExec, Saved, SplitExec, grad_flows, needs_grad, split_exec
 from pipefb.runtime.versions import WeightVersions
 from pipefb.seeding import derive_seed, seed_random_ops
 from pipefb.sim.costs import LayerProfile, Profile
@@ -189,8 +189,9 @@ def _pipeline(seq: LayerSequence, dataset: Dataset, size: int, timed: range, sto
     the layers in `timed`, last layer first; times from the rounds after `warmup`, each
     call's from cold caches ([Note: cold caches])."""
     device = seq.inputs.device
-    executors = [SplitExec(seq.layers[i], seq.specs[i], needs_grad(i, seq.specs[i]), device)
-                 for i in range(stop)]
+    flows = grad_flows(seq.layers)
+    executors = [split_exec(seq.layers[i], seq.specs[i], needs_grad(i, seq.specs[i], flows[i]),
+                            device) for i in range(stop)]
     samples = _Samples({}, {}, {}, [], {})
     for r in range(warmup + repeats):
         record = r >= warmup
@@ -212,7 +213,8 @@ def _pipeline(seq: LayerSequence, dataset: Dataset, size: int, timed: range, sto
     return samples
 
 
-def _forwards(seq: LayerSequence, dataset: Dataset, executors: list[SplitExec], timed: range,
+def _forwards(seq: LayerSequence, dataset: Dataset, executors: list[SplitExec | NoGradExec],
+              timed: range,
               size: int, step: int, m: int, seed: int, samples: _Samples,
               caches: _Caches | None) -> list[tuple[int, Saved, torch.Tensor]]:
     """Micro-batch m of `step`: loads it and runs every executor's forward; in a timed
@@ -227,7 +229,7 @@ def _forwards(seq: LayerSequence, dataset: Dataset, executors: list[SplitExec], 
     for i, executor in enumerate(executors):
         inputs = [x, y] if i == seq.last else [x]
 
-        def forward(i: int = i, executor: SplitExec = executor,
+        def forward(i: int = i, executor: SplitExec | NoGradExec = executor,
                     inputs: list[torch.Tensor] = inputs) -> tuple[torch.Tensor, Saved]:
             if executor.has_random_ops:
                 seed_random_ops(derive_seed(seed, step, m, i))  # as the runtime's F does

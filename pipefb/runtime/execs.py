@@ -26,11 +26,35 @@ Saved = dict[str, torch.Tensor]
 Params = Sequence[torch.Tensor] | None  # a weight version in module order; None: the live one
 
 
-def needs_grad(layer: int, specs: Sequence[TensorSpec]) -> list[bool]:
+def needs_grad(layer: int, specs: Sequence[TensorSpec], flows: bool | None = None
+               ) -> list[bool]:
     """Which inputs of layer `layer` of a layer sequence get a gradient: its first, when
-    floating, except at layer 0. Layer 0's input is data and a loss's targets are labels:
-    neither needs a gradient."""
-    return [layer > 0 and j == 0 and s.dtype.is_floating_point for j, s in enumerate(specs)]
+    floating and a gradient flows into it (`flows`, see `grad_flows`; None: every layer
+    after the first). Layer 0's input is data and a loss's targets are labels: neither
+    needs a gradient."""
+    into = layer > 0 if flows is None else flows
+    return [into and j == 0 and s.dtype.is_floating_point for j, s in enumerate(specs)]
+
+
+def grad_flows(layers: Sequence[torch.nn.Module]) -> list[bool]:
+    """For each layer of a sequence, whether its input carries a gradient: whether some
+    layer before it has a parameter to train.
+
+    [Note: no gradient] Parameter-free and frozen layers at the front take data that
+    nothing differentiates, as in one process: they run as `NoGradExec`, keep nothing, and
+    a backward that reaches them stops there. A stage whose input gets no gradient still
+    sends its previous stage the gradient its schedule promises (zeros, which that stage's
+    layers, all of them without a backward, never read)."""
+    flows, seen = [], False
+    for layer in layers:
+        flows.append(seen)
+        seen = seen or any(p.requires_grad for p in layer.parameters())
+    return flows
+
+
+def trains(layer: torch.nn.Module, input_requires_grad: Sequence[bool]) -> bool:
+    """Whether a layer has a backward at all: an input or a parameter needs a gradient."""
+    return any(input_requires_grad) or any(p.requires_grad for p in layer.parameters())
 
 
 class LayerExec(Protocol):
@@ -39,10 +63,11 @@ class LayerExec(Protocol):
     has_random_ops: bool  # whether the forward draws random numbers (seed it first)
     stash_names: list[str]  # names of the tensors that leave the worker (split only)
 
-    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
-                ) -> tuple[torch.Tensor, Saved]:
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None,
+                update_buffers: bool = True) -> tuple[torch.Tensor, Saved]:
         """Runs the forward (with weight version `params`, default the live ones); returns
-        the output and what the backward needs."""
+        the output and what the backward needs. `update_buffers` False: a recomputed
+        forward, which leaves the buffers (BatchNorm's statistics) as they are."""
         ...
 
     def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
@@ -64,15 +89,19 @@ class AutogradExec:
     """Eager autograd; the saved tensors are the autograd graph's own (counted, not moved)."""
 
     def __init__(self, layer: torch.nn.Module, input_requires_grad: Sequence[bool],
-                 has_random_ops: bool = True) -> None:
+                 has_random_ops: bool = True, copy_inputs: bool = False) -> None:
         self.layer = layer
         self.stash_names: list[str] = []  # nothing leaves the worker
         self.input_requires_grad = list(input_requires_grad)
         self.has_random_ops = has_random_ops  # unknown without tracing: seed to be safe
+        # the layer writes into its input in place: it gets a copy of the leaf
+        # (`pipefb.job.shapes.writes_its_input`), whose gradient reaches the leaf
+        self.copy_inputs = copy_inputs
 
-    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
-                ) -> tuple[torch.Tensor, Saved]:
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None,
+                update_buffers: bool = True) -> tuple[torch.Tensor, Saved]:
         assert params is None  # only sync keep layers run here: weights never lag
+        assert update_buffers  # and keep layers are never recomputed
         leaves = [x.detach().requires_grad_(g) for x, g in zip(inputs, self.input_requires_grad,
                                                                strict=True)]
         kept: list[torch.Tensor] = []
@@ -82,7 +111,8 @@ class AutogradExec:
             return t
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.layer(*leaves)
+            args = [x.clone() if self.copy_inputs and x.requires_grad else x for x in leaves]
+            out = self.layer(*args)
         saved = {f"input_{i}": x for i, x in enumerate(leaves)}
         saved.update({f"saved_{i}": t for i, t in enumerate(kept)})
         saved["output"] = out
@@ -102,6 +132,46 @@ class AutogradExec:
         """Nothing to derive: autograd's backward reads the weights themselves."""
 
 
+class NoGradExec:
+    """A layer that nothing differentiates (no parameter to train, no gradient into its
+    input: parameter-free or frozen layers at the front): its forward runs without
+    autograd, it saves nothing, and its backward has nothing to compute."""
+
+    def __init__(self, layer: torch.nn.Module, n_inputs: int) -> None:
+        self.layer, self.n_inputs = layer, n_inputs
+        self.stash_names: list[str] = []
+        self.has_random_ops = True  # unknown without tracing: seed to be safe
+
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None,
+                update_buffers: bool = True) -> tuple[torch.Tensor, Saved]:
+        with torch.no_grad():
+            if update_buffers:
+                return self.layer(*inputs), {}
+            buffers = [(b, b.clone()) for b in self.layer.buffers()]
+            out = self.layer(*inputs)
+            for b, before in buffers:
+                b.copy_(before)
+            return out, {}
+
+    def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                 ) -> list[torch.Tensor | None]:
+        return [None] * self.n_inputs
+
+    def backward_input(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
+                       ) -> tuple[list[torch.Tensor | None], DeferredGrads]:
+        """As `SplitExec.backward_input`: nothing to compute, now or later."""
+        return self.backward(saved, grad_output, params), DeferredGrads([], [])
+
+    def backward_weights(self, deferred: DeferredGrads) -> None:
+        """Nothing waits."""
+
+    def weights_changed(self) -> None:
+        """Nothing is derived from the weights."""
+
+    def prepare(self) -> None:
+        """Nothing to derive."""
+
+
 class SplitExec:
     """The explicit forward/backward split; the stash may travel through the offload store."""
 
@@ -114,9 +184,9 @@ class SplitExec:
         self.has_random_ops = self.split.has_random_ops
         self.stash_names = self.split.stash_names
 
-    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None
-                ) -> tuple[torch.Tensor, Saved]:
-        return self.split.forward(inputs, params)
+    def forward(self, inputs: Sequence[torch.Tensor], params: Params = None,
+                update_buffers: bool = True) -> tuple[torch.Tensor, Saved]:
+        return self.split.forward(inputs, params, update_buffers)
 
     def backward(self, saved: Saved, grad_output: torch.Tensor, params: Params = None
                  ) -> list[torch.Tensor | None]:
@@ -145,7 +215,18 @@ class SplitExec:
     def _accumulate(self, param_grads: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for p, g in zip(self.params, param_grads, strict=True):
+                if not p.requires_grad:
+                    continue  # frozen: it keeps no gradient, as under autograd
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.add_(g)
+
+
+def split_exec(layer: torch.nn.Module, specs: list[TensorSpec], needs: Sequence[bool],
+               device: torch.device | None = None) -> SplitExec | NoGradExec:
+    """The split executor of a layer, or `NoGradExec` for one nothing differentiates
+    ([Note: no gradient])."""
+    if not trains(layer, needs):
+        return NoGradExec(layer, len(specs))
+    return SplitExec(layer, specs, needs, device)

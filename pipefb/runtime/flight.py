@@ -28,7 +28,11 @@ class SavedTensors(dict[Key, dict[str, torch.Tensor]]):
         super().__setitem__(key, stash)
         self.storages[key] = storages(stash.values())
 
-    def pop(self, key: Key) -> dict[str, torch.Tensor]:  # type: ignore[override]
+    def pop(self, key: Key, default: dict[str, torch.Tensor] | None = None  # type: ignore[override]
+            ) -> dict[str, torch.Tensor]:
+        """Takes the entry of `key`; `default` (when given) if there is none."""
+        if default is not None and key not in self:
+            return default
         del self.storages[key]
         return super().pop(key)
 

@@ -105,7 +105,8 @@ class LayerSplit:
         return len(self.derived_names)
 
     def forward(
-        self, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None = None
+        self, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None = None,
+        update_buffers: bool = True,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Runs the captured forward graph without autograd.
 
@@ -113,6 +114,9 @@ class LayerSplit:
             inputs: the layer's inputs, of `input_specs`.
             params: the weight version to use, in `param_names` order; default the
                 layer's current parameters. Buffers are always the layer's.
+            update_buffers: write the buffers' new values (BatchNorm's statistics) into
+                the layer ([Note: mutated buffers]); False for a recomputed forward, whose
+                micro-batch updated them already.
 
         Returns:
             The output and the stash: the tensors of `stash_names` (they may alias the
@@ -126,9 +130,13 @@ class LayerSplit:
         weights = [*self._params(params), *self._buffers()]
         with torch.no_grad():
             outs = self.forward_graph(*weights, *inputs)
+            n_new = len(self.mutated_buffers)
+            if update_buffers:
+                for k, value in zip(self.mutated_buffers, outs[:n_new], strict=True):
+                    self._buffer_list[k].copy_(value)
         n_user = len(outs) - len(self._slots)
         stash = {s.name: outs[n_user + i] for i, s in enumerate(self._slots) if s.kind == "stash"}
-        return outs[0], stash
+        return outs[n_new], stash
 
     def backward(
         self,
@@ -227,20 +235,39 @@ class LayerSplit:
             s.example(self._device(), gen).requires_grad_(g)
             for s, g in zip(self.input_specs, self.input_requires_grad, strict=True)
         ]
-        for clone in (False, True):
-            graphs = capture(self._functional(clone), [*params, *self._buffers(), *inputs])
-            if "bw" in graphs:
+        # An output that aliases an input gets no backward unless cloned; a layer that
+        # writes into its input (an in-place activation) gives its input's new value a
+        # tangent of its own unless it writes into a copy, as it does in one process's graph.
+        # [Note: mutated buffers] A forward that updates buffers (BatchNorm's running
+        # statistics) is traced on copies of them, so tracing changes no statistic; the
+        # captured forward returns their new values first (AOTAutograd's functionalised
+        # input mutations, in input order), and `forward` writes them into the layer's
+        # buffers, once per micro-batch, as one process's forward does.
+        for copy_inputs, clone in ((False, False), (False, True), (True, False), (True, True)):
+            buffers = [b.clone() for b in self._buffers()]
+            versions = [b._version for b in (*params, *buffers)]
+            graphs = capture(self._functional(clone, copy_inputs), [*params, *buffers, *inputs])
+            if "bw" in graphs and len(_tangents(graphs["bw"])) == 1:
+                written = [k for k, (t, v) in enumerate(zip((*params, *buffers), versions,
+                                                            strict=True)) if t._version != v]
+                if any(k < len(params) for k in written):
+                    raise SplitError(f"layer {type(self.layer).__name__} writes into its "
+                                     "parameters in its forward (nn.Embedding's max_norm "
+                                     "does): not supported")
+                self.mutated_buffers = [k - len(params) for k in written]
                 return graphs
         raise SplitError(f"layer {type(self.layer).__name__} has no gradient to split")
 
-    def _functional(self, clone: bool) -> Callable[..., torch.Tensor]:
-        """The layer as a function of `(*params, *buffers, *inputs)`."""
+    def _functional(self, clone: bool, copy_inputs: bool) -> Callable[..., torch.Tensor]:
+        """The layer as a function of `(*params, *buffers, *inputs)`; with `copy_inputs`,
+        the layer gets copies of the inputs that need a gradient."""
         names = [*self.param_names, *self.buffer_names]
+        grads = self.input_requires_grad
 
         def fn(*args: torch.Tensor) -> torch.Tensor:
-            out = functional_call(
-                self.layer, dict(zip(names, args, strict=False)), args[len(names) :]
-            )
+            inputs = tuple(x.clone() if copy_inputs and g else x
+                           for x, g in zip(args[len(names):], grads, strict=True))
+            out = functional_call(self.layer, dict(zip(names, args, strict=False)), inputs)
             if not isinstance(out, torch.Tensor):
                 raise SplitError(f"layer {type(self.layer).__name__} returned {type(out).__name__}")
             return out.clone() if clone else out
@@ -249,9 +276,7 @@ class LayerSplit:
 
     def _tangent(self) -> tuple[TensorSpec, tuple[int, ...] | None]:
         """The spec and strides of the single tangent of the backward graph."""
-        tangents = [
-            n for n in placeholders(self.backward_graph) if n.name.startswith(TANGENT_PREFIX)
-        ]
+        tangents = _tangents(self.backward_graph)
         if len(tangents) != 1:
             raise SplitError(f"backward graph takes {len(tangents)} tangents, expected 1")
         return val_spec(tangents[0])
@@ -261,6 +286,7 @@ class LayerSplit:
         saved = self._saved_nodes()
         primals = placeholders(self.forward_graph)
         outs = list(cast("Sequence[fx.Node]", self.forward_graph.graph.output_node().args[0]))
+        outs = outs[len(self.mutated_buffers):]  # the buffers' new values come first
         n_grads = len(cast("Sequence[object]", self.backward_graph.graph.output_node().args[0]))
         if n_grads != len(primals):
             raise SplitError(f"backward returns {n_grads} grads for {len(primals)} primals")
@@ -425,6 +451,11 @@ class DeferredGrads:
 
     args: list[torch.Tensor]
     params: list[torch.Tensor]
+
+
+def _tangents(backward: fx.GraphModule) -> list[fx.Node]:
+    """The tangent placeholders of a backward graph (one per differentiable output)."""
+    return [n for n in placeholders(backward) if n.name.startswith(TANGENT_PREFIX)]
 
 
 def _run(graph: fx.GraphModule, args: list[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -43,7 +43,9 @@ class SingleProcess:
         self.device_memory = DeviceMemory(self.device)
         self.layers = [layer.to(self.device) for layer in build_layers(job)]
         self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
-        self.params = [p for layer in self.layers for p in layer.parameters()]
+        # each parameter once: a parameter shared by two layers is updated once a step
+        self.params = list({id(p): p for layer in self.layers for p in layer.parameters()
+                            }.values())
         self.optimizer = build_optimizer(job.optimizer, self.params, job.lr, job.optimizer_config)
         # the last `staleness` versions before the newest, oldest first
         self.history: list[list[torch.Tensor]] = []

@@ -27,13 +27,15 @@ class LayerRunner:
         self.run_start = recompute_runs(plan)  # layer -> first layer of its recomputed run
 
     def forward(self, i: int, step: int, m: int, inputs: list[torch.Tensor],
-                params: Params) -> tuple[torch.Tensor, Saved]:
+                params: Params, update_buffers: bool = True) -> tuple[torch.Tensor, Saved]:
         """Layer i's forward of micro-batch m of `step` with weight version `params` (None:
-        the live one), its random ops seeded by (seed, step, global micro-batch, layer)."""
+        the live one), its random ops seeded by (seed, step, global micro-batch, layer);
+        `update_buffers` False when it is recomputed ([Note: mutated buffers] in
+        pipefb.runtime.layersplit)."""
         if self.execs[i].has_random_ops:
             seed_random_ops(derive_seed(self.seed, step, self.data.offset + m, i))
         with self.clock.layer(step, i):
-            return self.execs[i].forward(inputs, params)
+            return self.execs[i].forward(inputs, params, update_buffers)
 
     def kept(self, i: int, inputs: list[torch.Tensor], saved: Saved) -> Saved:
         """What layer i's forward keeps for its backward: keep and offload the layer's
@@ -59,7 +61,7 @@ class LayerRunner:
         inputs = [saved[f"input_{j}"] for j in range(self.n_inputs[start])]
         out: dict[int, Saved] = {}
         for i in range(start, end + 1):
-            x, out[i] = self.forward(i, step, m, inputs, params(i))
+            x, out[i] = self.forward(i, step, m, inputs, params(i), update_buffers=False)
             inputs = [x]
             if i + 1 == self.n_layers - 1:  # the loss layer also takes the targets
                 inputs.append(self.data.get(step, m)[1])

@@ -19,14 +19,23 @@ from typing import cast
 import torch
 
 from pipefb.job.config import JobConfig, build_layers, job_device
-from pipefb.job.shapes import TensorSpec, output_spec, spec_of
+from pipefb.job.shapes import TensorSpec, output_spec, spec_of, writes_its_input
 from pipefb.memory import DeviceMemory, MemoryAccount, storage_bytes, tensor_bytes
 from pipefb.plan.plan import Plan
 from pipefb.runtime.allreduce import Reducer
 from pipefb.runtime.checkpoint import Part, due
 from pipefb.runtime.clock import LayerClock
 from pipefb.runtime.exchange import Exchange, microbatch
-from pipefb.runtime.execs import AutogradExec, LayerExec, Saved, SplitExec, needs_grad
+from pipefb.runtime.execs import (
+    AutogradExec,
+    LayerExec,
+    Saved,
+    SplitExec,
+    grad_flows,
+    needs_grad,
+    split_exec,
+    trains,
+)
 from pipefb.runtime.flight import InFlight
 from pipefb.runtime.inputs import MicroBatches
 from pipefb.runtime.layersplit import DeferredGrads
@@ -84,9 +93,11 @@ class StageRuntime:
         self.data = MicroBatches(self.job, self.plan.microbatch_size, self.place.mb_offset,
                                  self.device)
         specs = self.data.layer_specs(all_layers)
+        self.specs = specs
+        flows = grad_flows(all_layers)
         held = self.place.held
         layers = {i: all_layers[i].to(self.device) for i in held}
-        execs = {i: self._executor(i, layers[i], specs[i]) for i in held}
+        execs = {i: self._executor(i, layers[i], specs[i], flows[i]) for i in held}
         self.runner = LayerRunner(self.plan, self.job.seed, execs,
                                   {i: len(specs[i]) for i in held}, self.n_layers, self.data,
                                   self.clock)
@@ -98,8 +109,9 @@ class StageRuntime:
             {i: self.runner.stash_names(i) for i in self._stored_layers(self.bwd_layers)})
         forward_params = {k: spec_of(p) for k, p in
                           self.state.named_params(self.fwd_layers).items()}
-        self.receives = receive_specs(self.place, specs,
-                                      output_spec(all_layers[-1], specs[-1]), forward_params)
+        loss_spec = output_spec(all_layers[-1], specs[-1])
+        self.loss_dtype = loss_spec.dtype
+        self.receives = receive_specs(self.place, specs, loss_spec, forward_params)
         self.max_receive_bytes = max((s.nbytes for named in self.receives.values()
                                       for s in named.values()), default=0)
 
@@ -108,15 +120,16 @@ class StageRuntime:
         """forward, backward or combined."""
         return self.place.role
 
-    def _executor(self, i: int, layer: torch.nn.Module, specs: list[TensorSpec]) -> LayerExec:
-        """Autograd where saved tensors stay here, the weights never change under them and
-        no weight grad waits; the split everywhere else (see [Note: two executors] in
-        pipefb.runtime.execs)."""
-        needs = needs_grad(i, specs)
-        if (self.role == "combined" and self.plan.policy[i] == "keep"
+    def _executor(self, i: int, layer: torch.nn.Module, specs: list[TensorSpec], flows: bool
+                  ) -> LayerExec:
+        """None for a layer nothing differentiates; autograd where saved tensors stay here,
+        the weights never change under them and no weight grad waits; the split everywhere
+        else (see [Note: two executors] in pipefb.runtime.execs)."""
+        needs = needs_grad(i, specs, flows)
+        if (trains(layer, needs) and self.role == "combined" and self.plan.policy[i] == "keep"
                 and self.plan.mode == "sync" and not self.place.defer):
-            return AutogradExec(layer, needs)
-        return SplitExec(layer, specs, needs, self.device)
+            return AutogradExec(layer, needs, copy_inputs=writes_its_input(layer, specs, needs))
+        return split_exec(layer, specs, needs, self.device)
 
     def _stored_layers(self, layers: range) -> list[int]:
         """Layers whose saved tensors go through the offload store (all on split ranks)."""
@@ -255,7 +268,9 @@ class StageRuntime:
         version = self.place.forward_version(self.flight.forward_version, step, action.stage, m)
         grad, deferred = self._backward_layers(step, m, version,
                                                self._output_grad(action, step, m), it)
-        if grad is not None and action.stage > 0:
+        if action.stage > 0:
+            if grad is None:  # [Note: no gradient]
+                grad = self.specs[self.bwd_layers[0]][0].zeros().to(self.device)
             self.flight.input_grads[(step, action.stage, m)] = grad
             if deferred:
                 self.exchange.send_grad(Action(action.stage, Kind.SEND_B, m), step, it)
@@ -270,9 +285,9 @@ class StageRuntime:
     def _output_grad(self, action: Action, step: int, m: int) -> torch.Tensor:
         """The gradient of the loss with respect to the stage's output for (step, m)."""
         if action.stage == len(self.topology.backward_workers) - 1:
-            # d(mean over the step's micro-batches, every group's)
+            # d(mean over the step's micro-batches, every group's), in the loss's dtype
             return torch.full((), 1.0 / (self.plan.microbatches * self.plan.groups),
-                              device=self.device)
+                              dtype=self.loss_dtype, device=self.device)
         return self.flight.grads.pop((step, action.stage, m))
 
     def _backward_layers(self, step: int, m: int, version: int, grad: torch.Tensor | None,
@@ -283,7 +298,9 @@ class StageRuntime:
         recomputed: dict[int, Saved] = {}
         deferred: dict[int, DeferredGrads] = {}
         for i in reversed(self.bwd_layers):
-            assert grad is not None  # only the model's first layer (data input) gets no grad
+            if grad is None:  # nothing before here trains ([Note: no gradient])
+                self.flight.saved.pop((step, m, i), {})
+                continue
             saved = self._saved_for(step, m, i, version, recomputed, it)
             execute, params = self.state.execs[i], self.state.params(version, i)
             with self.clock.layer(step, i):
@@ -300,7 +317,7 @@ class StageRuntime:
         or, for a recompute layer, those of its run's forwards re-run now (kept in
         `recomputed` for the run's other layers)."""
         if self.plan.policy[i] != "recompute":
-            return self.flight.saved.pop((step, m, i))
+            return self.flight.saved.pop((step, m, i), {})  # {}: its backward saves nothing
         if i not in recomputed:
             started = time.perf_counter()
             inputs = self.flight.saved.pop((step, m, self.runner.run_start[i]))

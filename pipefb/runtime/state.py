@@ -54,7 +54,9 @@ class RankState:
         self.job, self.rank = job, rank
         self.layers, self.execs = layers, execs
         self.fwd_layers, self.bwd_layers = forward_layers, owned_layers
-        self.owned = [p for i in owned_layers for p in layers[i].parameters()]
+        # the parameters the optimizer updates: trainable ones (a frozen one keeps no
+        # gradient and no optimizer state, as in one process), each once
+        self.owned = [p for _, p in self._trainable(owned_layers)]
         # the largest tensor a migrating peer may send: a parameter or its optimizer state
         self.max_state_bytes = max((p.numel() * p.element_size() for layer in layers.values()
                                     for p in layer.parameters()), default=0) + 8
@@ -158,8 +160,20 @@ class RankState:
         return [f"{i}.{n}" for i in layers for n, _ in self.layers[i].named_parameters()]
 
     def _owned_names(self) -> list[str]:
-        """`{layer}.{param}` of every owned parameter, in the optimizer's order."""
-        return self.param_names(self.bwd_layers)
+        """`{layer}.{param}` of every parameter the optimizer updates, in its order."""
+        return [name for name, _ in self._trainable(self.bwd_layers)]
+
+    def _trainable(self, layers: Iterable[int]) -> list[tuple[str, torch.Tensor]]:
+        """(`{layer}.{param}`, parameter) of every trainable parameter of `layers`, each
+        parameter once (under the first name it has)."""
+        seen: set[int] = set()
+        out: list[tuple[str, torch.Tensor]] = []
+        for i in layers:
+            for name, p in self.layers[i].named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((f"{i}.{name}", p))
+        return out
 
     # -- checkpoints, migration, evaluation ------------------------------------------------
 

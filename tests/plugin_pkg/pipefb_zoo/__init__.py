@@ -1,0 +1,121 @@
+"""User-style models, written the ordinary ways, for the any-model tests: parameter-free,
+frozen, buffered, in-place, tied, stochastic and float64 layers (digits: (N, 64) -> 10
+classes; text: (N, T) bytes -> 256 classes). Each `build` takes a config dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Standardize(nn.Module):
+    """Input standardisation without parameters: (x - 0.5) / 0.25."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - 0.5) / 0.25
+
+
+class ToDouble(nn.Module):
+    """Casts the input to float64."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.double()
+
+
+class AddInPlace(nn.Module):
+    """An in-place op on an intermediate and on its own input."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        y.mul_(0.5)
+        return y.add_(x)
+
+
+class Block(nn.Module):
+    """A residual MLP block over the last dim."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+def relus(config: dict[str, Any]) -> list[nn.Module]:
+    """Parameter-free layers first, in the middle, in a row and last."""
+    h = int(config.get("hidden", 16))
+    return [Standardize(), nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Dropout(0.0),
+            nn.Linear(h, h), nn.ReLU(inplace=True), nn.Linear(h, 10), nn.LogSoftmax(dim=-1)]
+
+
+def frozen(config: dict[str, Any]) -> list[nn.Module]:
+    """A frozen first layer, a layer with only its bias frozen, a frozen middle layer."""
+    h = int(config.get("hidden", 16))
+    first, partial, middle = nn.Linear(64, h), nn.Linear(h, h), nn.Linear(h, h)
+    first.requires_grad_(False)
+    partial.bias.requires_grad_(False)
+    middle.requires_grad_(False)
+    return [first, nn.Tanh(), partial, middle, nn.Tanh(), nn.Linear(h, 10)]
+
+
+def batchnorm(config: dict[str, Any]) -> list[nn.Module]:
+    """BatchNorm1d between linear layers (buffers the forward mutates)."""
+    h = int(config.get("hidden", 16))
+    return [nn.Linear(64, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Linear(h, h),
+            nn.BatchNorm1d(h), nn.Linear(h, 10)]
+
+
+def convbn(config: dict[str, Any]) -> list[nn.Module]:
+    """Conv + BatchNorm2d + pooling on the 8x8 images."""
+    c = int(config.get("channels", 4))
+    return [nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, c, 3, padding=1), nn.BatchNorm2d(c),
+            nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(c * 16, 10)]
+
+
+def inplace(config: dict[str, Any]) -> list[nn.Module]:
+    """In-place ops on intermediates and on a layer's own input."""
+    h = int(config.get("hidden", 16))
+    return [nn.Linear(64, h), AddInPlace(h), nn.ReLU(inplace=True), nn.Linear(h, 10)]
+
+
+def dropout(config: dict[str, Any]) -> list[nn.Module]:
+    """Dropout as its own layer and inside a layer."""
+    h = int(config.get("hidden", 16))
+    return [nn.Linear(64, h), nn.Dropout(0.2), nn.Sequential(nn.Linear(h, h), nn.Dropout(0.1)),
+            nn.Linear(h, 10)]
+
+
+def double(config: dict[str, Any]) -> list[nn.Module]:
+    """float64 parameters behind a cast."""
+    h = int(config.get("hidden", 16))
+    return [ToDouble(), nn.Linear(64, h).double(), nn.Tanh(), nn.Linear(h, 10).double()]
+
+
+def embed(config: dict[str, Any]) -> list[nn.Module]:
+    """Byte text: an embedding with padding_idx first, residual blocks, a head."""
+    d = int(config.get("dim", 16))
+    return [nn.Embedding(256, d, padding_idx=0), Block(d), Block(d), nn.Linear(d, 256)]
+
+
+def tied(config: dict[str, Any]) -> list[nn.Module]:
+    """Byte text, GPT-2 style: the output head shares the embedding's weight."""
+    d = int(config.get("dim", 16))
+    embedding = nn.Embedding(256, d)
+    head = nn.Linear(d, 256, bias=False)
+    head.weight = embedding.weight
+    return [embedding, Block(d), Block(d), head]
+
+
+def transformer(config: dict[str, Any]) -> list[nn.Module]:
+    """torch's own TransformerEncoderLayer between an embedding and a head."""
+    d = int(config.get("dim", 16))
+    layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=2 * d, dropout=0.0,
+                                       batch_first=True)
+    return [nn.Embedding(256, d), layer, nn.Linear(d, 256)]

@@ -1,0 +1,65 @@
+"""User-style models (tests/plugin_pkg/pipefb_zoo) train exactly on every schedule and
+activation policy: parameter-free layers anywhere, frozen layers, BatchNorm's buffers,
+in-place ops, dropout, float64, embeddings, torch's TransformerEncoderLayer; and a model
+that cannot be trained is refused at submit with one line naming its layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from pipefb.errors import ConfigError
+from pipefb.job.checks import check_job
+from pipefb.job.config import JobConfig, build_layers
+from tests.test_transparency import assert_same_training, make_job, reference, run_on_cluster
+
+DIGITS: dict[str, Any] = {"dataset": "digits", "loss": "cross_entropy"}
+TEXT: dict[str, Any] = {"dataset": "text", "loss": "cross_entropy",
+                        "dataset_config": {"block_size": 8, "max_bytes": 50_000}}
+ZOO: dict[str, dict[str, Any]] = {
+    "zoo_relus": DIGITS, "zoo_frozen": DIGITS, "zoo_batchnorm": DIGITS, "zoo_convbn": DIGITS,
+    "zoo_inplace": DIGITS, "zoo_dropout": DIGITS, "zoo_double": DIGITS, "zoo_embed": TEXT,
+    "zoo_transformer": TEXT,
+}
+# (schedule, workers, policy): each model on every sync schedule, the policies rotating
+RUNS = [("gpipe", 2, "keep"), ("1f1b", 3, "recompute"), ("gpipe", 3, "offload"),
+        ("1f1b", 2, "keep"), ("pipefb", 4, "offload"), ("pipefb", 3, "recompute")]
+
+
+@pytest.mark.parametrize("model", sorted(ZOO))
+@pytest.mark.parametrize(("schedule", "workers", "policy"), RUNS)
+def test_a_user_model_trains_as_one_process_does(client: Any, model: str, schedule: str,
+                                                 workers: int, policy: str) -> None:
+    job = make_job(model, schedule, workers, "adamw", policy=policy, **ZOO[model])
+    reports, weights = run_on_cluster(client, job)
+    assert_same_training(job, reports, weights)
+    _, want = reference(job)
+    different = [name for name, w in want.items() if not torch.equal(weights[name], w)]
+    assert different == []  # the same kernels on the same values: bit for bit
+
+
+def test_frozen_parameters_stay_as_they_were_built(client: Any) -> None:
+    job = make_job("zoo_frozen", "pipefb", 4, "adamw", **DIGITS)
+    _, weights = run_on_cluster(client, job)
+    layers = build_layers(JobConfig(model="zoo_frozen", seed=job.seed, **DIGITS))
+    assert torch.equal(weights["layers.0.weight"], layers[0].weight)
+    assert torch.equal(weights["layers.2.bias"], layers[2].bias)
+    assert torch.equal(weights["layers.3.weight"], layers[3].weight)
+    assert not torch.equal(weights["layers.2.weight"], layers[2].weight)
+
+
+def test_tied_parameters_are_refused_at_submit_naming_both_layers(client: Any) -> None:
+    job = make_job("zoo_tied", "1f1b", 2, "adamw", **TEXT)
+    with pytest.raises(ConfigError) as caught:
+        check_job(job)
+    line = str(caught.value)
+    assert line == ("model 'zoo_tied': layer 0 (Embedding) parameter 'weight' is also layer 3 "
+                    "(Linear) parameter 'weight'; parameters shared between layers (tied "
+                    "weights) are not supported yet: tie them inside one layer")
+    with pytest.raises(grpc.RpcError) as rpc:
+        client.submit(job)
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rpc.value.details() == f"ConfigError: {line}"
