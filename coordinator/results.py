@@ -76,10 +76,13 @@ def check_groups_agree(report: coordinator_pb2.StepReport) -> None:
 
 
 def collect_weights(job: Job, ranks: Ranks, version: int = 0) -> dict[str, torch.Tensor]:
-    """The whole model's weights from the ranks that own them (0: the current ones)."""
+    """The whole model's weights from the ranks that own them (0: the current ones, with
+    the buffers of the ranks that run the forwards: [Note: buffer owners] in
+    pipefb.runtime.state; a kept version: the parameters)."""
     weights: dict[str, torch.Tensor] = {}
-    # every group holds the same weights (summed gradients): group 0's are the model's
-    owners = ({a.rank for a in job.plan.assignment if a.role != "forward" and a.group == 0}
+    # every group holds the same parameters (summed gradients): group 0's are the model's
+    owners = ({a.rank for a in job.plan.assignment
+               if a.group == 0 and (a.role != "forward" or not version)}
               if job.plan else set())
     for rank in sorted(owners):
         stream = ranks.stubs[rank].ExportWeights(

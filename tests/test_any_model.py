@@ -5,6 +5,7 @@ that cannot be trained is refused at submit with one line naming its layers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -14,7 +15,14 @@ import torch
 from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig, build_layers
-from tests.test_transparency import assert_same_training, make_job, reference, run_on_cluster
+from pipefb.runtime.evaluate import evaluate
+from tests.test_transparency import (
+    STEPS,
+    assert_same_training,
+    make_job,
+    reference,
+    run_on_cluster,
+)
 
 DIGITS: dict[str, Any] = {"dataset": "digits", "loss": "cross_entropy"}
 TEXT: dict[str, Any] = {"dataset": "text", "loss": "cross_entropy",
@@ -63,3 +71,40 @@ def test_tied_parameters_are_refused_at_submit_naming_both_layers(client: Any) -
         client.submit(job)
     assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert rpc.value.details() == f"ConfigError: {line}"
+
+
+def test_batchnorm_statistics_are_exported_and_used_by_the_held_out_evaluation(client: Any
+                                                                              ) -> None:
+    """PipeFB's forward ranks run the forwards, so their BatchNorm statistics are the
+    model's ([Note: buffer owners]); the held-out evaluation reads them."""
+    job = make_job("zoo_batchnorm", "pipefb", 4, "adamw", **DIGITS)
+    _, weights = run_on_cluster(client, job)
+    _, want = reference(job)
+    stats = sorted(k for k in want if "running" in k or "num_batches" in k)
+    assert stats == ["layers.1.num_batches_tracked", "layers.1.running_mean",
+                     "layers.1.running_var", "layers.4.num_batches_tracked",
+                     "layers.4.running_mean", "layers.4.running_var"]
+    assert all(torch.equal(weights[k], want[k]) for k in stats)
+    assert int(weights["layers.1.num_batches_tracked"]) == STEPS * job.microbatches
+    trained = evaluate(job, weights)
+    assert trained == evaluate(job, want)
+    initial = evaluate(job, {k: v for k, v in weights.items() if k not in stats})
+    assert trained["loss"] != initial["loss"]
+
+
+def test_a_resumed_batchnorm_job_ends_where_the_uninterrupted_one_does(client: Any,
+                                                                        cluster: Any) -> None:
+    """The forward ranks write their statistics into the checkpoint and read them back."""
+    job = make_job("zoo_batchnorm", "pipefb", 4, "adamw", steps=6, checkpoint_every=3,
+                   checkpoint_dir="bn-whole", **DIGITS)
+    whole, want = run_on_cluster(client, job)
+    first = replace(job, steps=3, checkpoint_dir="bn-parts")
+    run_on_cluster(client, first)
+    files = sorted(p.name for p in (cluster.checkpoint_root / "bn-parts" / "step-000003"
+                                    ).iterdir())
+    # the backward ranks 2 and 3, and the forward ranks that hold a BatchNorm
+    assert {"rank-2.safetensors", "rank-3.safetensors", "state.json"} < set(files)
+    rest, got = run_on_cluster(client, replace(first, steps=6, resume=True))
+    assert [r.loss for r in rest] == [r.loss for r in whole[3:]]
+    assert sorted(got) == sorted(want)
+    assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []

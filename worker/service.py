@@ -189,8 +189,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             elif request.resume_step:
                 assert checkpoints is not None
                 owners = {a.rank for a in plan.assignment if a.role != "forward"}
-                runtime.restore({r: rank_file(checkpoints, request.resume_step, r)
-                                 for r in owners}, request.resume_step)
+                files = {r: rank_file(checkpoints, request.resume_step, r)
+                         for r in range(len(plan.assignment))}
+                # a forward rank's file holds its buffers ([Note: buffer owners])
+                runtime.restore({r: f for r, f in files.items()
+                                 if r in owners or f.is_file()}, request.resume_step)
             with self._lock:
                 # a later attempt's Assign may have finished first (a rolled-back move)
                 self._check_not_stale(job.job_id, request.attempt)
@@ -284,7 +287,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 self._source = None
         with assigned.gate.turn(request.step):
             r = assigned.runtime.run_step(request.step)
-            if request.checkpoint and assigned.runtime.role != "forward":
+            if request.checkpoint and assigned.runtime.saves_checkpoints:
                 if assigned.checkpoints is None:
                     raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
                 assigned.runtime.save_checkpoint(
@@ -314,7 +317,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if assigned.checkpoints is None:
             raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
         with assigned.gate.between(request.step, CHECKPOINT_WAIT_SECONDS):
-            if assigned.runtime.role == "forward":
+            if not assigned.runtime.saves_checkpoints:
                 return worker_pb2.CheckpointReply(saved=False)
             assigned.runtime.save_checkpoint(
                 rank_file(assigned.checkpoints, request.step, assigned.rank))

@@ -10,13 +10,15 @@ import torch
 from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.job.data import build_dataset
+from pipefb.runtime.state import persistent_buffers
 
 EVAL_SAMPLES = 1024  # held-out samples per evaluation: the same draws for every schedule
 EVAL_BATCH = 128  # samples per forward
 
 
 def load_weights(layers: list[torch.nn.Module], weights: Mapping[str, torch.Tensor]) -> None:
-    """Copies `layers.{i}.{param}` tensors into the layers' parameters.
+    """Copies `layers.{i}.{name}` tensors into the layers' parameters, and into their
+    persistent buffers where `weights` has them.
 
     Raises:
         ConfigError: a parameter missing from `weights`, or one of another shape.
@@ -31,6 +33,10 @@ def load_weights(layers: list[torch.nn.Module], weights: Mapping[str, torch.Tens
                     raise ConfigError(f"weights {key} is {list(weights[key].shape)}, "
                                       f"the model's is {list(p.shape)}")
                 p.copy_(weights[key])
+            for name, buffer in persistent_buffers(layer):  # BatchNorm's statistics
+                saved = weights.get(f"layers.{i}.{name}")
+                if saved is not None and saved.shape == buffer.shape:
+                    buffer.copy_(saved)
 
 
 def evaluate(job: JobConfig, weights: Mapping[str, torch.Tensor],

@@ -19,6 +19,7 @@ from pipefb.job.config import JobConfig, build_layers, job_device
 from pipefb.job.data import build_dataset
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
 from pipefb.memory import DeviceMemory, tensor_bytes
+from pipefb.runtime.state import persistent_buffers
 from pipefb.seeding import derive_seed, seed_random_ops
 
 
@@ -100,6 +101,7 @@ class SingleProcess:
             yield self.step(step)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights, named `layers.{i}.{param}`."""
-        return {f"layers.{i}.{name}": p.detach().cpu().clone()
-                for i, layer in enumerate(self.layers) for name, p in layer.named_parameters()}
+        """The whole model's weights and persistent buffers, named `layers.{i}.{name}`."""
+        return {f"layers.{i}.{name}": t.detach().cpu().clone()
+                for i, layer in enumerate(self.layers)
+                for name, t in [*layer.named_parameters(), *persistent_buffers(layer)]}

@@ -366,6 +366,13 @@ class StageRuntime:
         """The owned weights, named `layers.{i}.{param}` (`RankState.owned_weights`)."""
         return self.state.owned_weights()
 
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Whether this rank writes a rank file: it owns parameters (a backward or combined
+        rank), or the buffers of the forwards it runs ([Note: buffer owners] in
+        pipefb.runtime.state)."""
+        return self.role != "forward" or bool(self.state.buffers_of(self.fwd_layers))
+
     def save_checkpoint(self, path: Path) -> None:
         """Writes the owned weights and optimizer state (`RankState.save_checkpoint`)."""
         self.state.save_checkpoint(path)

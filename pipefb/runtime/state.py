@@ -150,9 +150,15 @@ class RankState:
         return {f"layers.{i}.{name}": p.detach()
                 for i in layers for name, p in self.layers[i].named_parameters()}
 
+    def buffers_of(self, layers: Iterable[int]) -> dict[str, torch.Tensor]:
+        """The persistent buffers of `layers` (BatchNorm's statistics), `layers.{i}.{name}`."""
+        return {f"layers.{i}.{name}": b.detach() for i in layers
+                for name, b in persistent_buffers(self.layers[i])}
+
     def owned_weights(self) -> dict[str, torch.Tensor]:
-        """The weights this rank owns (its backward layers), named `layers.{i}.{param}`."""
-        return self.weights_of(self.bwd_layers)
+        """What this rank owns, named `layers.{i}.{name}`: the parameters of its backward
+        layers, and the buffers of its forward layers ([Note: buffer owners])."""
+        return {**self.weights_of(self.bwd_layers), **self.buffers_of(self.fwd_layers)}
 
     def param_names(self, layers: Iterable[int]) -> list[str]:
         """`{layer}.{param}` of every parameter of `layers`, in order (for the owned
@@ -194,7 +200,8 @@ class RankState:
         if foreign:
             raise ConfigError(f"layers {foreign} are not owned by rank {self.rank} "
                               f"(it owns {list(self.bwd_layers)})")
-        out = self.weights_of(sorted(wanted))
+        out = {**self.weights_of(sorted(wanted)),
+               **self.buffers_of(sorted(wanted & set(self.fwd_layers)))}
         if self.optimizer is not None and optim:
             state, _ = optimizer_tensors(self.optimizer, self._owned_names())
             out.update({k: v for k, v in state.items() if layer_of(k)[0] in optim})
@@ -235,6 +242,10 @@ class RankState:
                         raise ConfigError(f"{source} has no weight layers.{i}.{name} "
                                           f"{list(p.shape)} {p.dtype}")
                     p.copy_(saved)
+                for name, buffer in persistent_buffers(layer):
+                    saved = weights.get(f"layers.{i}.{name}")
+                    if saved is not None and saved.shape == buffer.shape:
+                        buffer.copy_(saved)  # else: a rank that never ran its forward
                 self.execs[i].weights_changed()
         if self.optimizer is not None:
             names = self._owned_names()
@@ -244,8 +255,9 @@ class RankState:
         self.version = step
 
     def weights_digest(self) -> str:
-        """`weights_digest` of the owned weights (the coordinator compares the groups')."""
-        return weights_digest(self.owned_weights())
+        """`weights_digest` of the owned parameters (the coordinator compares the groups';
+        buffers follow each group's own micro-batches)."""
+        return weights_digest(self.weights_of(self.bwd_layers))
 
     def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:
         """The owned weights of `version`, kept after its OPT for evaluation (`eval_every`).
@@ -263,3 +275,18 @@ class RankState:
     def _kept_eval_bytes(self) -> int:
         return tensor_bytes(t for kept in list(self._eval_weights.values())
                             for t in kept.values())
+
+
+def persistent_buffers(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A layer's buffers that its state dict keeps (not the non-persistent ones, such as a
+    causal mask the layer rebuilds), by name.
+
+    [Note: buffer owners] A buffer the forward updates (BatchNorm's running statistics)
+    is right on the rank that runs the layer's forward: a combined rank, or a PipeFB
+    forward rank; a backward rank's copy never changes. So a rank exports the parameters
+    of the layers whose backward it runs and the buffers of the layers whose forward it
+    runs, and the coordinator collects both from every rank of the first group.
+    """
+    skip = {f"{prefix}.{b}" if prefix else b for prefix, module in layer.named_modules()
+            for b in module._non_persistent_buffers_set}
+    return [(name, b) for name, b in layer.named_buffers() if name not in skip]
