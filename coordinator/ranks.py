@@ -92,13 +92,16 @@ def dead_ranks(ranks: Ranks) -> list[int]:
 
 
 def diagnose(error: Exception, ranks: Ranks | None, dead: list[int] | None = None) -> str:
-    """The job's error message: `error`, naming the ranks that died if any did."""
+    """The job's error message: `error` in one line (a failed call as its status code and
+    details, never the call object's repr), naming the ranks that died if any did."""
+    text = (f"{error.code().name}: {error.details()}"  # type: ignore[attr-defined]
+            if isinstance(error, grpc.RpcError) and hasattr(error, "code") else str(error))
     if ranks is None:
-        return str(error)
+        return text
     dead = dead_ranks(ranks) if dead is None else dead
     if dead:
-        return f"{', '.join(ranks.describe(r) for r in dead)} died: {error}"
-    return str(error)
+        return f"{', '.join(ranks.describe(r) for r in dead)} died: {text}"
+    return text
 
 
 def check_heartbeats(registry: Registry, ranks: Ranks, pending: Iterable[int]) -> None:

@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 
+from coordinator.ranks import diagnose
 from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig, build_layers
@@ -30,8 +31,13 @@ TEXT: dict[str, Any] = {"dataset": "text", "loss": "cross_entropy",
 ZOO: dict[str, dict[str, Any]] = {
     "zoo_relus": DIGITS, "zoo_frozen": DIGITS, "zoo_batchnorm": DIGITS, "zoo_convbn": DIGITS,
     "zoo_inplace": DIGITS, "zoo_dropout": DIGITS, "zoo_double": DIGITS, "zoo_embed": TEXT,
-    "zoo_transformer": TEXT,
+    "zoo_transformer": TEXT, "zoo_bfloat16": DIGITS, "zoo_recurrent": TEXT,
 }
+# Models whose split backward runs other kernels than eager autograd: torch's attention
+# backward as AOTAutograd traces it differs from its fused eager kernel in the last bits.
+# They train with SGD here: AdamW scales a gradient that is zero in exact arithmetic (an
+# attention's key bias) up to the learning rate, whatever its rounding noise.
+INEXACT = {"zoo_recurrent"}
 # (schedule, workers, policy): each model on every sync schedule, the policies rotating
 RUNS = [("gpipe", 2, "keep"), ("1f1b", 3, "recompute"), ("gpipe", 3, "offload"),
         ("1f1b", 2, "keep"), ("pipefb", 4, "offload"), ("pipefb", 3, "recompute")]
@@ -41,9 +47,12 @@ RUNS = [("gpipe", 2, "keep"), ("1f1b", 3, "recompute"), ("gpipe", 3, "offload"),
 @pytest.mark.parametrize(("schedule", "workers", "policy"), RUNS)
 def test_a_user_model_trains_as_one_process_does(client: Any, model: str, schedule: str,
                                                  workers: int, policy: str) -> None:
-    job = make_job(model, schedule, workers, "adamw", policy=policy, **ZOO[model])
+    optimizer = "sgd" if model in INEXACT else "adamw"
+    job = make_job(model, schedule, workers, optimizer, policy=policy, **ZOO[model])
     reports, weights = run_on_cluster(client, job)
     assert_same_training(job, reports, weights)
+    if model in INEXACT:
+        return
     _, want = reference(job)
     different = [name for name, w in want.items() if not torch.equal(weights[name], w)]
     assert different == []  # the same kernels on the same values: bit for bit
@@ -59,18 +68,12 @@ def test_frozen_parameters_stay_as_they_were_built(client: Any) -> None:
     assert not torch.equal(weights["layers.2.weight"], layers[2].weight)
 
 
-def test_tied_parameters_are_refused_at_submit_naming_both_layers(client: Any) -> None:
+def test_a_refused_model_is_invalid_argument_with_that_line(client: Any) -> None:
     job = make_job("zoo_tied", "1f1b", 2, "adamw", **TEXT)
-    with pytest.raises(ConfigError) as caught:
-        check_job(job)
-    line = str(caught.value)
-    assert line == ("model 'zoo_tied': layer 0 (Embedding) parameter 'weight' is also layer 3 "
-                    "(Linear) parameter 'weight'; parameters shared between layers (tied "
-                    "weights) are not supported yet: tie them inside one layer")
     with pytest.raises(grpc.RpcError) as rpc:
         client.submit(job)
     assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert rpc.value.details() == f"ConfigError: {line}"
+    assert rpc.value.details() == f"ConfigError: {REFUSED['zoo_tied']}"
 
 
 def test_batchnorm_statistics_are_exported_and_used_by_the_held_out_evaluation(client: Any
@@ -108,3 +111,33 @@ def test_a_resumed_batchnorm_job_ends_where_the_uninterrupted_one_does(client: A
     assert [r.loss for r in rest] == [r.loss for r in whole[3:]]
     assert sorted(got) == sorted(want)
     assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
+
+
+# model -> the one line `check_job` (and so SubmitJob and the CLI) refuses it with
+REFUSED = {
+    "zoo_tied": "model 'zoo_tied': layer 0 (Embedding) parameter 'weight' is also layer 3 "
+                "(Linear) parameter 'weight'; parameters shared between layers (tied weights) "
+                "are not supported yet: tie them inside one layer",
+    "zoo_max_norm": "model 'zoo_max_norm': layer 0 (Embedding) writes into its parameter "
+                    "'weight' in its forward (as nn.Embedding's max_norm does), which a "
+                    "pipeline whose weights live on another rank cannot follow: not supported",
+    "zoo_pair": "model 'zoo_pair': layer 0 (Pair) returns a tuple, not one tensor: each layer "
+                "hands the next exactly one tensor (tuples and dicts between layers are not "
+                "carried; put the layers that pass them into one layer)",
+}
+
+
+@pytest.mark.parametrize("model", sorted(REFUSED))
+def test_a_model_that_cannot_run_is_refused_at_submit_in_one_line(model: str) -> None:
+    extra = DIGITS if model == "zoo_pair" else TEXT
+    with pytest.raises(ConfigError) as caught:
+        check_job(make_job(model, "1f1b", 2, "adamw", **extra))
+    assert str(caught.value) == REFUSED[model]
+
+
+def test_a_failed_call_in_a_job_error_is_one_line_not_the_call_object(client: Any) -> None:
+    with pytest.raises(grpc.RpcError) as rpc:
+        client.status("no-such-job")
+    line = diagnose(rpc.value, None)
+    assert line.startswith("NOT_FOUND: ") and "\n" not in line and "<" not in line
+    assert line == f"NOT_FOUND: {rpc.value.details()}"

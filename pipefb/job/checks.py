@@ -23,17 +23,33 @@ def check_job(config: JobConfig) -> list[float]:
     """
     from pipefb.job.data import build_dataset
     from pipefb.job.optim import build_optimizer
-    from pipefb.job.shapes import SpecError, infer_input_specs, spec_of
+    from pipefb.job.shapes import (
+        OutputError,
+        SpecError,
+        infer_input_specs,
+        spec_of,
+        written_parameters,
+    )
 
     layers = build_layers(config)
     check_no_shared_parameters(config.model, layers)
     dataset = build_dataset(config.dataset, config.dataset_config, config.seed)
     x, y = dataset.microbatch(0, 0, config.microbatch_size)
     try:  # the model, data and loss fit together
-        infer_input_specs(layers, spec_of(x), spec_of(y))
+        specs = infer_input_specs(layers, spec_of(x), spec_of(y))
+    except OutputError as error:
+        raise ConfigError(f"model {config.model!r}: {error}") from None
     except SpecError as error:
         raise ConfigError(f"model {config.model!r}, dataset {config.dataset!r} and loss "
                           f"{config.loss!r} do not fit: {error}") from None
+    for i, (module, layer_specs) in enumerate(zip(layers, specs, strict=True)):
+        written = written_parameters(module, layer_specs)
+        if written:
+            raise ConfigError(
+                f"model {config.model!r}: layer {i} ({type(module).__name__}) writes into its "
+                f"parameter {written[0]!r} in its forward (as nn.Embedding's max_norm "
+                "does), which a pipeline whose weights live on another rank cannot "
+                "follow: not supported")
     build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)], config.lr,
                     config.optimizer_config)
     if config.plan != AUTO:

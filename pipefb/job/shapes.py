@@ -17,6 +17,14 @@ class SpecError(ValueError):
     """A tensor that does not match its spec (the message names the tensor)."""
 
 
+class OutputError(SpecError):
+    """A layer whose output is not one tensor; `kind` is the output's type name."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """The shape and dtype of one tensor a layer takes or makes.
@@ -134,7 +142,8 @@ def output_spec(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> TensorSp
         inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in input_specs)
         out = functional_call(layer, state, inputs)
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"layer {type(layer).__name__} returned {type(out).__name__}, not a tensor")
+        kind = type(out).__name__
+        raise OutputError(f"layer {type(layer).__name__} returns a {kind}, not one tensor", kind)
     return spec_of(out)
 
 
@@ -157,6 +166,20 @@ def writes_its_input(layer: nn.Module, input_specs: Sequence[TensorSpec],
                 return True
             raise
     return False
+
+
+def written_parameters(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> list[str]:
+    """The parameters a layer's forward writes in place (`nn.Embedding(max_norm=...)`
+    renormalises its rows), found by a run on fake tensors."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        real = dict(layer.named_parameters())
+        device = next(iter(real.values())).device if real else torch.device("cpu")
+        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t)
+                                          for n, t in _state(layer).items()}
+        before = {n: state[n]._version for n in real}
+        inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in input_specs)
+        functional_call(layer, state, inputs)
+        return [n for n in real if state[n]._version != before[n]]
 
 
 def infer_input_specs(
@@ -205,6 +228,11 @@ def _checked_output(i: int, layer: nn.Module, specs: Sequence[TensorSpec]) -> Te
         with warnings.catch_warnings():  # torch warns before it fails (e.g. broadcasting)
             warnings.simplefilter("ignore")
             return output_spec(layer, specs)
+    except OutputError as error:
+        raise OutputError(
+            f"layer {i} ({type(layer).__name__}) returns a {error.kind}, not one tensor: each "
+            "layer hands the next exactly one tensor (tuples and dicts between layers are not "
+            "carried; put the layers that pass them into one layer)", error.kind) from None
     except (RuntimeError, TypeError, ValueError, IndexError) as error:
         shapes = ", ".join(f"{list(s.shape)} {s.dtype}" for s in specs)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -119,3 +119,82 @@ def transformer(config: dict[str, Any]) -> list[nn.Module]:
     layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=2 * d, dropout=0.0,
                                        batch_first=True)
     return [nn.Embedding(256, d), layer, nn.Linear(d, 256)]
+
+
+class ToBFloat16(nn.Module):
+    """Casts the input to bfloat16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.bfloat16()
+
+
+class GRUOutput(nn.Module):
+    """A wrapped nn.GRU: its output sequence, without the hidden state."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(features, features, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x)
+        return out
+
+
+class SelfAttention(nn.Module):
+    """torch's nn.MultiheadAttention over a sequence, causal."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(features, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
+        out, _ = self.attn(x, x, x, attn_mask=mask, need_weights=False)
+        return x + out
+
+
+def bfloat16(config: dict[str, Any]) -> list[nn.Module]:
+    """bfloat16 parameters behind a cast."""
+    h = int(config.get("hidden", 16))
+    return [ToBFloat16(), nn.Linear(64, h).bfloat16(), nn.Tanh(), nn.Linear(h, 10).bfloat16()]
+
+
+def recurrent(config: dict[str, Any]) -> list[nn.Module]:
+    """Byte text through a wrapped GRU and torch's MultiheadAttention."""
+    d = int(config.get("dim", 16))
+    return [nn.Embedding(256, d), GRUOutput(d), SelfAttention(d), nn.Linear(d, 256)]
+
+
+def max_norm(config: dict[str, Any]) -> list[nn.Module]:
+    """An embedding that renormalises its rows in place (max_norm)."""
+    d = int(config.get("dim", 16))
+    return [nn.Embedding(256, d, max_norm=1.0), Block(d), nn.Linear(d, 256)]
+
+
+class Pair(nn.Module):
+    """Returns a tuple of two tensors."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, features)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc(x), x
+
+
+class Join(nn.Module):
+    """Takes the tuple `Pair` returns."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features + 64, 10)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.fc(torch.cat(pair, dim=-1))
+
+
+def pair(config: dict[str, Any]) -> list[nn.Module]:
+    """A layer that hands the next one a tuple of tensors."""
+    h = int(config.get("hidden", 16))
+    return [Pair(h), Join(h)]
