@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -168,20 +169,34 @@ def ready(health_servicer: health.HealthServicer) -> None:
 
 def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServicer,
                        grace_seconds: float = 5.0,
-                       on_stop: Callable[[], None] | None = None) -> None:
+                       on_stop: Callable[[], None] | None = None,
+                       exit_within: float | None = None) -> None:
     """Blocks until SIGTERM or SIGINT, then stops gracefully: health turns NOT_SERVING (so
     load balancers and probes stop sending work), `on_stop` runs (the coordinator drains
     its jobs there) while the server still answers, then new RPCs are refused and those
-    in flight get `grace_seconds` to finish."""
+    in flight get `grace_seconds` to finish. With `exit_within`, the process ends that many
+    seconds after the signal even if the clean-up is still stuck (a thread blocked on a
+    peer that died, a channel that does not close): a stopping worker must not linger."""
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    if exit_within is not None:
+        watchdog = threading.Timer(exit_within, _exit_now, args=(exit_within,))
+        watchdog.daemon = True
+        watchdog.start()
     log.info("stopping: health NOT_SERVING, %.0f s for RPCs in flight", grace_seconds)
     health_servicer.enter_graceful_shutdown()
     if on_stop is not None:
         on_stop()
     server.stop(grace_seconds).wait()
+
+
+def _exit_now(seconds: float) -> None:
+    """Ends the process at once: its clean-up outlived the deadline."""
+    log.warning("the clean-up still runs %.0f s after the stop signal: exiting now", seconds)
+    logging.shutdown()
+    os._exit(1)
 
 
 def channel(address: str) -> grpc.Channel:

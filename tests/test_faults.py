@@ -172,3 +172,29 @@ def test_with_max_restarts_the_cli_relaunches_a_killed_worker_and_finishes(
     relaunched = json.loads((tmp_path / "logs" / "cluster.json").read_text())
     assert relaunched["worker-2"]["pid"] != manifest["worker-2"]["pid"]
     assert not [name for name, p in relaunched.items() if alive(p["pid"])]
+
+
+STUCK_STOP = """
+import threading, time
+from protos import server
+srv, port, health = server.create_server(lambda s: None, "127.0.0.1:0")
+print("serving", flush=True)
+server.serve_until_signal(srv, health, on_stop=lambda: time.sleep(3600), exit_within=1.0)
+"""
+
+
+def test_a_stop_whose_clean_up_is_stuck_ends_the_process_at_its_deadline() -> None:
+    """A worker's stop ends the process `exit_within` seconds after SIGTERM even when its
+    clean-up never returns (a thread stuck on a dead peer)."""
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_STOP], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "serving"
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 1 and time.monotonic() - started < 10
+    assert "still runs 1 s after the stop signal: exiting now" in proc.stderr.read()

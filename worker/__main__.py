@@ -20,6 +20,9 @@ from worker.metrics import WorkerMetrics
 from worker.service import StageWorkerServicer
 
 log = logging.getLogger("worker")
+# After SIGTERM: the step's abort (at most DRAIN_WAIT_SECONDS) and the server's grace,
+# then the process ends even if a thread is stuck on a peer that died
+EXIT_WITHIN_SECONDS = 16.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     server.ready(health)
     print(f"ready {address}", flush=True)
     monitoring.announce(url)
-    server.serve_until_signal(srv, health, on_stop=servicer.stop)
+    server.serve_until_signal(srv, health, on_stop=servicer.stop, exit_within=EXIT_WITHIN_SECONDS)
 
 
 if __name__ == "__main__":
