@@ -34,6 +34,10 @@ class _NoPeers:
         """No sends, no bytes."""
         return 0
 
+    def held_bytes(self) -> int:
+        """No stash."""
+        return 0
+
 
 def runtime_overheads(steps: int) -> tuple[float, float]:
     """(per action, per step) seconds a real StageRuntime spends outside its actions,

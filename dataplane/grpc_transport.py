@@ -12,6 +12,7 @@ import torch
 
 from dataplane.inbox import Inbox
 from offload_store import StashStore
+from offload_store.local import LocalTier
 from pipefb.errors import Aborted, WorkerFailed
 from pipefb.runtime.transport import LayerTensors, Tensors
 from pipefb.schedule import Kind
@@ -109,6 +110,8 @@ class GrpcTransport:
         self._lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetched: dict[tuple[int, int], Future[LayerTensors]] = {}
+        # stashes this rank takes back itself stay in its memory ([Note: local tier])
+        self.local: LocalTier | None = None
 
     def _stub(self, rank: int) -> worker_pb2_grpc.StageWorkerStub:
         if rank not in self._stubs:
@@ -148,8 +151,13 @@ class GrpcTransport:
         return self.inbox.take(inbox_key(str(kind), step, stage, microbatch))
 
     def stash(self, step: int, microbatch: int, version: int, tensors: LayerTensors) -> int:
-        """Puts saved tensors into the offload store (pipelined, with backpressure)."""
+        """Keeps saved tensors in the local tier when this rank takes them back itself and
+        they fit, else puts them into the offload store (pipelined, with backpressure)."""
         self._check_open()
+        if self.local is not None:
+            kept = self.local.put(step, microbatch, tensors)
+            if kept is not None:
+                return kept
         return self._store().put(step, microbatch, version, tensors)
 
     def fetch(self, step: int, microbatch: int, version: int,
@@ -157,6 +165,10 @@ class GrpcTransport:
         """Takes saved tensors from the offload store (delete on consume), or the result of
         the `prefetch` of the same micro-batch."""
         self._check_open()
+        if self.local is not None:
+            kept = self.local.take(step, microbatch, names)
+            if kept is not None:
+                return kept
         pending = self._prefetched.pop((step, microbatch), None)
         if pending is not None:
             return pending.result()
@@ -167,7 +179,8 @@ class GrpcTransport:
         """Tells the store, then starts taking saved tensors on a background thread (see
         `fetch`)."""
         self._check_open()
-        if (step, microbatch) in self._prefetched:
+        if (step, microbatch) in self._prefetched or (
+                self.local is not None and self.local.holds(step, microbatch)):
             return
         if self.store is not None:  # without one, the fetch raises WorkerFailed
             self.store.prefetch(step, microbatch, version, names)
@@ -186,6 +199,10 @@ class GrpcTransport:
     def wait_weights(self, version: int, names: Sequence[str]) -> Tensors:
         """Waits until every named tensor of weight version `version` arrived."""
         return {name: self.inbox.take(weight_key(version, name))[name] for name in names}
+
+    def held_bytes(self) -> int:
+        """Bytes of stashes this rank holds in its own memory (the local tier)."""
+        return self.local.held_bytes if self.local is not None else 0
 
     def flush(self) -> int:
         """Waits until every transfer of this step left; a failed peer raises WorkerFailed."""
@@ -211,6 +228,8 @@ class GrpcTransport:
             ch.close()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        if self.local is not None:
+            self.local.clear()
         if self.store is not None:
             self.store.close()
 

@@ -37,6 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=os.environ.get("PIPEFB_NAME", f"worker-{os.getpid()}"))
     p.add_argument("--threads", type=int, default=int(os.environ.get("PIPEFB_THREADS", "0")),
                    help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--local-stash-bytes", type=int,
+                   default=int(os.environ.get("PIPEFB_LOCAL_STASH_BYTES", "-1")),
+                   help="stash bytes a combined rank keeps in host memory for its own "
+                        "backwards before it uses the offload store (0: always the store; "
+                        "-1: 1 GiB on CUDA, 0 on the CPU)")
     monitoring.add_metrics_flags(p)
     add_root_flag(p)
     return p.parse_args(argv)
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()  # a step reuses the last step's freed memory (pipefb.allocator)
     interceptors, url = monitoring.start_from_args(args)
     servicer = StageWorkerServicer(WorkerMetrics(args.name) if url else None,
-                                   checkpoint_root=args.checkpoint_root)
+                                   checkpoint_root=args.checkpoint_root,
+                                   local_stash_bytes=args.local_stash_bytes)
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen,
         interceptors=interceptors)

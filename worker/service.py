@@ -15,6 +15,7 @@ import torch
 from dataplane.grpc_transport import GrpcTransport, inbox_key, nbytes, weight_key
 from dataplane.inbox import Inbox
 from offload_store import open_store
+from offload_store.local import LocalTier, local_tier_cap
 from pipefb import codec
 from pipefb.allocator import release_freed_memory
 from pipefb.errors import Aborted, CodecError, ConfigError, WorkerFailed
@@ -135,7 +136,10 @@ class Assigned:
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     """One process, one job rank at a time; `metrics` (if any) sees every step."""
 
-    def __init__(self, metrics: WorkerMetrics | None = None, checkpoint_root: str = "") -> None:
+    def __init__(self, metrics: WorkerMetrics | None = None, checkpoint_root: str = "",
+                 local_stash_bytes: int = -1) -> None:
+        self.local_stash_bytes = local_stash_bytes  # a combined rank's local tier cap; -1:
+        # the device's default (`offload_store.local.local_tier_cap`)
         self._lock = threading.Lock()
         self._assigned: Assigned | None = None
         self._source: Source | None = None  # a paused attempt peers may migrate from
@@ -179,6 +183,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
         runtime = StageRuntime(job, plan, request.rank, transport, reducer)
+        cap = local_tier_cap(self.local_stash_bytes, runtime.device)
+        if runtime.role == "combined" and cap:  # [Note: local tier]
+            transport.local = LocalTier(runtime.device, cap)
         takes = job.checkpoint_every or (request.resume_step and source is None) or (
             job.checkpoint_dir and self.checkpoint_root)  # Checkpoint on request writes there
         checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None

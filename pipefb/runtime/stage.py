@@ -213,6 +213,8 @@ class StageRuntime:
     def _account(self) -> None:
         seen: set[int] = set()
         stashed = storage_bytes(self.flight.held(), exclude=self.state.param_storage, seen=seen)
+        if self.device.type == "cpu":  # a local-tier stash is in this process's memory
+            stashed += self.transport.held_bytes()
         self.memory.set({**self.state.memory(), "stashed": stashed,
                          "activations": tensor_bytes(self.flight.live(), seen=seen)})
 

@@ -60,6 +60,10 @@ class Transport(Protocol):
         """Blocks until weight version `version` of every name has arrived; returns them."""
         ...
 
+    def held_bytes(self) -> int:
+        """Bytes of stashes the host keeps in this process's memory for this rank."""
+        ...
+
     def flush(self) -> int:
         """Waits for this step's sends; returns the bytes sent."""
         ...
