@@ -161,10 +161,8 @@ def writes_its_input(layer: nn.Module, input_specs: Sequence[TensorSpec],
         try:
             with torch.enable_grad():
                 functional_call(layer, state, inputs)
-        except RuntimeError as error:
-            if "in-place operation" in str(error):
-                return True
-            raise
+        except Exception as error:  # anything else shows in the real forward, as it would
+            return isinstance(error, RuntimeError) and "in-place operation" in str(error)
     return False
 
 
@@ -178,7 +176,10 @@ def written_parameters(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> l
                                           for n, t in _state(layer).items()}
         before = {n: state[n]._version for n in real}
         inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in input_specs)
-        functional_call(layer, state, inputs)
+        try:
+            functional_call(layer, state, inputs)
+        except Exception:  # shape propagation ran this forward already; nothing to learn
+            return []
         return [n for n in real if state[n]._version != before[n]]
 
 

@@ -14,7 +14,8 @@ LayerTensors = dict[int, dict[str, torch.Tensor]]
 
 
 class Transport(Protocol):
-    """What a stage runtime needs from its host; the worker implements it over gRPC + Redis.
+    """What a stage runtime needs from its host; the worker implements it over gRPC streams
+    and the offload store (`dataplane.grpc_transport`).
 
     [Note: transport ordering] `send` and `push_weights` are non-blocking and must deliver
     in the order they were called per destination; `recv` and `wait_weights` block until
