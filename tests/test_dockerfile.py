@@ -120,3 +120,16 @@ def test_image_commands_agree_with_the_manifests(docs: dict[str, list[Any]]) -> 
     ports = {p["containerPort"] for overlay in docs.values() for _, c in containers(overlay)
              if c["image"].startswith("pipefb:") for p in c.get("ports", [])}
     assert {int(p) for p in expose.value} == ports
+
+
+def test_every_copied_package_is_in_the_build_context() -> None:
+    """.dockerignore ignores everything but what it lists: a package the build copies, or
+    that pyproject.toml installs, must be listed, else the build fails."""
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    copied = {c.value[0].split("/")[0] for c in stages()["build"]
+              if c.cmd == "COPY" and not c.original.split()[1].startswith("--from")}
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                   ["packages"]["find"]["include"])
+    assert {p.rstrip("*") for p in packages} <= allowed
+    assert copied <= allowed | {"pyproject.toml", "README.md"}
