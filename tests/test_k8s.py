@@ -35,7 +35,7 @@ SECRET = ("pipefb-redis", "password")
 DEFAULT_IS_RIGHT = {
     "PIPEFB_CACHE_DIR": "read only by `pipefb plan` / local runs (calibration cache)",
 }
-SERVICE_DIRS = ("coordinator", "worker", "offload_store", "protos")
+SERVICE_DIRS = ("coordinator", "worker", "offload_store", "dataplane", "protos")
 PIPEFB_CONTAINERS = {"pipefb-coordinator": "coordinator", "pipefb-worker": "worker"}
 
 
