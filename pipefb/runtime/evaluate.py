@@ -10,7 +10,7 @@ import torch
 from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.job.data import build_dataset
-from pipefb.runtime.state import persistent_buffers
+from pipefb.runtime.state import load_buffers
 
 EVAL_SAMPLES = 1024  # held-out samples per evaluation: the same draws for every schedule
 EVAL_BATCH = 128  # samples per forward
@@ -33,10 +33,7 @@ def load_weights(layers: list[torch.nn.Module], weights: Mapping[str, torch.Tens
                     raise ConfigError(f"weights {key} is {list(weights[key].shape)}, "
                                       f"the model's is {list(p.shape)}")
                 p.copy_(weights[key])
-            for name, buffer in persistent_buffers(layer):  # BatchNorm's statistics
-                saved = weights.get(f"layers.{i}.{name}")
-                if saved is not None and saved.shape == buffer.shape:
-                    buffer.copy_(saved)
+            load_buffers(layer, i, weights)  # BatchNorm's statistics
 
 
 def evaluate(job: JobConfig, weights: Mapping[str, torch.Tensor],

@@ -242,10 +242,7 @@ class RankState:
                         raise ConfigError(f"{source} has no weight layers.{i}.{name} "
                                           f"{list(p.shape)} {p.dtype}")
                     p.copy_(saved)
-                for name, buffer in persistent_buffers(layer):
-                    saved = weights.get(f"layers.{i}.{name}")
-                    if saved is not None and saved.shape == buffer.shape:
-                        buffer.copy_(saved)  # else: a rank that never ran its forward
+                load_buffers(layer, i, weights)  # absent: a rank that never ran its forward
                 self.execs[i].weights_changed()
         if self.optimizer is not None:
             names = self._owned_names()
@@ -287,6 +284,16 @@ def persistent_buffers(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     of the layers whose backward it runs and the buffers of the layers whose forward it
     runs, and the coordinator collects both from every rank of the first group.
     """
-    skip = {f"{prefix}.{b}" if prefix else b for prefix, module in layer.named_modules()
-            for b in module._non_persistent_buffers_set}
-    return [(name, b) for name, b in layer.named_buffers() if name not in skip]
+    kept = layer.state_dict(keep_vars=True)
+    return [(name, b) for name, b in layer.named_buffers() if name in kept]
+
+
+def load_buffers(layer: torch.nn.Module, index: int, weights: Mapping[str, torch.Tensor]
+                 ) -> None:
+    """Copies `layers.{index}.{name}` of `weights` into the layer's persistent buffers where
+    they are given with the buffer's shape; a buffer they lack keeps its value."""
+    with torch.no_grad():
+        for name, buffer in persistent_buffers(layer):
+            saved = weights.get(f"layers.{index}.{name}")
+            if saved is not None and saved.shape == buffer.shape:
+                buffer.copy_(saved)
