@@ -3,33 +3,55 @@
 #   python -m coordinator | python -m worker | pipefb submit ... (CMD: the coordinator).
 #   docker build --build-arg TORCH=cpu  -t pipefb:cpu  .   # torch from the CPU wheel index
 #   docker build --build-arg TORCH=cuda -t pipefb:cuda .   # torch's CUDA build (PyPI's Linux wheel)
-# Stages: protos (generates the gRPC/protobuf code from protos/*.proto), build (a venv with
-# torch and pipefb), runtime (the venv only, non-root). tests/test_dockerfile.py checks it.
+# Without a registry or behind a TLS-inspecting proxy (docs/deploy.md, "Building the image"):
+#   --build-context wheels=DIR   wheels pip prefers to any index (e.g. the CPU torch wheel)
+#   --secret id=ca,src=FILE      a CA bundle pip trusts (the proxy's), never stored in a layer
+# Stages: wheels (empty unless --build-context wheels=DIR replaces it), protos (generates
+# the gRPC/protobuf code from protos/*.proto), build (a venv with torch, then the other
+# dependencies, then pipefb: a source change reinstalls pipefb alone), runtime (the venv
+# only, non-root). tests/test_dockerfile.py checks it; scripts/test_container.sh builds it.
 ARG PYTHON=3.11
 
+FROM scratch AS wheels
+
 FROM python:${PYTHON}-slim-bookworm AS protos
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN pip install grpcio-tools==1.85.1
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_FIND_LINKS=/wheels
+RUN --mount=type=bind,from=wheels,target=/wheels --mount=type=secret,id=ca,required=false \
+    PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)" \
+    pip install grpcio-tools==1.85.1
 WORKDIR /src
 COPY protos/__init__.py protos/generate.py protos/*.proto protos/
 RUN python -m protos.generate
 
 FROM python:${PYTHON}-slim-bookworm AS build
-# cpu or cuda; TORCH_INDEX overrides the wheel index (e.g. .../whl/cu128 for one CUDA version)
+# cpu or cuda; TORCH_INDEX overrides the wheel index (e.g. .../whl/cu128 for one CUDA version,
+# or https://pypi.org/simple when the CPU wheel comes from --build-context wheels=DIR)
 ARG TORCH=cpu
 ARG TORCH_INDEX=""
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_FIND_LINKS=/wheels
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first and pinned, so installing pipefb finds it satisfied and pulls no other build
-RUN case "$TORCH" in \
+# torch first and pinned, so installing pipefb finds it satisfied and pulls no other build;
+# a CPU image that got a CUDA build (the CPU wheel missing from DIR) fails here
+RUN --mount=type=bind,from=wheels,target=/wheels --mount=type=secret,id=ca,required=false \
+    case "$TORCH" in \
       cpu) index="${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" ;; \
       cuda) index="${TORCH_INDEX:-https://pypi.org/simple}" ;; \
       *) echo "TORCH must be cpu or cuda, not '$TORCH'" >&2; exit 1 ;; \
     esac \
-    && pip install --index-url "$index" torch==2.13.0
+    && PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)" \
+       pip install --index-url "$index" torch==2.13.0 \
+    && python -c "import sys, torch; sys.exit('$TORCH' == 'cpu' and torch.version.cuda \
+         and 'TORCH=cpu installed a CUDA build of torch: give the CPU wheel')"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# the dependencies alone, from pyproject.toml: this layer stays cached while sources change
+COPY pyproject.toml ./
+RUN --mount=type=bind,from=wheels,target=/wheels --mount=type=secret,id=ca,required=false \
+    python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
+['project']['dependencies']))" > /tmp/requirements.txt \
+    && PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)" \
+       pip install -r /tmp/requirements.txt
+COPY README.md ./
 COPY pipefb pipefb
 COPY protos protos
 COPY coordinator coordinator
@@ -38,7 +60,15 @@ COPY offload_store offload_store
 COPY dataplane dataplane
 COPY calibration calibration
 COPY --from=protos /src/protos/*_pb2.py /src/protos/*_pb2_grpc.py protos/
-RUN pip install . && cd / && python -c "import coordinator.service, worker.service, pipefb.app.cli"
+RUN --mount=type=bind,from=wheels,target=/wheels --mount=type=secret,id=ca,required=false \
+    PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)" pip install --no-deps . \
+    && cd / && python -c "import coordinator.service, worker.service, pipefb.app.cli"
+# what no role runs: torch's C++ tests and headers (pipefb builds no C++ extension), its
+# test binaries (torch_shm_manager stays), and pip (the runtime installs nothing)
+RUN cd /opt/venv/lib/python*/site-packages \
+    && rm -rf torch/test torch/include pip pip-*.dist-info \
+    && find torch/bin -type f ! -name torch_shm_manager -delete \
+    && python -c "import torch, coordinator.service, worker.service; torch.ones(2).sum()"
 
 FROM python:${PYTHON}-slim-bookworm AS runtime
 RUN groupadd --gid 10001 pipefb \

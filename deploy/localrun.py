@@ -275,6 +275,10 @@ class LocalDeployment:
 
     def _start_redis(self) -> None:
         deployment = find(self.docs, "Deployment", "pipefb-redis")
+        for init in pod_spec(deployment).get("initContainers", []):  # the ACL file
+            argv, env = self._container(deployment, "pipefb-redis", {}, container=init)
+            subprocess.run(argv, env=env, check=True, capture_output=True,
+                           timeout=START_TIMEOUT_S, stdin=subprocess.DEVNULL)
         port = free_port()
         proc = self._spawn(deployment, "pipefb-redis", ["--bind", "127.0.0.1", "--port", str(port)])
         proc.ready(REDIS_READY)
@@ -299,10 +303,12 @@ class LocalDeployment:
         return proc
 
     def _container(self, workload: Doc, pod: str, job_changes: Mapping[str, object],
-                   listen: str = "127.0.0.1:0") -> tuple[list[str], dict[str, str]]:
-        """The local command line and environment of a workload's container in pod `pod`."""
-        container = main_container(workload)
-        mounts = self._volumes(workload, pod, job_changes)
+                   listen: str = "127.0.0.1:0", container: Doc | None = None
+                   ) -> tuple[list[str], dict[str, str]]:
+        """The local command line and environment of a workload's container in pod `pod`
+        (its main container unless `container` names another, e.g. an init container)."""
+        container = container or main_container(workload)
+        mounts = self._volumes(workload, pod, job_changes, container)
         env = resolve_env(container, pod, self.namespace, self.secrets)
         env.update({k: v for k, v in self.overrides.items() if k in env})
         argv = [expand(a, env) for a in [*container.get("command", []),
@@ -311,13 +317,13 @@ class LocalDeployment:
         base = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT)}
         return argv, {**base, **self.local.env(env, mounts, listen)}
 
-    def _volumes(self, workload: Doc, pod: str, job_changes: Mapping[str, object]
-                 ) -> dict[str, Path]:
-        """mountPath -> a local directory: emptyDirs fresh, ConfigMaps and Secrets written
-        out."""
+    def _volumes(self, workload: Doc, pod: str, job_changes: Mapping[str, object],
+                 container: Doc) -> dict[str, Path]:
+        """mountPath -> a local directory, one per volume of the pod (so its containers
+        share them): emptyDirs fresh, ConfigMaps and Secrets written out."""
         spec, mounts = pod_spec(workload), {}
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
-        for mount in main_container(workload).get("volumeMounts", []):
+        for mount in container.get("volumeMounts", []):
             local = self.workdir / pod / mount["name"]
             local.mkdir(parents=True, exist_ok=True)
             source = volumes[mount["name"]]

@@ -7,9 +7,10 @@ under `keys.PREFIX` and run only `COMMANDS`: SET (stash put, with its TTL), GETD
 UNLINK and SCAN (dropping a job's leftovers), INFO (used memory, readiness) and PING. So a
 leaked service password cannot FLUSHALL, CONFIG, EVAL, read other tenants' keys or
 subscribe to channels; the default user, which every unauthenticated connection is, can
-do nothing. The local launcher writes the users to an ACL file in its private directory
-(the password stays out of the process list); Kubernetes passes the same rules as
-arguments (`k8s/base/redis.yaml`, checked against `server_args` by tests/test_k8s.py).
+do nothing. Redis reads the users from an ACL file, so the password stays out of every
+process list: the local launcher writes it in its private directory, and on Kubernetes
+the Redis pod's init container writes it (`python -m offload_store --write-acl`) into a
+memory-backed volume (`k8s/base/redis.yaml`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,3 @@ def acl_file(password: str) -> str:
     """The ACL file of a store: the default user off, the service user on."""
     return f"user default off\nuser {' '.join(service_rule(password))}\n"
 
-
-def server_args(password: str) -> list[str]:
-    """The same users as redis-server arguments (each token its own argument)."""
-    return ["--user", "default", "off", "--user", *service_rule(password)]

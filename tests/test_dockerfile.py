@@ -49,8 +49,9 @@ def docs() -> dict[str, list[dict[str, Any]]]:
 
 def test_three_stages_and_a_slim_runtime() -> None:
     s = stages()
-    assert list(s) == ["protos", "build", "runtime"]
-    bases = {name: stage[0].value[0] for name, stage in s.items()}
+    assert list(s) == ["wheels", "protos", "build", "runtime"]
+    assert s["wheels"] == s["wheels"][:1] and s["wheels"][0].value[0] == "scratch"  # empty
+    bases = {name: stage[0].value[0] for name, stage in s.items() if name != "wheels"}
     assert set(bases.values()) == {"python:${PYTHON}-slim-bookworm"}  # same Python in each
     runtime = s["runtime"]
     copies = [c.original for c in instructions(runtime, "COPY")]
@@ -67,8 +68,12 @@ def test_runtime_runs_as_the_manifests_non_root_user(docs: dict[str, list[Any]])
         runtime.index(c) for c in runtime if c.cmd in ("RUN", "COPY"))
     for workload, container in containers(docs["cpu"]):
         if container["image"].startswith("pipefb:"):
-            security = pod_spec(workload)["securityContext"]
-            assert (security["runAsUser"], security["runAsGroup"]) == (uid, gid)
+            security = {**pod_spec(workload)["securityContext"],
+                        **container.get("securityContext", {})}
+            if container in pod_spec(workload)["containers"]:
+                assert (security["runAsUser"], security["runAsGroup"]) == (uid, gid)
+            else:  # an init container in another image's pod runs as that pod's user
+                assert security["runAsNonRoot"] and security["runAsUser"] > 0
 
 
 def test_torch_build_argument_chooses_the_wheel_index() -> None:
@@ -83,14 +88,45 @@ def test_torch_build_argument_chooses_the_wheel_index() -> None:
                      "cuda": "https://pypi.org/simple"}  # PyPI's Linux wheel is the CUDA build
     assert "exit 1" in install  # any other value fails the build
     runs = [r.value[0] for r in instructions(build_stage, "RUN")]
-    assert runs.index(install) < next(i for i, r in enumerate(runs) if "pip install ." in r)
+    pipefb = next(i for i, r in enumerate(runs) if "pip install --no-deps ." in r)
+    assert runs.index(install) < pipefb
+    assert "torch.version.cuda" in install  # a CPU image with a CUDA torch fails its build
+
+
+def test_every_pip_install_takes_the_wheels_context_and_the_ca_secret() -> None:
+    """Without a registry or behind a TLS-inspecting proxy (docs/deploy.md): every pip
+    install sees `--build-context wheels=DIR` and trusts `--secret id=ca`, which stays out
+    of the layers (a secret mount, never COPY or ENV)."""
+    for name, stage in stages().items():
+        for run in instructions(stage, "RUN"):
+            if "pip install" not in run.value[0]:
+                continue
+            flags = run.flags
+            assert "--mount=type=bind,from=wheels,target=/wheels" in flags, (name, run.original)
+            assert "--mount=type=secret,id=ca,required=false" in flags, (name, run.original)
+            assert 'PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)"' in run.value[0]
+        env = " ".join(e.original for e in instructions(stage, "ENV"))
+        assert name in ("wheels", "runtime") or "PIP_FIND_LINKS=/wheels" in env, name
+
+
+def test_a_source_change_reinstalls_pipefb_alone() -> None:
+    """The dependencies come from pyproject.toml in a layer before any source is copied,
+    so the layer cache keeps them (and torch) while pipefb's code changes."""
+    build_stage = stages()["build"]
+    steps = [c for c in build_stage if c.cmd in ("COPY", "RUN")]
+    deps = next(i for i, c in enumerate(steps) if "-r /tmp/requirements.txt" in c.value[0])
+    first_source = next(i for i, c in enumerate(steps)
+                        if c.cmd == "COPY" and c.value[0] in ("pipefb", "README.md"))
+    assert [c.original for c in steps[:deps] if c.cmd == "COPY"] == ["COPY pyproject.toml ./"]
+    assert deps < first_source
 
 
 def test_protobuf_code_is_generated_in_the_image() -> None:
     s = stages()
     protos_runs = [r.value[0] for r in instructions(s["protos"], "RUN")]
     tools = pin(pyproject()["project"]["optional-dependencies"]["test"], "grpcio-tools")
-    assert protos_runs == [f"pip install grpcio-tools=={tools}", "python -m protos.generate"]
+    assert protos_runs[0].endswith(f"pip install grpcio-tools=={tools}")
+    assert protos_runs[1:] == ["python -m protos.generate"]
     copies = [c.original for c in instructions(s["build"], "COPY") if "--from=protos" in c.original]
     assert copies == ["COPY --from=protos /src/protos/*_pb2.py /src/protos/*_pb2_grpc.py protos/"]
     ignored = (ROOT / ".dockerignore").read_text().splitlines()

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from deploy.manifests import (
+    WORKLOADS,
     Doc,
     build,
     containers,
@@ -23,7 +24,6 @@ from deploy.manifests import (
     pod_spec,
     workloads,
 )
-from offload_store.acl import server_args
 from pipefb.job.config import JobConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,23 +189,57 @@ def test_secrets_come_from_the_redis_secret(built: dict[str, list[Doc]]) -> None
             for _, c in containers(built["cpu"]) for e in c.get("env", [])
             if "secretKeyRef" in e.get("valueFrom", {})]
     assert sorted(n for n, _ in refs) == ["PIPEFB_STORE_PASSWORD", "PIPEFB_STORE_PASSWORD",
-                                         "REDISCLI_AUTH", "REDIS_PASSWORD"]
+                                         "PIPEFB_STORE_PASSWORD", "REDISCLI_AUTH"]
     assert {(r["name"], r["key"]) for _, r in refs} == {SECRET}
     assert all(d["kind"] != "Secret" for d in built["cpu"])  # created out of band, not committed
 
 
 def test_redis_runs_with_password_memory_limit_noeviction_no_persistence(
         built: dict[str, list[Doc]]) -> None:
-    container = main_container(find(built["cpu"], "Deployment", "pipefb-redis"))
+    deployment = find(built["cpu"], "Deployment", "pipefb-redis")
+    container = main_container(deployment)
     args = container["args"]
-    users = server_args("$(REDIS_PASSWORD)")  # the service user only ([Note: store ACL])
-    assert args[:len(users)] == users
-    rest = args[len(users):]
-    flags = dict(zip(rest[::2], rest[1::2], strict=True))
-    assert flags == {"--maxmemory": "1gb", "--maxmemory-policy": "noeviction", "--save": "",
-                     "--appendonly": "no", "--dir": "/data"}
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags == {"--aclfile": "/acl/users.acl", "--maxmemory": "1gb",
+                     "--maxmemory-policy": "noeviction", "--save": "", "--appendonly": "no",
+                     "--dir": "/data"}
     assert container["command"] == ["redis-server"]
-    assert container["env"][0]["name"] == "REDIS_PASSWORD"  # defined before args use it
+
+
+def test_redis_password_reaches_redis_in_a_file_never_on_a_command_line(
+        built: dict[str, list[Doc]]) -> None:
+    """The init container writes offload_store.acl's users from the Secret into a memory
+    volume that Redis reads; no argument of any container names a secret variable (Redis
+    would get `$(VAR)` expanded onto its command line, visible in every process list)."""
+    deployment = find(built["cpu"], "Deployment", "pipefb-redis")
+    spec = pod_spec(deployment)
+    [init] = spec["initContainers"]
+    assert init["command"] == ["python", "-m", "offload_store", "--write-acl", "/acl/users.acl"]
+    [password] = [e for e in init["env"] if e["name"] == "PIPEFB_STORE_PASSWORD"]
+    assert password["valueFrom"]["secretKeyRef"] == {"name": SECRET[0], "key": SECRET[1]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["acl"]["emptyDir"] == {"medium": "Memory"}
+    mounts = {m["name"]: m for m in main_container(deployment)["volumeMounts"]}
+    assert mounts["acl"] == {"name": "acl", "mountPath": "/acl", "readOnly": True}
+    secret_vars = {e["name"] for _, c in containers(built["cpu"]) for e in c.get("env", [])
+                   if "secretKeyRef" in e.get("valueFrom", {})}
+    for workload in built["cpu"]:
+        if workload["kind"] not in WORKLOADS:
+            continue
+        every = [*pod_spec(workload).get("initContainers", []), *pod_spec(workload)["containers"]]
+        for c in every:
+            argv = " ".join([*c.get("command", []), *c.get("args", [])])
+            assert not any(f"$({v})" in argv for v in secret_vars), (c["name"], argv)
+
+
+def test_redis_probes_authenticate_as_the_acl_user(built: dict[str, list[Doc]]) -> None:
+    """The default user is off, so a probe that connects without the ACL user (a bare
+    tcpSocket or `redis-cli ping`) would fail or prove nothing: both probes PING as it."""
+    container = main_container(find(built["cpu"], "Deployment", "pipefb-redis"))
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert container[kind]["exec"]["command"] == ["redis-cli", "--user", "pipefb", "ping"]
+    auth = [e for e in container["env"] if e["name"] == "REDISCLI_AUTH"]
+    assert auth[0]["valueFrom"]["secretKeyRef"] == {"name": SECRET[0], "key": SECRET[1]}
 
 
 def test_workers_have_stable_names_and_dns(built: dict[str, list[Doc]]) -> None:
