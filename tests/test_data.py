@@ -162,7 +162,7 @@ def test_config_errors(name: str, config: dict | None, needle: str) -> None:
 
 
 def test_empty_and_too_short_corpus(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="'.' has no"):
+    with pytest.raises(ConfigError, match=r"'.' has no"):
         build_dataset("text", {"path": "."}, seed=0, context=rooted(tmp_path))
     (tmp_path / "x.py").write_bytes(b"tiny")
     with pytest.raises(ConfigError, match="shorter than block_size \\+ 1 = 33") as error:
