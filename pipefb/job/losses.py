@@ -30,6 +30,8 @@ class CrossEntropyConfig:
     label_smoothing: float = 0.0  # mass spread evenly over all classes, in [0, 1]
 
     def __post_init__(self) -> None:
+        require(-(2**63) <= self.ignore_index < 2**63, "cross_entropy ignore_index",
+                self.ignore_index, "an int64")
         require(0.0 <= self.label_smoothing <= 1.0, "cross_entropy label_smoothing",
                 self.label_smoothing, "in [0, 1]")
 

@@ -66,9 +66,10 @@ def evaluate(job: JobConfig, weights: Mapping[str, torch.Tensor],
                 layer.eval()
                 x = layer(x)
             total_loss += float(loss_layer(x, y)) * size
-            if job.loss == "cross_entropy":
-                correct += int((x.argmax(dim=-1) == y).sum())
-                count += y.numel()
+            if job.loss == "cross_entropy":  # targets of ignore_index count for nothing
+                kept = y != job.loss_config.get("ignore_index", -100)
+                correct += int(((x.argmax(dim=-1) == y) & kept).sum())
+                count += int(kept.sum())
     out = {"loss": total_loss / samples}
     if count:
         out["accuracy"] = correct / count
