@@ -108,7 +108,8 @@ def test_tokens_outside_the_vocabulary_fail_a_draw_too(root: Path) -> None:
 
 def test_arrays_from_npy_and_safetensors(root: Path) -> None:
     ds = build_dataset("arrays", {"path": "npy", "eval_fraction": 0.2}, 2, ctx(root))
-    inputs, targets = np.load(root / "npy" / "inputs.npy"), np.load(root / "npy" / "targets.npy")
+    inputs = np.load(root / "npy" / "inputs.npy", allow_pickle=False)
+    targets = np.load(root / "npy" / "targets.npy", allow_pickle=False)
     x, y = ds.microbatch(0, 0, 40)  # the whole training split, once
     order = [int(np.flatnonzero((inputs == row.numpy()).all(axis=1))[0]) for row in x]
     assert sorted(order) == list(range(40)) and torch.equal(y, torch.from_numpy(targets[order]))
