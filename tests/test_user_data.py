@@ -14,11 +14,12 @@ from torch.nn import functional as F
 
 from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
-from pipefb.job.config import JobConfig
+from pipefb.job.config import JobConfig, build_layers
 from pipefb.job.data import build_dataset, job_dataset, known_datasets, microbatch_specs
 from pipefb.job.dataroots import DataRoots, configure, current
 from pipefb.job.losses import build_loss, known_losses
 from pipefb.job.sampling import DataContext, EpochOrder
+from pipefb.runtime.inputs import MicroBatches
 
 T = 8  # window length of these tests
 
@@ -174,3 +175,27 @@ def test_entry_points_give_user_datasets_and_losses(plugin_path: Path) -> None:
     torch.testing.assert_close(loss(x[:, :10], y), F.smooth_l1_loss(x[:, :10], y, beta=0.5))
     with pytest.raises(ConfigError, match=r"unknown loss 'nope'.*'toy_smooth_l1'"):
         build_loss("nope")
+
+
+def test_ranks_without_inputs_or_targets_read_no_sample(root: Path) -> None:
+    before = current()
+    configure(DataRoots.parse(str(root)))
+    try:
+        job = JobConfig(model="gpt", model_config={"block_size": T}, dataset="tokens",
+                        dataset_config={"path": "shards"}, schedule="single")
+        data = MicroBatches(job, 2, 0, torch.device("cpu"))
+        drawn: list[tuple[int, int]] = []
+        draw = data.dataset.microbatch
+
+        def counted(step: int, m: int, size: int, split: str = "train"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            drawn.append((step, m))
+            return draw(step, m, size, split)
+
+        data.dataset.microbatch = counted  # type: ignore[method-assign]
+        specs = data.layer_specs(build_layers(job))  # what every rank does at assignment
+        assert specs[0][0].shape == (2, T) and drawn == []
+        data.get(3, 1)  # the first stage's forwards and the loss stage read
+        assert drawn == [(3, 1)]
+    finally:
+        configure(before)
