@@ -12,6 +12,7 @@ from coordinator.journal import Journal
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
+from pipefb.job.dataroots import add_data_root_flag, configure_from_args
 from pipefb.runtime.checkpoint import add_root_flag
 from pipefb.sim.cluster import Cluster
 from protos import coordinator_pb2_grpc, monitoring, server
@@ -36,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=int(os.environ.get("PIPEFB_RENDEZVOUS_PORT", "0")),
                    help="port of the all-reduce rendezvous of multi-group jobs (0: any free)")
     add_root_flag(p)
+    add_data_root_flag(p)  # PIPEFB_DATA_ROOT: where datasets may read
     p.add_argument("--journal", type=Path,
                    default=Path(os.environ["PIPEFB_JOURNAL"]) if os.environ.get(
                        "PIPEFB_JOURNAL") else None,
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
     args = parse_args(argv)
+    configure_from_args(args)  # the only files a job's dataset may read (submit checks)
     registry = Registry(timeout_seconds=args.heartbeat_timeout)
     cluster = Cluster.load(args.cluster) if args.cluster else None
     interceptors, url = monitoring.start_from_args(args)

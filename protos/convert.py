@@ -28,6 +28,7 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         checkpoint_every=job.checkpoint_every, checkpoint_dir=job.checkpoint_dir,
         resume=job.resume, max_restarts=job.max_restarts, slowdown=job.slowdown,
         replan=job.replan, check_groups_every=job.check_groups_every,
+        loss_config_json=json.dumps(job.loss_config),
     )
 
 
@@ -48,6 +49,7 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         checkpoint_every=spec.checkpoint_every, checkpoint_dir=spec.checkpoint_dir,
         resume=spec.resume, max_restarts=spec.max_restarts, slowdown=spec.slowdown,
         replan=spec.replan, check_groups_every=spec.check_groups_every,
+        loss_config=parse_json_object(spec.loss_config_json, "loss config"),
     )
 
 

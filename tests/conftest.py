@@ -41,10 +41,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, plugin_path: Path) -> Iter
     from pipefb.app.local import LocalServices
 
     env = {"PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")]),
-           "PIPEFB_CHECKPOINT_ROOT": str(tmp_path_factory.mktemp("checkpoints"))}
+           "PIPEFB_CHECKPOINT_ROOT": str(tmp_path_factory.mktemp("checkpoints")),
+           "PIPEFB_DATA_ROOT": str(tmp_path_factory.mktemp("data"))}
     with LocalServices(4, tmp_path_factory.mktemp("cluster"), threads=WORKER_THREADS,
                       extra_env=env) as c:
         c.checkpoint_root = Path(env["PIPEFB_CHECKPOINT_ROOT"])  # type: ignore[attr-defined]
+        c.data_root = Path(env["PIPEFB_DATA_ROOT"])  # type: ignore[attr-defined]
         yield c
 
 

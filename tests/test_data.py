@@ -9,8 +9,16 @@ import torch
 
 from pipefb.errors import ConfigError
 from pipefb.job.data import DATASETS, Dataset, build_dataset, read_corpus
+from pipefb.job.dataroots import DataRoots, Found
+from pipefb.job.sampling import DataContext
 
 SMALL = {"digits": None, "text": {"max_bytes": 50_000}, "synthetic": {"task": "classification"}}
+BUILT_IN = ("digits", "text", "synthetic")  # datasets that need no files of a data root
+
+
+def rooted(path) -> DataContext:
+    """A context whose one data root is `path`."""
+    return DataContext(roots=DataRoots.parse(str(path)))
 
 
 def equal(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -19,14 +27,14 @@ def equal(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Ten
 
 @pytest.fixture(scope="module")
 def built() -> dict[str, Dataset]:
-    return {name: build_dataset(name, SMALL[name], seed=5) for name in DATASETS}
+    return {name: build_dataset(name, SMALL[name], seed=5) for name in BUILT_IN}
 
 
 def test_names() -> None:
-    assert DATASETS == ("digits", "text", "synthetic")
+    assert DATASETS == ("digits", "text", "synthetic", "tokens", "arrays")
 
 
-@pytest.mark.parametrize("name", DATASETS)
+@pytest.mark.parametrize("name", BUILT_IN)
 def test_deterministic_in_seed_step_microbatch(built, name: str) -> None:
     ds, again = built[name], build_dataset(name, SMALL[name], seed=5)
     assert isinstance(ds, Dataset)
@@ -90,8 +98,8 @@ def corpus(tmp_path):
 def test_text_eval_split_is_the_tail(corpus) -> None:
     ds = build_dataset(
         "text",
-        {"path": str(corpus), "pattern": "*.txt", "eval_fraction": 0.4, "block_size": 16},
-        seed=1,
+        {"path": ".", "pattern": "*.txt", "eval_fraction": 0.4, "block_size": 16},
+        seed=1, context=rooted(corpus),
     )
     assert ds.splits == ("train", "eval")
     x, y = ds.microbatch(0, 0, 64)
@@ -101,13 +109,15 @@ def test_text_eval_split_is_the_tail(corpus) -> None:
 
 
 def test_text_reads_sorted_recursively_and_caps(corpus) -> None:
-    assert read_corpus(corpus, "*.txt", 10_000) == b"a" * 600 + b"c" * 400
-    assert read_corpus(corpus, "*.txt", 700) == b"a" * 600 + b"c" * 100
-    assert read_corpus(corpus, "*", 10_000).endswith(b"z" * 100)
+    found = Found(corpus.resolve(), corpus.resolve())
+    assert read_corpus(found, "*.txt", 10_000) == b"a" * 600 + b"c" * 400
+    assert read_corpus(found, "*.txt", 700) == b"a" * 600 + b"c" * 100
+    assert read_corpus(found, "*", 10_000).endswith(b"z" * 100)
 
 
 def test_text_without_eval(corpus) -> None:
-    ds = build_dataset("text", {"path": str(corpus), "eval_fraction": 0.0, "pattern": "*.txt"}, 0)
+    ds = build_dataset("text", {"path": ".", "eval_fraction": 0.0, "pattern": "*.txt"}, 0,
+                       rooted(corpus))
     assert ds.splits == ("train",)
     with pytest.raises(ConfigError, match="'eval'"):
         ds.microbatch(0, 0, 2, "eval")
@@ -137,11 +147,11 @@ def test_synthetic_teacher_from_seed() -> None:
 @pytest.mark.parametrize(
     ("name", "config", "needle"),
     [
-        ("imagenet", None, "'imagenet'.*'digits', 'text', 'synthetic'"),
+        ("imagenet", None, "'imagenet'.*'digits', 'text', 'synthetic', 'tokens', 'arrays'"),
         ("digits", {"shuffle": True}, "'shuffle'.*'digits'"),
         ("text", {"block": 3}, "'block'.*'text'"),
         ("text", {"block_size": 0}, "block_size = 0"),
-        ("text", {"path": "/no/such/dir"}, "'/no/such/dir'"),
+        ("text", {"path": "/no/such/dir"}, "'/no/such/dir' is not readable under the data"),
         ("synthetic", {"task": "ranking"}, "'ranking'"),
         ("synthetic", {"in_features": -1}, "in_features = -1"),
     ],
@@ -152,14 +162,15 @@ def test_config_errors(name: str, config: dict | None, needle: str) -> None:
 
 
 def test_empty_and_too_short_corpus(tmp_path) -> None:
-    with pytest.raises(ConfigError, match=str(tmp_path)):
-        build_dataset("text", {"path": str(tmp_path)}, seed=0)
+    with pytest.raises(ConfigError, match=r"'.' has no"):
+        build_dataset("text", {"path": "."}, seed=0, context=rooted(tmp_path))
     (tmp_path / "x.py").write_bytes(b"tiny")
-    with pytest.raises(ConfigError, match="4 bytes"):
-        build_dataset("text", {"path": str(tmp_path), "eval_fraction": 0.0}, seed=0)
+    with pytest.raises(ConfigError, match="shorter than block_size \\+ 1 = 33") as error:
+        build_dataset("text", {"path": ".", "eval_fraction": 0.0}, 0, rooted(tmp_path))
+    assert "4" not in str(error.value)  # the file's size is not told
 
 
-@pytest.mark.parametrize("name", DATASETS)
+@pytest.mark.parametrize("name", BUILT_IN)
 def test_bad_requests(built, name: str) -> None:
     with pytest.raises(ConfigError, match="'test'"):
         built[name].microbatch(0, 0, 4, "test")

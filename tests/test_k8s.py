@@ -53,7 +53,8 @@ def test_every_overlay_builds_the_same_resources(built: dict[str, list[Doc]]) ->
         assert names == [
             ("ConfigMap", "pipefb-dashboard"), ("ConfigMap", "pipefb-job"),
             ("Deployment", "pipefb-coordinator"), ("Deployment", "pipefb-redis"),
-            ("Job", "pipefb-submit"), ("Namespace", "pipefb"), ("PodMonitor", "pipefb"),
+            ("Job", "pipefb-submit"), ("Namespace", "pipefb"),
+            ("PersistentVolumeClaim", "pipefb-data"), ("PodMonitor", "pipefb"),
             ("Service", "pipefb-coordinator"), ("Service", "pipefb-redis"),
             ("Service", "pipefb-worker"), ("StatefulSet", "pipefb-worker")]
         assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {
@@ -354,3 +355,20 @@ def test_every_grpc_process_gets_mtls_and_the_token_from_secrets(
             assert mounts[path]["readOnly"] is True
             assert volumes[mounts[path]["name"]]["secret"]["secretName"] == secret
     assert sorted(seen) == ["coordinator", "submit", "worker"]
+
+
+def test_services_read_data_only_from_the_read_only_data_claim(
+        built: dict[str, list[Doc]]) -> None:
+    for docs in built.values():
+        claim = find(docs, "PersistentVolumeClaim", "pipefb-data")
+        assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+        for name in PIPEFB_CONTAINERS:
+            workload = find(docs, _kind(docs, name), name)
+            container = main_container(workload)
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            mount = mounts[env["PIPEFB_DATA_ROOT"]]
+            assert mount.get("readOnly") is True, name
+            volume = {v["name"]: v for v in pod_spec(workload)["volumes"]}[mount["name"]]
+            assert volume["persistentVolumeClaim"] == {"claimName": "pipefb-data",
+                                                       "readOnly": True}, name

@@ -14,6 +14,7 @@ import torch
 
 from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS
 from pipefb.allocator import keep_freed_memory
+from pipefb.job.dataroots import add_data_root_flag, configure_from_args
 from pipefb.runtime.checkpoint import add_root_flag
 from protos import coordinator_pb2, coordinator_pb2_grpc, monitoring, server, worker_pb2_grpc
 from worker.metrics import WorkerMetrics
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "-1: 1 GiB on CUDA, 0 on the CPU)")
     monitoring.add_metrics_flags(p)
     add_root_flag(p)
+    add_data_root_flag(p)  # PIPEFB_DATA_ROOT: where datasets may read
     return p.parse_args(argv)
 
 
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = parse_args(argv)
+    configure_from_args(args)  # the only files a job's dataset may read
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     # gRPC's threads hand received tensors to the compute thread; with Python's default

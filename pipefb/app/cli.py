@@ -54,9 +54,16 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     d = JobConfig()
     p.add_argument("--model", default=d.model, help="mlp, gpt, convnet or an entry point name")
     p.add_argument("--model-config", default="", help="JSON object for the model builder")
-    p.add_argument("--dataset", default=d.dataset, help="digits, text or synthetic")
-    p.add_argument("--dataset-config", default="", help="JSON object for the dataset")
-    p.add_argument("--loss", default=d.loss, help="cross_entropy or mse")
+    p.add_argument("--dataset", default=d.dataset,
+                   help="digits, text, synthetic, tokens (token shards), arrays (.npy or "
+                        "safetensors samples) or an entry point name")
+    p.add_argument("--dataset-config", default="",
+                   help="JSON object for the dataset, e.g. '{\"path\": \"shakespeare\"}' "
+                        "(paths relative to the services' data roots)")
+    p.add_argument("--loss", default=d.loss, help="cross_entropy, mse or an entry point name")
+    p.add_argument("--loss-config", default="",
+                   help="JSON object of loss options, e.g. '{\"ignore_index\": 0, "
+                        "\"label_smoothing\": 0.1}'")
     p.add_argument("--schedule", default=None,
                    help=f"one of {', '.join(SCHEDULES)} (default {d.schedule}; with --plan "
                         "auto: auto, the planner picks)")
@@ -214,7 +221,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         values["schedule"] = args.schedule or ("auto" if auto else JobConfig().schedule)
     if args.memory_cap != "0" or "memory_cap" not in values:
         values["memory_cap"] = int(parse_quantity(args.memory_cap, "--memory-cap", "bytes"))
-    for name in ("model_config", "dataset_config", "optimizer_config"):
+    for name in ("model_config", "dataset_config", "optimizer_config", "loss_config"):
         text = getattr(args, name)
         if text or name not in values:
             values[name] = parse_json_object(text, f"--{name.replace('_', '-')}")
@@ -238,10 +245,19 @@ def _read_job_file(path: Path | None) -> dict[str, Any]:
     return parse_json_object(text, f"job file {str(path)!r}")
 
 
+def configure_local_data_roots() -> None:
+    """The data roots of a command that reads the job's data in this process and in the
+    local cluster it starts: PIPEFB_DATA_ROOT, else ./data of the working directory."""
+    from pipefb.job.dataroots import DataRoots, configure, local_default
+
+    configure(DataRoots.parse(local_default()))
+
+
 def cmd_local_train(args: argparse.Namespace) -> int:
     """`pipefb local train`: a fresh local cluster (or one process for `single`)."""
     from pipefb.app.train import run_local
 
+    configure_local_data_roots()
     job = job_from_args(args)
     check_job(job)
     job_device(job)  # every process of a local run shares this machine's devices
@@ -257,6 +273,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipefb.planner.job import job_cluster, label, summary
 
     args.plan = "auto"  # schedule defaults to auto: every kind
+    configure_local_data_roots()
     job = job_from_args(args)
     if args.cluster is not None:
         from pipefb.sim.cluster import Cluster

@@ -24,6 +24,8 @@ import weakref
 from pathlib import Path
 from types import TracebackType
 
+from pipefb.job.dataroots import ENV as DATA_ROOT_ENV
+from pipefb.job.dataroots import local_default
 from pipefb.processes import Process, default_threads, project_env
 
 SUPERVISE_SECONDS = 0.2  # with restart: how often dead processes are looked for
@@ -48,7 +50,7 @@ class LocalServices:
         self.store_maxmemory = store_maxmemory
         threads = threads or default_threads(workers)
         self.env = project_env({**os.environ, "PIPEFB_THREADS": str(threads),
-                                **(extra_env or {})})
+                                DATA_ROOT_ENV: local_default(), **(extra_env or {})})
         # the store's service user ([Note: store ACL] in offload_store/acl.py): every
         # process of the cluster authenticates as it; the default user is off
         self.store_user, self.store_password = STORE_USER, secrets.token_hex(16)

@@ -21,7 +21,7 @@ def check_job(config: JobConfig) -> list[float]:
             the model's layers do not take the dataset's micro-batches, or the loss gives
             no scalar (shapes propagated with fake tensors: nothing is computed).
     """
-    from pipefb.job.data import build_dataset
+    from pipefb.job.data import job_dataset
     from pipefb.job.optim import build_optimizer
     from pipefb.job.shapes import (
         OutputError,
@@ -33,7 +33,7 @@ def check_job(config: JobConfig) -> list[float]:
 
     layers = build_layers(config)
     check_no_shared_parameters(config.model, layers)
-    dataset = build_dataset(config.dataset, config.dataset_config, config.seed)
+    dataset = job_dataset(config, check_all=True)  # paths, windows, token ids
     x, y = dataset.microbatch(0, 0, config.microbatch_size)
     try:  # the model, data and loss fit together
         specs = infer_input_specs(layers, spec_of(x), spec_of(y))

@@ -52,8 +52,8 @@ class JobConfig:
     """A training run's definition; the same fields as `pipefb local train` flags."""
 
     model: str = "gpt"  # model registry name or a pipefb.models entry point
-    dataset: str = "text"  # dataset registry name
-    loss: str = "cross_entropy"  # loss name
+    dataset: str = "text"  # dataset registry name or a pipefb.datasets entry point
+    loss: str = "cross_entropy"  # loss name or a pipefb.losses entry point
     schedule: str = "pipefb"  # a name in SCHEDULES (single: the one-process reference)
     workers: int = 4  # workers taking part (ignored by single)
     batch_size: int = 16  # samples per step
@@ -83,6 +83,8 @@ class JobConfig:
     model_config: dict[str, Any] = field(default_factory=dict)  # passed to the model builder
     dataset_config: dict[str, Any] = field(default_factory=dict)  # passed to the dataset
     optimizer_config: dict[str, Any] = field(default_factory=dict)  # optimizer options
+    loss_config: dict[str, Any] = field(default_factory=dict)  # loss options (cross_entropy:
+    # ignore_index, label_smoothing)
 
     def __post_init__(self) -> None:
         _check_positive(self, ("workers", "batch_size", "microbatches", "steps"))
@@ -295,7 +297,7 @@ def build_layers(config: JobConfig) -> list[torch.nn.Module]:
     from pipefb.models import build_model
 
     layers = build_model(config.model, config.model_config, seed=config.seed)
-    return [*layers, build_loss(config.loss)]
+    return [*layers, build_loss(config.loss, config.loss_config)]
 
 
 def layer_costs(layers: Sequence[torch.nn.Module]) -> list[float]:

@@ -2,61 +2,29 @@
 
 from __future__ import annotations
 
-import fnmatch
 import functools
-import os
-import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from pipefb.configparse import parse_config, require
 from pipefb.errors import ConfigError
+from pipefb.job.arrays import ArraysDataset
+from pipefb.job.dataroots import Found, builtin_corpus
+from pipefb.job.sampling import DataContext, Dataset, KnowsSpecs, sampler
+from pipefb.job.sampling import check_request as _check_request
+from pipefb.job.shapes import TensorSpec, spec_of
+from pipefb.job.tokens import TokensDataset
 from pipefb.seeding import derive_seed
 
-_SPLIT_CODES = {"train": 0, "eval": 1}  # folded into the sampling seed of non-train splits
+if TYPE_CHECKING:
+    from pipefb.job.config import JobConfig
+
 _DIGITS_SPLIT_SEED = 0x5EED_D161  # fixes the digits train/eval split for every job seed
 _TEACHER_TAG = 0x7EAC  # separates the synthetic teacher's seed from sampling seeds
-
-
-@runtime_checkable
-class Dataset(Protocol):
-    """What workers sample from: the same (step, microbatch, size, split) gives the same data."""
-
-    splits: tuple[str, ...]
-
-    def microbatch(
-        self, step: int, microbatch: int, size: int, split: str = "train"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (inputs, targets) of `size` samples, deterministic in (seed, step, mb)."""
-        ...
-
-    def held_out(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole eval split when it is a finite set of samples, else None (evaluation
-        then samples it with `microbatch`)."""
-        ...
-
-
-def sampler(seed: int, step: int, microbatch: int, split: str) -> torch.Generator:
-    """Returns the CPU generator of one micro-batch of `split`.
-
-    It is seeded with `derive_seed(seed, step, microbatch)` for "train" and with the split's
-    code appended for the other splits, so eval draws differ from train draws.
-    """
-    parts: tuple[int, ...] = (seed, step, microbatch)
-    if split != "train":
-        parts += (_SPLIT_CODES[split],)
-    return torch.Generator().manual_seed(derive_seed(*parts))
-
-
-def _check_request(splits: tuple[str, ...], split: str, size: int) -> None:
-    if split not in splits:
-        raise ConfigError(f"unknown split {split!r}; this dataset has {list(splits)}")
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ConfigError(f"micro-batch size {size!r} must be a positive int")
 
 
 @dataclass(frozen=True)
@@ -85,7 +53,8 @@ class DigitsDataset:
 
     splits: tuple[str, ...] = ("train", "eval")
 
-    def __init__(self, config: dict[str, Any] | None, seed: int) -> None:
+    def __init__(self, config: dict[str, Any] | None, seed: int,
+                 context: DataContext | None = None) -> None:
         cfg = parse_config(DigitsConfig, config, "dataset 'digits'")
         self.seed = seed
         inputs, targets = _load_digits()
@@ -114,7 +83,8 @@ class DigitsDataset:
 class TextConfig:
     """Options of the `text` dataset: byte-level windows over a directory of text files."""
 
-    path: str | None = None  # directory to read; None = this Python's standard library
+    path: str | None = None  # directory relative to a data root; None: this Python's
+    # standard library (the built-in corpus)
     block_size: int = 32  # window length T
     max_bytes: int = 2_000_000  # stop reading files once the corpus has this many bytes
     eval_fraction: float = 0.1  # the last share of the corpus is the eval split
@@ -128,22 +98,12 @@ class TextConfig:
         )
 
 
-def _walk_sorted(root: Path, pattern: str) -> Iterator[Path]:
-    """Yields files matching `pattern` under `root`, lazily, in sorted path order."""
-    with os.scandir(root) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for entry in entries:
-        if entry.is_dir(follow_symlinks=False):
-            yield from _walk_sorted(Path(entry.path), pattern)
-        elif entry.is_file() and fnmatch.fnmatchcase(entry.name, pattern):
-            yield Path(entry.path)
-
-
-def read_corpus(root: Path, pattern: str, max_bytes: int) -> bytes:
-    """Concatenates matching files in sorted order, stopping at `max_bytes`."""
+def read_corpus(found: Found, pattern: str, max_bytes: int) -> bytes:
+    """Concatenates the files matching `pattern` under `found`, in sorted path order,
+    stopping at `max_bytes` (files whose real path leaves the root are never read)."""
     parts: list[bytes] = []
     total = 0
-    for path in _walk_sorted(root, pattern):
+    for path in found.files(pattern):
         try:
             data = path.read_bytes()[: max_bytes - total]
         except OSError:
@@ -158,14 +118,18 @@ def read_corpus(root: Path, pattern: str, max_bytes: int) -> bytes:
 class TextDataset:
     """Windows of T bytes as int64 (size, T); targets are the windows shifted by one byte."""
 
-    def __init__(self, config: dict[str, Any] | None, seed: int) -> None:
+    def __init__(self, config: dict[str, Any] | None, seed: int, context: DataContext) -> None:
         cfg = parse_config(TextConfig, config, "dataset 'text'")
-        root = Path(cfg.path if cfg.path is not None else sysconfig.get_paths()["stdlib"])
-        if not root.is_dir():
-            raise ConfigError(f"text dataset path {str(root)!r} is not a directory")
-        corpus = read_corpus(root, cfg.pattern, cfg.max_bytes)
+        if cfg.path is None:
+            found = builtin_corpus()
+        else:
+            found = context.roots.find(cfg.path, "text dataset path")
+            if not found.path.is_dir():
+                raise ConfigError(f"text dataset path {cfg.path!r} is not a directory")
+        label = "the built-in corpus" if cfg.path is None else repr(cfg.path)
+        corpus = read_corpus(found, cfg.pattern, cfg.max_bytes)
         if not corpus:
-            raise ConfigError(f"text dataset path {str(root)!r} has no {cfg.pattern!r} text")
+            raise ConfigError(f"text dataset path {label} has no {cfg.pattern!r} text")
         self.seed, self.block_size = seed, cfg.block_size
         tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)  # (N,)
         n_eval = int(len(tokens) * cfg.eval_fraction)
@@ -174,10 +138,8 @@ class TextDataset:
             self.data["eval"] = tokens[len(tokens) - n_eval :]
         for split, part in self.data.items():
             if len(part) < cfg.block_size + 1:
-                raise ConfigError(
-                    f"text {split} split of {str(root)!r} has {len(part)} bytes, "
-                    f"fewer than block_size + 1 = {cfg.block_size + 1}"
-                )
+                raise ConfigError(f"text {split} split of {label} is shorter than "
+                                  f"block_size + 1 = {cfg.block_size + 1} bytes")
         self.splits = tuple(self.data)
 
     def held_out(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -216,7 +178,8 @@ class SyntheticDataset:
 
     splits: tuple[str, ...] = ("train", "eval")
 
-    def __init__(self, config: dict[str, Any] | None, seed: int) -> None:
+    def __init__(self, config: dict[str, Any] | None, seed: int,
+                 context: DataContext | None = None) -> None:
         self.cfg = parse_config(SyntheticConfig, config, "dataset 'synthetic'")
         self.seed = seed
         gen = torch.Generator().manual_seed(derive_seed(seed, _TEACHER_TAG))
@@ -254,30 +217,103 @@ class SyntheticDataset:
         return seq[:, :-1], seq[:, 1:]  # (size, T) int64 each
 
 
-_DATASETS: dict[str, Callable[[dict[str, Any] | None, int], Dataset]] = {
+Builder = Callable[[dict[str, Any], int, DataContext], Dataset]
+
+ENTRY_POINT_GROUP = "pipefb.datasets"
+_DATASETS: dict[str, Builder] = {
     "digits": DigitsDataset,
     "text": TextDataset,
     "synthetic": SyntheticDataset,
+    "tokens": TokensDataset,
+    "arrays": ArraysDataset,
 }
 DATASETS: tuple[str, ...] = tuple(_DATASETS)
 
 
-def build_dataset(name: str, config: dict[str, Any] | None, seed: int) -> Dataset:
+def build_dataset(name: str, config: dict[str, Any] | None, seed: int,
+                  context: DataContext | None = None) -> Dataset:
     """Builds dataset `name`; every process with the same arguments samples the same data.
 
     Args:
-        name: one of `DATASETS`.
+        name: one of `DATASETS` or an entry point of group `pipefb.datasets`, which loads
+            a callable `(config: dict, seed: int, context: DataContext) -> Dataset`.
         config: JSON-able overrides of the dataset's config defaults.
         seed: the job seed; sampling is deterministic in (seed, step, micro-batch).
+        context: what the job and process tell the dataset (data roots, the model's
+            block and vocabulary sizes); None: this process's data roots alone.
 
     Returns:
         A `Dataset`.
 
     Raises:
-        ConfigError: an unknown name, a bad config, or a missing or empty text corpus.
+        ConfigError: an unknown name, a bad config, a path not readable under the data
+            roots (pipefb.job.dataroots), or data that cannot make a sample.
     """
-    if name not in _DATASETS:
-        raise ConfigError(f"unknown dataset {name!r}; known datasets: {list(DATASETS)}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"dataset seed {seed!r} is not an int")
-    return _DATASETS[name](config, seed)
+    builder = _find_builder(name)
+    try:
+        dataset = builder(dict(config or {}), seed, context or DataContext())
+    except ConfigError:
+        raise
+    except Exception as exc:  # a plugin's own failure, as one line
+        raise ConfigError(f"dataset {name!r} failed to build: {type(exc).__name__}") from exc
+    if not isinstance(dataset, Dataset):
+        raise ConfigError(f"dataset {name!r} returned a {type(dataset).__name__}, which has "
+                          "no microbatch, held_out and splits")
+    return dataset
+
+
+def _find_builder(name: str) -> Builder:
+    if name in _DATASETS:
+        return _DATASETS[name]
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        raise ConfigError(f"unknown dataset {name!r}; known datasets: {list(known_datasets())}")
+    return _load_plugin(found[0])
+
+
+def _load_plugin(entry: EntryPoint) -> Builder:
+    try:
+        builder = entry.load()
+    except Exception as exc:
+        raise ConfigError(f"dataset plugin {entry.name!r} ({entry.value}) failed to load: "
+                          f"{exc!r}") from exc
+    if not callable(builder):
+        raise ConfigError(f"dataset plugin {entry.name!r} ({entry.value}) is not callable")
+    return builder  # type: ignore[no-any-return]
+
+
+def known_datasets() -> tuple[str, ...]:
+    """The built-in dataset names followed by the installed plugins' names."""
+    plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} - set(_DATASETS))
+    return DATASETS + tuple(plugins)
+
+
+def job_context(job: JobConfig, check_all: bool = False) -> DataContext:
+    """A job's `DataContext`: this process's data roots, the job's batch size and the
+    model's block and vocabulary sizes (`pipefb.models.sequence_sizes`)."""
+    from pipefb.models import sequence_sizes
+
+    block_size, vocab_size = sequence_sizes(job.model, job.model_config)
+    return DataContext(batch_size=job.batch_size, block_size=block_size,
+                       vocab_size=vocab_size, check_all=check_all)
+
+
+def job_dataset(job: JobConfig, check_all: bool = False) -> Dataset:
+    """The job's dataset as every process of the job builds it (`check_all`: at submit,
+    check every sample too, e.g. token ids against the model's vocabulary)."""
+    return build_dataset(job.dataset, job.dataset_config, job.seed, job_context(job, check_all))
+
+
+def microbatch_specs(dataset: Dataset, size: int) -> tuple[TensorSpec, TensorSpec]:
+    """(inputs, targets) specs of a micro-batch: from the dataset's headers where it knows
+    them (`KnowsSpecs`: nothing read), else from micro-batch 0 of step 0."""
+    if isinstance(dataset, KnowsSpecs):
+        return dataset.specs(size)
+    x, y = dataset.microbatch(0, 0, size)
+    return spec_of(x), spec_of(y)
+
+
+__all__ = ["DATASETS", "ENTRY_POINT_GROUP", "DataContext", "Dataset", "build_dataset",
+           "job_dataset", "known_datasets", "microbatch_specs", "read_corpus", "sampler"]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipefb.configparse import parse_config
 from pipefb.errors import ConfigError
 from pipefb.models import convnet, gpt, mlp
 
@@ -82,10 +83,25 @@ def _check_layers(name: str, layers: object) -> list[nn.Module]:
     return layers
 
 
+def sequence_sizes(name: str, config: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    """(block_size, vocab_size) of a model that reads token sequences, from its config:
+    the window a token dataset cuts and the ids its samples may hold. (None, None) for
+    models without them (plugins too: a token dataset then takes its own block_size).
+
+    Raises:
+        ConfigError: a bad config of such a model.
+    """
+    if name == "gpt":
+        cfg = parse_config(gpt.GPTConfig, dict(config or {}), "model 'gpt'")
+        return cfg.block_size, cfg.vocab_size
+    return None, None
+
+
 def known_models() -> tuple[str, ...]:
     """Returns the built-in model names followed by the installed plugin names."""
     plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} - set(_BUILTINS))
     return MODELS + tuple(plugins)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "MODELS", "Builder", "build_model", "known_models"]
+__all__ = ["ENTRY_POINT_GROUP", "MODELS", "Builder", "build_model", "known_models",
+           "sequence_sizes"]

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipefb.errors import ConfigError
 from pipefb.job.config import MAXIMA, JobConfig, build_layers
-from pipefb.job.data import build_dataset
+from pipefb.job.data import job_dataset
 from pipefb.job.shapes import TensorSpec
 from pipefb.memory import tensor_bytes
 from pipefb.profile.measure import optimizer_step
@@ -83,7 +83,7 @@ def analytic_profile(job: JobConfig, microbatch_size: int, flops_per_second: flo
     _check_rate("launch_seconds", launch_seconds, positive=False)
     device = _Device(float(flops_per_second), float(bytes_per_second), float(launch_seconds))
     with torch.random.fork_rng(devices=[]):
-        dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+        dataset = job_dataset(job)
         seq = sequence(build_layers(job), dataset, microbatch_size)
         rows = tuple(_analytic_layer(seq, i, out, device, derive_seed(job.seed, DATA_STEP, 0, i))
                      for i, out in enumerate(seq.output_specs()))

@@ -64,7 +64,7 @@ from torch import nn
 
 from pipefb.errors import ConfigError
 from pipefb.job.config import MAXIMA, JobConfig, build_layers, job_device
-from pipefb.job.data import Dataset, build_dataset
+from pipefb.job.data import Dataset, job_dataset
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
 from pipefb.job.shapes import TensorSpec
 from pipefb.memory import tensor_bytes
@@ -155,7 +155,7 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
     check_int("repeats", repeats, 1, MAX_RUNS)
     device = job_device(job)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+        dataset = job_dataset(job)
         seq = sequence([layer.to(device) for layer in build_layers(job)], dataset,
                         microbatch_size)
         timed = _timed_layers(layers, len(seq.layers))

@@ -9,7 +9,7 @@ import torch
 
 from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig, build_layers
-from pipefb.job.data import build_dataset
+from pipefb.job.data import job_dataset
 from pipefb.runtime.state import load_buffers
 
 EVAL_SAMPLES = 1024  # held-out samples per evaluation: the same draws for every schedule
@@ -44,7 +44,7 @@ def evaluate(job: JobConfig, weights: Mapping[str, torch.Tensor],
     Returns:
         {"loss": ..., "accuracy": ...}, or {} when the dataset has no eval split.
     """
-    dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+    dataset = job_dataset(job)
     if "eval" not in dataset.splits:
         return {}
     layers = build_layers(job)
@@ -66,9 +66,10 @@ def evaluate(job: JobConfig, weights: Mapping[str, torch.Tensor],
                 layer.eval()
                 x = layer(x)
             total_loss += float(loss_layer(x, y)) * size
-            if job.loss == "cross_entropy":
-                correct += int((x.argmax(dim=-1) == y).sum())
-                count += y.numel()
+            if job.loss == "cross_entropy":  # targets of ignore_index count for nothing
+                kept = y != job.loss_config.get("ignore_index", -100)
+                correct += int(((x.argmax(dim=-1) == y) & kept).sum())
+                count += int(kept.sum())
     out = {"loss": total_loss / samples}
     if count:
         out["accuracy"] = correct / count

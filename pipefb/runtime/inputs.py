@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pipefb.job.config import JobConfig
-from pipefb.job.data import build_dataset
-from pipefb.job.shapes import TensorSpec, infer_input_specs, spec_of
+from pipefb.job.data import job_dataset, microbatch_specs
+from pipefb.job.shapes import TensorSpec, infer_input_specs
 
 
 class MicroBatches:
@@ -14,7 +14,7 @@ class MicroBatches:
     step's micro-batch `offset + m` ([Note: groups] in pipefb.runtime.place)."""
 
     def __init__(self, job: JobConfig, size: int, offset: int, device: torch.device) -> None:
-        self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+        self.dataset = job_dataset(job)
         self.size, self.offset, self.device = size, offset, device
 
     def get(self, step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,6 +24,6 @@ class MicroBatches:
 
     def layer_specs(self, layers: list[torch.nn.Module]) -> list[list[TensorSpec]]:
         """Each layer's input specs at this micro-batch size (the loss layer's: output and
-        targets), propagated from the data's shapes."""
-        x, y = self.dataset.microbatch(0, 0, self.size)
-        return infer_input_specs(layers, spec_of(x), spec_of(y))
+        targets), propagated from the data's shapes (read from no sample where the dataset
+        knows them: a rank that takes neither inputs nor targets reads no data)."""
+        return infer_input_specs(layers, *microbatch_specs(self.dataset, self.size))

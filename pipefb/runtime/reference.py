@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pipefb.job.config import JobConfig, build_layers, job_device
-from pipefb.job.data import build_dataset
+from pipefb.job.data import job_dataset
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
 from pipefb.memory import DeviceMemory, tensor_bytes
 from pipefb.runtime.state import persistent_buffers
@@ -43,7 +43,7 @@ class SingleProcess:
         self.device = job_device(job)
         self.device_memory = DeviceMemory(self.device)
         self.layers = [layer.to(self.device) for layer in build_layers(job)]
-        self.dataset = build_dataset(job.dataset, job.dataset_config, job.seed)
+        self.dataset = job_dataset(job)
         # each parameter once: a parameter shared by two layers is updated once a step
         self.params = list({id(p): p for layer in self.layers for p in layer.parameters()
                             }.values())
