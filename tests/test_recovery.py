@@ -219,7 +219,7 @@ def test_a_sigtermed_coordinator_drains_checkpoints_and_its_successor_resumes(
     first = reports[0].step
     assert first >= 12 and first % 100  # the drain's own checkpoint, not a periodic one
     root = restarting.checkpoint_root  # type: ignore[attr-defined]
-    assert (root / "drain" / f"step-{first:06d}" / "state.json").is_file()
+    assert (root / "drain" / f"step-{first:06d}" / "manifest.json").is_file()
     assert_trained_as_uninterrupted(client, job, reports)
 
 
