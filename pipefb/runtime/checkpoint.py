@@ -110,7 +110,9 @@ def _write_error(path: Path, error: Exception) -> FileWriteError:
         code = int(m.group(1))
     cause = os.strerror(code) if code is not None else str(error)
     kind = DiskFullError if code in _FULL else FileWriteError
-    return kind(code or errno.EIO, f"cannot write {path.parent.name}/{path.name}: {cause}")
+    failed = kind(f"cannot write {path.parent.name}/{path.name}: {cause}")
+    failed.errno = code or errno.EIO
+    return failed
 
 
 def layer_of(name: str) -> tuple[int, bool]:
