@@ -225,3 +225,18 @@ def test_a_dead_worker_is_named_once() -> None:
         assert diagnose(error, ranks) == f"{who} died: UNAVAILABLE: Socket closed"
     finally:
         ranks.close()
+
+
+def test_the_in_process_reference_fails_on_a_non_finite_loss_too(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pipefb local train --schedule single --lr 1e308`: exit 1, one line naming the step."""
+    from pipefb.app.cli import main
+
+    code = main(["local", "train", "--schedule", "single", "--model", "mlp", "--dataset",
+                 "digits", "--optimizer", "sgd", "--lr", "1e308", "--steps", "5",
+                 "--batch-size", "8", "--microbatches", "2", "--no-progress",
+                 "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("pipefb: error: step ") and "has a non-finite loss (" in err[-1]
+    assert not (tmp_path / "report.json").exists()
