@@ -119,13 +119,14 @@ def test_a_killed_worker_is_relaunched_and_the_job_replays_to_the_same_weights(
 
 def test_a_replay_passes_over_damaged_checkpoints_to_the_newest_intact_one(
         client: CoordinatorClient, restarting: LocalServices) -> None:
-    """worker-1 is stopped (no step ends, nothing commits), a byte is flipped in every
+    """worker-2 is stopped (no step ends, nothing commits), a byte is flipped in every
     checkpoint after the first, and the worker is killed: the replay names each one it
-    passed over, starts from step 5 and ends with the uninterrupted run's weights."""
+    passed over, starts from step 5 and ends with the uninterrupted run's weights.
+    (worker-2: a later test counts worker-1's relaunches.)"""
     job = recoverable_job("damaged-replay")
     client.submit(job)
     running_at(client, job.job_id, 12)
-    victim = restarting.process("worker-1")
+    victim = restarting.process("worker-2")
     os.kill(victim.pid, signal.SIGSTOP)
     time.sleep(0.5)  # a commit under way ends
     root = restarting.checkpoint_root / job.checkpoint_dir  # type: ignore[attr-defined]

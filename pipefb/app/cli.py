@@ -323,6 +323,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             for report in client.train(status.job_id):
                 print(f"step {report.step} loss {report.loss:.4f} "
                       f"{report.samples_per_second:.1f} samples/s", flush=True)
+            for why in client.status(status.job_id).refused_checkpoints:
+                print(f"checkpoint refused: {why}", file=sys.stderr)
     return 0
 
 
