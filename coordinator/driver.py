@@ -16,7 +16,13 @@ import time
 from collections.abc import Iterable
 
 from coordinator.assign import acquire_workers, assign_all, auto_plan, balanced
-from coordinator.checkpoints import checkpoint_dir, checkpoint_now, commit, request_checkpoint
+from coordinator.checkpoints import (
+    checkpoint_dir,
+    checkpoint_now,
+    commit,
+    rank_files,
+    request_checkpoint,
+)
 from coordinator.jobs import TERMINAL, Drained, Job, Repartitioned, Stopped
 from coordinator.journal import Journal
 from coordinator.metrics import CoordinatorMetrics
@@ -27,6 +33,7 @@ from coordinator.registry import Registry
 from coordinator.rendezvous import Rendezvous
 from coordinator.reshape import consider_move, migrate, repartition, switch_plan, watch
 from coordinator.results import (
+    check_finite_loss,
     check_groups_agree,
     collect_weights,
     evaluate_version,
@@ -265,6 +272,7 @@ class Driver:
                  replies: list[worker_pb2.StepReply], seconds: float) -> None:
         """A step every rank ended: its report, the groups' check, a replay's comparison,
         the re-planner, evaluation and checkpoint when due; then followers see it."""
+        check_finite_loss(step, replies)  # before anything commits this step's weights
         report = step_report(job, step, seconds, replies, ranks)
         check_groups_agree(report)
         if step < job.step:  # a replay ([Note: restarts]): reported before
@@ -275,7 +283,7 @@ class Driver:
         if every and (step + 1) % every == 0 and step + 1 < job.config.steps:
             report.eval.update(evaluate_version(job, ranks, step + 1))
         if job.checkpoints is not None and pump.checkpointed_after(step):
-            commit(job, step + 1, self.journal)
+            commit(job, step + 1, rank_files(replies), self.journal)
         if self.metrics is not None:
             self.metrics.step_done(report, job.planner.get("predicted_step_seconds", 0.0))
         with job.cond:

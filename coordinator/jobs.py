@@ -68,6 +68,7 @@ class Job:
     replanner: Replanner | None = None  # with `replan`: decides moves from step reports
     checkpoints: Path | None = None  # the job's checkpoint directory, when it uses one
     pump: StepPump | None = None  # while steps run: takes checkpoint requests
+    refused: list[str] = field(default_factory=list)  # checkpoints passed over, newest first
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property

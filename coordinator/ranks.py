@@ -100,6 +100,8 @@ def diagnose(error: Exception, ranks: Ranks | None, dead: list[int] | None = Non
         return text
     dead = dead_ranks(ranks) if dead is None else dead
     if dead:
+        for r in dead:  # "worker 0 (...) died: worker 0 (...) failed: X" says it twice
+            text = text.removeprefix(f"{ranks.describe(r)} failed: ")
         return f"{', '.join(ranks.describe(r) for r in dead)} died: {text}"
     return text
 

@@ -4,8 +4,9 @@
 that answers is drained, the job's stash keys (all attempts) are deleted, each dead rank
 is replaced by a worker registered under the same name (a relaunched process or pod) or
 else by any idle one, and every rank is assigned again with attempt + 1 from the newest
-checkpoint at or before the last reported step (step 0 without one), whose weights and
-optimizer state every owner restores. Steps already reported are run again but not
+checkpoint intact for the job at or before the last reported step (step 0 without one;
+[Note: manifests] in pipefb/runtime/manifest.py), whose weights and optimizer state every
+owner restores. Steps already reported are run again but not
 reported twice. Workers refuse the calls and transfers of older attempts ([Note: attempt
 fencing] in worker/service.py). A lost offload store (its Redis run id changes, or it stops
 answering) fails the attempt the same way: what it held is gone, so the steps are replayed.
@@ -29,15 +30,12 @@ from coordinator.registry import Registry, WorkerRecord
 from coordinator.storewatch import clear_store, wait_for_store
 from pipefb.errors import ConfigError, WorkerFailed
 from pipefb.plan.plan import Plan
-from pipefb.runtime.checkpoint import latest
+from pipefb.runtime.manifest import Manifest, newest_intact
 from protos import coordinator_pb2
 
 log = logging.getLogger(__name__)
 
 RECOVERABLE = (WorkerFailed, grpc.RpcError)  # an attempt that failed so may be replayed
-# job fields a resumed job may set otherwise than the checkpointed one
-RESUME_MAY_CHANGE = frozenset({"steps", "resume", "job_id", "checkpoint_every", "eval_every",
-                               "max_restarts", "slowdown", "check_groups_every"})
 
 
 @dataclass
@@ -113,46 +111,48 @@ class Recovery:
 
 
 def resume_point(job: Job) -> Plan:
-    """The newest checkpoint's plan; sets the job's start step to its step.
+    """The plan of the newest checkpoint intact for this job ([Note: manifests]); sets the
+    job's start step to its step and notes the newer ones it passed over.
 
     Raises:
-        ConfigError: no checkpoint, one of another job (naming the first field that
-            differs), another worker count, or one at or past the job's last step.
+        ConfigError: no intact checkpoint (naming why the newest was refused), or one at
+            or past the job's last step.
     """
     assert job.checkpoints is not None
-    found = latest(job.checkpoints)
+    found = _newest_intact(job, None)
     if found is None:
-        raise ConfigError(f"no checkpoint to resume from in {job.config.checkpoint_dir!r}")
-    step, state = found
-    saved, mine = state.get("job", {}), job.config.to_dict()
-    for key in sorted(set(saved) | set(mine)):
-        if key not in RESUME_MAY_CHANGE and saved.get(key) != mine.get(key):
-            raise ConfigError(f"checkpoint of step {step} is of another job: {key} "
-                              f"{saved.get(key)!r} there, {mine.get(key)!r} here")
-    plan = Plan.from_dict(state["plan"])
-    if step >= job.config.steps:
-        raise ConfigError(f"the checkpoint is at step {step}; the job has "
+        why = f": {job.refused[0]}" if job.refused else " (it holds none)"
+        raise ConfigError(f"no intact checkpoint of this job to resume from in "
+                          f"{job.config.checkpoint_dir!r}{why}")
+    if found.step >= job.config.steps:
+        raise ConfigError(f"the checkpoint is at step {found.step}; the job has "
                           f"{job.config.steps} steps")
-    job.start_step = job.step = step
-    return plan
+    job.start_step = job.step = found.step
+    return Plan.from_dict(found.plan)
 
 
 def replay_point(job: Job) -> int:
-    """The step a replay starts from: the newest checkpoint of this job at or before
-    its last reported step (a sync job's), else step 0."""
+    """The step a replay starts from: the newest checkpoint intact for this job at or
+    before its last reported step (a sync job's), else step 0."""
     if job.checkpoints is None or job.config.mode != "sync":
         return 0
-    found = latest(job.checkpoints, at_most=job.step)
-    if found is None:
-        return 0
-    step, state = found
-    saved, mine = state.get("job", {}), job.config.to_dict()
-    if any(saved.get(k) != mine.get(k) for k in set(saved) | set(mine)
-           if k not in RESUME_MAY_CHANGE):
-        log.warning("job %s: the checkpoint of step %d is of another job; replaying "
-                    "from step 0", job.job_id, step)
-        return 0
-    return step
+    found = _newest_intact(job, job.step)
+    return 0 if found is None else found.step
+
+
+def _newest_intact(job: Job, at_most: int | None) -> Manifest | None:
+    """`newest_intact` of the job's directory; each checkpoint passed over is logged and
+    kept in `job.refused` (JobStatus.refused_checkpoints)."""
+    assert job.checkpoints is not None
+    found, refused = newest_intact(job.checkpoints, job.config.to_dict(), at_most)
+    for why in refused:
+        log.warning("job %s: checkpoint refused: %s", job.job_id, why)
+    if found is not None and refused:
+        log.warning("job %s: starting from the intact checkpoint of step %d", job.job_id,
+                    found.step)
+    with job.cond:
+        job.refused[:0] = [r for r in refused if r not in job.refused]
+    return found
 
 
 def compare_replay(job: Job, report: coordinator_pb2.StepReport) -> None:

@@ -4,6 +4,7 @@ held-out evaluation, and the in-situ fit of the plan's costs."""
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 
@@ -13,7 +14,7 @@ import torch
 from coordinator.jobs import Job
 from coordinator.ranks import Ranks
 from coordinator.reshape import migration_proto
-from pipefb.errors import ConfigError, ScheduleError, WorkerFailed
+from pipefb.errors import ConfigError, NonFiniteLoss, ScheduleError, WorkerFailed
 from pipefb.planner.insitu import STEPS as IN_SITU_STEPS
 from pipefb.planner.insitu import fit, median_action_seconds
 from pipefb.runtime.evaluate import evaluate
@@ -47,6 +48,22 @@ def step_report(job: Job, step: int, seconds: float, replies: list[worker_pb2.St
     if moves:
         report.migration.CopyFrom(migration_proto(moves[-1]))
     return report
+
+
+def check_finite_loss(step: int, replies: list[worker_pb2.StepReply]) -> None:
+    """Every micro-batch loss of the step is a finite number: a NaN or infinite loss
+    fails the job before the step is reported or checkpointed, so no job ends DONE with
+    weights trained on it.
+
+    Raises:
+        NonFiniteLoss: names the step, the loss and the rank that computed it.
+    """
+    for rank, reply in enumerate(replies):
+        for loss in reply.losses:
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(f"step {step} has a non-finite loss ({loss} on rank "
+                                    f"{rank}); the job fails rather than go on training "
+                                    "on it")
 
 
 def check_groups_agree(report: coordinator_pb2.StepReport) -> None:

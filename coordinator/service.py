@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import grpc
 
+from coordinator.checkpoints import claim_directory, own_directory
 from coordinator.driver import Driver
 from coordinator.jobs import TERMINAL, Job
 from coordinator.journal import Entry
@@ -67,7 +68,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             job_id = config.job_id or self._fresh_id()
             if job_id in self._jobs:
                 raise FailedPrecondition(f"job id {job_id!r} is already in use")
-            job = Job(replace(config, job_id=job_id), layer_costs=costs)
+            config = own_directory(replace(config, job_id=job_id))
+            claim_directory(config, self._jobs.values(), self.driver.checkpoint_root)
+            job = Job(config, layer_costs=costs)
             self._forget_old_jobs()
             self._jobs[job_id] = job
         self.driver.start(job)
@@ -181,6 +184,8 @@ def _status(job: Job) -> coordinator_pb2.JobStatus:
         worker_ids=[w.worker_id for w in job.workers], attempt=job.attempt,
         restarts=job.restarts, checkpointed=job.checkpointed,
         migrations=[migration_proto(m) for m in job.migrations])
+    status.start_step = job.start_step
+    status.refused_checkpoints.extend(job.refused)
     if job.plan is not None:
         status.plan.CopyFrom(plan_to_proto(job.plan))
     if job.planner:

@@ -29,3 +29,16 @@ class WorkerFailed(RuntimeError):
 
 class Aborted(RuntimeError):
     """The step was aborted (the job stopped or failed elsewhere) while waiting."""
+
+
+class FileWriteError(OSError):
+    """A checkpoint or journal file that could not be written; the message names the file
+    and the cause, `errno` carries the code."""
+
+
+class DiskFullError(FileWriteError):
+    """The disk (or the quota) that a checkpoint or journal file goes to is full."""
+
+
+class NonFiniteLoss(ArithmeticError):
+    """A step's loss is NaN or infinite; the message names the step and the rank."""

@@ -235,7 +235,7 @@ class StopJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json", "attempt", "restarts", "migrations", "checkpointed")
+    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json", "attempt", "restarts", "migrations", "checkpointed", "start_step", "refused_checkpoints")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,8 @@ class JobStatus(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTED_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     step: int
@@ -260,7 +262,9 @@ class JobStatus(_message.Message):
     restarts: _containers.RepeatedScalarFieldContainer[str]
     migrations: _containers.RepeatedCompositeFieldContainer[Migration]
     checkpointed: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ..., attempt: _Optional[int] = ..., restarts: _Optional[_Iterable[str]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., checkpointed: _Optional[int] = ...) -> None: ...
+    start_step: int
+    refused_checkpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ..., attempt: _Optional[int] = ..., restarts: _Optional[_Iterable[str]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., checkpointed: _Optional[int] = ..., start_step: _Optional[int] = ..., refused_checkpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

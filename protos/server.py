@@ -18,6 +18,8 @@ from pipefb.errors import (
     Aborted,
     CodecError,
     ConfigError,
+    DiskFullError,
+    FileWriteError,
     ScheduleError,
     StoreFullError,
     WorkerFailed,
@@ -40,6 +42,8 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ScheduleError, grpc.StatusCode.INVALID_ARGUMENT),
     (KeyError, grpc.StatusCode.NOT_FOUND),
     (StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DiskFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a checkpoint's disk is full
+    (FileWriteError, grpc.StatusCode.FAILED_PRECONDITION),  # a checkpoint's disk refused
     (Aborted, grpc.StatusCode.ABORTED),
     (WorkerFailed, grpc.StatusCode.UNAVAILABLE),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),

@@ -106,7 +106,7 @@ def test_a_resumed_batchnorm_job_ends_where_the_uninterrupted_one_does(client: A
     files = sorted(p.name for p in (cluster.checkpoint_root / "bn-parts" / "step-000003"
                                     ).iterdir())
     # the backward ranks 2 and 3, and the forward ranks that hold a BatchNorm
-    assert {"rank-2.safetensors", "rank-3.safetensors", "state.json"} < set(files)
+    assert {"rank-2.safetensors", "rank-3.safetensors", "manifest.json"} < set(files)
     rest, got = run_on_cluster(client, replace(first, steps=6, resume=True))
     assert [r.loss for r in rest] == [r.loss for r in whole[3:]]
     assert sorted(got) == sorted(want)

@@ -16,14 +16,14 @@ from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig
 from pipefb.runtime.checkpoint import (
     due,
-    latest,
+    file_digest,
     load_optimizer,
     load_rank,
     rank_file,
     resolve_under,
     save_rank,
-    write_state,
 )
+from pipefb.runtime.manifest import committed, newest_intact, write_manifest
 from tests.test_transparency import make_job, run_on_cluster
 
 
@@ -78,14 +78,20 @@ def test_a_truncated_or_foreign_file_is_refused_without_unpickling(tmp_path: Pat
 
 
 def test_only_committed_checkpoints_count_and_the_newest_wins(tmp_path: Path) -> None:
-    assert latest(tmp_path) is None
-    write_state(tmp_path, 3, {"job": {}, "plan": {}})
-    rank_file(tmp_path, 6, 0).parent.mkdir(parents=True)  # step 6: rank files, no state.json
-    write_state(tmp_path, 12, {"job": {"a": 1}, "plan": {}})
-    assert latest(tmp_path) == (12, {"job": {"a": 1}, "plan": {}, "step": 12})
-    (tmp_path / "step-000012" / "state.json").write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="not the state of step 12"):
-        latest(tmp_path)
+    job = {"model": "mlp", "lr": 0.1}
+    assert newest_intact(tmp_path, job) == (None, [])
+    digest = save_rank(rank_file(tmp_path, 3, 0), {"w": torch.ones(2)}, None, [])
+    assert digest == file_digest(rank_file(tmp_path, 3, 0))
+    write_manifest(tmp_path, 3, job, {}, {"rank-0.safetensors": digest})
+    save_rank(rank_file(tmp_path, 6, 0), {"w": torch.ones(2)}, None, [])  # no manifest
+    found, refused = newest_intact(tmp_path, job)
+    assert found is not None and found.step == 3 and found.files == {"rank-0.safetensors":
+                                                                     digest}
+    assert refused == ["step 6: no manifest (never committed)"]
+    (tmp_path / "step-000003" / "manifest.json").write_text("[1, 2]")
+    assert newest_intact(tmp_path, job)[0] is None
+    assert newest_intact(tmp_path, job)[1][1].startswith("step 3: malformed manifest")
+    assert committed(tmp_path) == []
 
 
 def test_checkpoint_paths_stay_inside_the_root(tmp_path: Path) -> None:
@@ -100,8 +106,10 @@ def test_checkpoint_paths_stay_inside_the_root(tmp_path: Path) -> None:
 def test_cadence_and_job_validation() -> None:
     assert [s for s in range(8) if due(s, 3, 8)] == [2, 5, 7]
     assert not any(due(s, 0, 8) for s in range(8))
-    with pytest.raises(ConfigError, match="need a checkpoint directory"):
-        JobConfig(schedule="1f1b", checkpoint_every=2)
+    assert JobConfig(schedule="1f1b", checkpoint_every=2).checkpoint_dir == ""  # its own
+    with pytest.raises(ConfigError, match="resume needs the checkpoint directory"):
+        JobConfig(schedule="1f1b", resume=True)
+    assert JobConfig(schedule="1f1b", resume=True, job_id="j").checkpoint_dir == ""
     with pytest.raises(ConfigError, match="resume runs sync jobs only"):
         JobConfig(schedule="pipedream", resume=True, checkpoint_dir="c")
 
@@ -120,11 +128,13 @@ def test_resumed_job_trains_exactly_what_the_uninterrupted_one_trains(
     first = replace(job, steps=3, checkpoint_dir=f"parts-{schedule}")
     run_on_cluster(client, first)
     root = cluster.checkpoint_root / first.checkpoint_dir
-    step, state = latest(root) or (0, {})
-    assert step == 3 and state["plan"]["groups"] == groups
-    owners = sorted(a["rank"] for a in state["plan"]["assignment"] if a["role"] != "forward")
+    found, refused = newest_intact(root, first.to_dict())
+    assert found is not None and refused == []
+    assert found.step == 3 and found.plan["groups"] == groups
+    owners = sorted(a["rank"] for a in found.plan["assignment"] if a["role"] != "forward")
     assert sorted(p.name for p in (root / "step-000003").iterdir()) == sorted(
-        [f"rank-{r}.safetensors" for r in owners] + ["state.json"])
+        [f"rank-{r}.safetensors" for r in owners] + ["manifest.json"])
+    assert sorted(found.files) == [f"rank-{r}.safetensors" for r in owners]
     assert all(not n.startswith(".") for n in load_file(str(rank_file(root, 3, owners[0]))))
     rest, got = run_on_cluster(client, replace(first, steps=6, resume=True))
     assert [r.step for r in rest] == [3, 4, 5]
@@ -132,7 +142,7 @@ def test_resumed_job_trains_exactly_what_the_uninterrupted_one_trains(
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
-    assert latest(root)[0] == 6  # type: ignore[index]
+    assert committed(root)[0].step == 6
 
 
 def test_resume_of_another_job_fails_naming_the_field(client: Any) -> None:
@@ -141,8 +151,8 @@ def test_resume_of_another_job_fails_naming_the_field(client: Any) -> None:
     run_on_cluster(client, job)
     with pytest.raises(grpc.RpcError) as failed:
         run_on_cluster(client, replace(job, steps=4, resume=True, lr=0.5))
-    assert "checkpoint of step 2 is of another job: lr 0.05 there, 0.5 here" in (
-        failed.value.details())
+    assert ("no intact checkpoint of this job to resume from in 'other-job': step 2 is of "
+            "another job: lr 0.05 there, 0.5 here") in failed.value.details()
     with pytest.raises(grpc.RpcError) as escaped:
         run_on_cluster(client, replace(job, checkpoint_dir="../../outside"))
     assert "outside the checkpoint root" in escaped.value.details()
@@ -151,13 +161,14 @@ def test_resume_of_another_job_fails_naming_the_field(client: Any) -> None:
 WRITER = """
 import sys, torch
 from pathlib import Path
-from pipefb.runtime.checkpoint import rank_file, save_rank, write_state
+from pipefb.runtime.checkpoint import rank_file, save_rank
+from pipefb.runtime.manifest import write_manifest
 root = Path(sys.argv[1])
 for step in range(1, 10**6):
-    for rank in (0, 1):
-        save_rank(rank_file(root, step, rank), {"w": torch.full((1 << 22,), float(step))},
-                  None, [])
-    write_state(root, step, {"job": {}, "plan": {}})
+    files = {f"rank-{rank}.safetensors": save_rank(
+        rank_file(root, step, rank), {"w": torch.full((1 << 22,), float(step))}, None, [])
+        for rank in (0, 1)}
+    write_manifest(root, step, {}, {}, files)
     print(step, flush=True)
 """
 
@@ -183,14 +194,14 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(
     time.sleep(delay)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    found = latest(tmp_path)
+    found, _ = newest_intact(tmp_path, {})
     assert found is not None
-    step = found[0]
+    step = found.step
     for rank in (0, 1):
         weights, _, _ = load_rank(rank_file(tmp_path, step, rank))
         assert weights["w"].eq(float(step)).all()
     leftovers = [p.name for p in tmp_path.rglob("*") if p.is_file()
-                 and p.name not in ("state.json", "rank-0.safetensors", "rank-1.safetensors")]
+                 and p.name not in ("manifest.json", "rank-0.safetensors", "rank-1.safetensors")]
     assert all(n.startswith(".") for n in leftovers), leftovers  # hidden temporaries only
 
 
@@ -207,7 +218,7 @@ def test_a_checkpoint_on_request_resumes_to_the_same_training(client: Any, clust
     step = status.checkpointed
     assert 1 < step < job.steps and [r.step for r in reports] == list(range(job.steps))
     root = cluster.checkpoint_root / job.checkpoint_dir
-    assert latest(root)[0] == step  # type: ignore[index]  # the only checkpoint
+    assert [m.step for m in committed(root)] == [step]  # the only checkpoint
     assert client.status(job_id).checkpointed == step
     want = client.weights(job_id)
     with pytest.raises(grpc.RpcError) as done:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from pipefb.app.cli import main
-from pipefb.runtime.checkpoint import latest
+from pipefb.runtime.manifest import committed
 
 JOB = ["--model", "mlp", "--dataset", "digits", "--loss", "cross_entropy", "--schedule", "1f1b",
        "--workers", "2", "--batch-size", "8", "--microbatches", "2", "--optimizer", "sgd",
@@ -51,7 +51,7 @@ def test_submit_a_yaml_job_file_and_stop_it(cluster: Any, client: Any, tmp_path:
     assert saved > 2 and capsys.readouterr().out.strip() == (
         f"cli-stop: checkpoint committed; a resume starts at step {saved} (--resume with "
         "the job's checkpoint directory)")
-    assert latest(cluster.checkpoint_root / "cli-stop")[0] == saved  # type: ignore[index]
+    assert committed(cluster.checkpoint_root / "cli-stop")[0].step == saved
     assert main(["stop", "--coordinator", cluster.coordinator, "cli-stop"]) == 0
     while client.status("cli-stop").state not in (7, 8, 9) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -18,6 +18,8 @@ import pytest
 from coordinator.client import CoordinatorClient
 from pipefb.app.local import LocalServices
 from pipefb.job.config import JobConfig
+from pipefb.runtime.checkpoint import rank_file
+from pipefb.runtime.manifest import committed
 from protos.coordinator_pb2 import DONE, FAILED, RECOVERING, RUNNING, STOPPED
 from tests.conftest import WORKER_THREADS, store_client
 from tests.test_transparency import make_job, reference
@@ -112,6 +114,35 @@ def test_a_killed_worker_is_relaunched_and_the_job_replays_to_the_same_weights(
     status = finished(client, job.job_id)
     assert victim in status.restarts[0] and "died" in status.restarts[0]
     assert restarting.relaunches.get(victim, 0) >= 1
+    assert_equals_uninterrupted(client, restarting, job, status)
+
+
+def test_a_replay_passes_over_damaged_checkpoints_to_the_newest_intact_one(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """worker-2 is stopped (no step ends, nothing commits), a byte is flipped in every
+    checkpoint after the first, and the worker is killed: the replay names each one it
+    passed over, starts from step 5 and ends with the uninterrupted run's weights.
+    (worker-2: a later test counts worker-1's relaunches.)"""
+    job = recoverable_job("damaged-replay")
+    client.submit(job)
+    running_at(client, job.job_id, 12)
+    victim = restarting.process("worker-2")
+    os.kill(victim.pid, signal.SIGSTOP)
+    time.sleep(0.5)  # a commit under way ends
+    root = restarting.checkpoint_root / job.checkpoint_dir  # type: ignore[attr-defined]
+    damaged = [m.step for m in committed(root) if m.step > 5]
+    assert damaged
+    for step in damaged:
+        path = rank_file(root, step, 2)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x10
+        path.write_bytes(bytes(data))
+    os.kill(victim.pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert status.start_step == 5
+    assert list(status.refused_checkpoints) == [
+        f"step {s}: rank-2.safetensors does not match the SHA-256 in its manifest (altered "
+        "or torn)" for s in damaged]
     assert_equals_uninterrupted(client, restarting, job, status)
 
 
@@ -219,7 +250,7 @@ def test_a_sigtermed_coordinator_drains_checkpoints_and_its_successor_resumes(
     first = reports[0].step
     assert first >= 12 and first % 100  # the drain's own checkpoint, not a periodic one
     root = restarting.checkpoint_root  # type: ignore[attr-defined]
-    assert (root / "drain" / f"step-{first:06d}" / "state.json").is_file()
+    assert (root / "drain" / f"step-{first:06d}" / "manifest.json").is_file()
     assert_trained_as_uninterrupted(client, job, reports)
 
 

@@ -25,6 +25,7 @@ from pipefb.plan.plan import Plan
 from pipefb.profile.measure import measure_profile
 from pipefb.runtime.allreduce import GroupAllReduce, rendezvous_key
 from pipefb.runtime.checkpoint import rank_file, resolve_under
+from pipefb.runtime.manifest import verified_files
 from pipefb.runtime.stage import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -195,12 +196,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 migrated = self._take_over(request, plan, runtime, source)
             elif request.resume_step:
                 assert checkpoints is not None
-                owners = {a.rank for a in plan.assignment if a.role != "forward"}
-                files = {r: rank_file(checkpoints, request.resume_step, r)
-                         for r in range(len(plan.assignment))}
+                # the files its manifest lists, each checked against it ([Note: manifests]);
                 # a forward rank's file holds its buffers ([Note: buffer owners])
-                runtime.restore({r: f for r, f in files.items()
-                                 if r in owners or f.is_file()}, request.resume_step)
+                runtime.restore(verified_files(checkpoints, request.resume_step,
+                                               job.to_dict()), request.resume_step)
             with self._lock:
                 # a later attempt's Assign may have finished first (a rolled-back move)
                 self._check_not_stale(job.job_id, request.attempt)
@@ -294,11 +293,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 self._source = None
         with assigned.gate.turn(request.step):
             r = assigned.runtime.run_step(request.step)
+            saved = None
             if request.checkpoint and assigned.runtime.saves_checkpoints:
                 if assigned.checkpoints is None:
                     raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
-                assigned.runtime.save_checkpoint(
-                    rank_file(assigned.checkpoints, request.step + 1, assigned.rank))
+                saved = _save(assigned, request.step + 1)
         if self.metrics is not None:
             store = assigned.transport.store
             self.metrics.step(assigned.job_id, assigned.runtime.role, r,
@@ -315,7 +314,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             kept_versions=r.kept_versions, kind_peak_bytes=r.kind_peak_bytes,
             activation_peak_bytes=r.activation_peak_bytes,
             device_memory_bytes=r.device_memory_bytes, weights_digest=r.weights_digest,
-            layer_seconds=r.layer_seconds, metrics=r.metrics,
+            layer_seconds=r.layer_seconds, metrics=r.metrics, checkpoint_file=saved,
         )
 
     def Checkpoint(self, request: worker_pb2.CheckpointRequest, context: grpc.ServicerContext
@@ -326,9 +325,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         with assigned.gate.between(request.step, CHECKPOINT_WAIT_SECONDS):
             if not assigned.runtime.saves_checkpoints:
                 return worker_pb2.CheckpointReply(saved=False)
-            assigned.runtime.save_checkpoint(
-                rank_file(assigned.checkpoints, request.step, assigned.rank))
-        return worker_pb2.CheckpointReply(saved=True)
+            saved = _save(assigned, request.step)
+        return worker_pb2.CheckpointReply(saved=True, file=saved)
 
     def _check(self, transfer: tensor_pb2.Transfer, kinds: tuple[str, ...]) -> Assigned:
         """The rank a received transfer is for, after checking it belongs here."""
@@ -462,3 +460,12 @@ def _join_group(request: worker_pb2.AssignRequest, plan: Plan, device: torch.dev
     own_host = request.peers[request.rank].rpartition(":")[0]
     return GroupAllReduce(request.rendezvous, key, mine[0].group, plan.groups, device,
                           bind_host=own_host)
+
+
+def _save(assigned: Assigned, step: int) -> worker_pb2.CheckpointFile:
+    """Writes this rank's file of the checkpoint of `step`; returns what the manifest
+    records of it ([Note: manifests] in pipefb/runtime/manifest.py)."""
+    assert assigned.checkpoints is not None
+    path = rank_file(assigned.checkpoints, step, assigned.rank)
+    digest = assigned.runtime.save_checkpoint(path)
+    return worker_pb2.CheckpointFile(name=path.name, sha256=digest.sha256, bytes=digest.size)

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from pipefb.errors import ConfigError
+from pipefb.errors import ConfigError, NonFiniteLoss
 from pipefb.job.checks import check_job
 from pipefb.job.config import DEVICES, SCHEDULES, JobConfig, job_device, parse_json_object
 
@@ -101,10 +101,12 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                         "(a digest) every K steps and after the last (0: never)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="checkpoint directory inside the services' checkpoint root (local "
-                        "train: the --out directory); default: checkpoints")
+                        "train: the --out directory); default: the job's own "
+                        "checkpoints/JOB_ID")
     p.add_argument("--resume", action="store_true",
-                   help="start from the newest checkpoint in the checkpoint directory "
-                        "(a sync job with the same settings; --steps may grow)")
+                   help="start from the newest intact checkpoint in the checkpoint "
+                        "directory (a sync job with the same settings; --steps may grow); "
+                        "needs --checkpoint-dir or the resumed job's --job-id")
     p.add_argument("--max-restarts", type=int, default=d.max_restarts,
                    help="replay a failed attempt this many times, from the newest "
                         "checkpoint (or step 0), on relaunched or spare workers; local "
@@ -211,8 +213,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
                  "resume", "max_restarts", "slowdown", "replan", "check_groups_every"):
         values.setdefault(name, getattr(args, name))
     if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
-        wanted = values.get("checkpoint_every") or values.get("resume")
-        values["checkpoint_dir"] = args.checkpoint_dir or ("checkpoints" if wanted else "")
+        values["checkpoint_dir"] = args.checkpoint_dir or ""  # "": the job's own directory
     if args.groups is not None or "groups" not in values:  # default: auto with --plan auto
         values["groups"] = (args.groups if args.groups is not None
                             else 0 if values.get("plan") == "auto" else 1)
@@ -339,6 +340,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             for report in client.train(status.job_id):
                 print(f"step {report.step} loss {report.loss:.4f} "
                       f"{report.samples_per_second:.1f} samples/s", flush=True)
+            for why in client.status(status.job_id).refused_checkpoints:
+                print(f"checkpoint refused: {why}", file=sys.stderr)
     return 0
 
 
@@ -439,6 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"pipefb: error: {error}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as error:  # the in-process `single` run
+        print(f"pipefb: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("pipefb: interrupted", file=sys.stderr)
         return 130

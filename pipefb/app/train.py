@@ -6,6 +6,7 @@ only when called, so the core modules never load grpc.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from rich.table import Table
 from pipefb.allocator import keep_freed_memory
 from pipefb.app.local import LocalServices
 from pipefb.app.report import write_report
+from pipefb.errors import NonFiniteLoss
 from pipefb.job.config import JobConfig
 from pipefb.memory import KINDS
 from pipefb.processes import default_threads
@@ -151,6 +153,8 @@ def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
     peak = 0
     with progress(job, show) as bar:
         for s in single.run():
+            if not math.isfinite(s.loss):
+                raise NonFiniteLoss(f"step {s.step} has a non-finite loss ({s.loss})")
             step = {"step": s.step, "loss": s.loss, "seconds": s.seconds,
                     "samples_per_second": s.samples_per_second,
                     "device_memory_bytes": s.device_memory_bytes}
@@ -200,6 +204,11 @@ def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
     report["job_id"] = job_id
     status = client.status(job_id)
     report["restarts"] = list(status.restarts)  # why each replayed attempt failed
+    # checkpoints a resume or replay passed over, and why ([Note: manifests])
+    report["refused_checkpoints"] = list(status.refused_checkpoints)
+    for why in status.refused_checkpoints:
+        console.print(f"checkpoint refused: {why}; the job started from step "
+                      f"{status.start_step}")
     plan = plan_from_proto(status.plan)
     report["plan"] = plan.to_dict()
     report["groups"] = plan.group_ranks()  # the ranks of each pipeline group

@@ -73,8 +73,9 @@ class JobConfig:
     checkpoint_every: int = 0  # checkpoint after every K steps and the last; 0: never
     check_groups_every: int = 10  # several groups: compare each stage's weight digests
     # across groups after every K steps and the last; 0: never (see `weights_digest`)
-    checkpoint_dir: str = ""  # where (inside the services' checkpoint root)
-    resume: bool = False  # start from the newest checkpoint in checkpoint_dir
+    checkpoint_dir: str = ""  # where (inside the services' checkpoint root); "": the
+    # job's own checkpoints/{job_id}, named by the coordinator at submit
+    resume: bool = False  # start from the newest intact checkpoint in checkpoint_dir
     max_restarts: int = 0  # failed attempts replayed (newest checkpoint, or step 0); 0: none
     slowdown: str = ""  # fault injection: "RANK=FACTOR[@STEP],..." (a rank's compute) and
     # "LLAYER=FACTOR[@STEP]" (a layer's, wherever it runs), slower from STEP
@@ -162,8 +163,10 @@ class JobConfig:
         if (every or self.resume) and in_process:
             raise ConfigError(f"schedule {self.schedule!r} runs in this process: it takes no "
                               "checkpoints")
-        if (every or self.resume) and not self.checkpoint_dir:
-            raise ConfigError("checkpoints need a checkpoint directory (--checkpoint-dir)")
+        if self.resume and not (self.checkpoint_dir or self.job_id):
+            raise ConfigError("resume needs the checkpoint directory of the job it resumes "
+                              "(--checkpoint-dir), or that job's --job-id (a job's own "
+                              "directory is checkpoints/JOB_ID)")
         if self.resume and self.mode != "sync":
             raise ConfigError(f"resume runs sync jobs only; this one is {self.mode!r} (async "
                               "schedules keep old weight versions a checkpoint does not hold)")

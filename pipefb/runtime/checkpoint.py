@@ -1,17 +1,19 @@
 """Checkpoints: what a job needs to go on from a step, written so that a crash leaves either
 the old checkpoint or the new one, and read without unpickling anything.
 
-Layout of a checkpoint directory (one per job)::
+Layout of a checkpoint directory (one per job; by default `checkpoints/{job id}`)::
 
     step-000006/rank-1.safetensors   # an owner rank's weights and optimizer state
-    step-000006/state.json           # written last: the checkpoint of step 6 is complete
+    step-000006/manifest.json        # written last: the checkpoint of step 6 is complete
 
 A rank file holds `layers.{i}.{param}` (the weights of the layers the rank owns) and
 `optimizer.{layer}.{param}.{key}` (each parameter's optimizer state tensors); its metadata
 holds the optimizer's param groups as JSON, with parameters named instead of numbered.
-`state.json` holds the job, the plan, the step to resume at (every step before it is in
-the weights) and the rank files. Every file is written to a temporary name in the same
-directory, fsynced, renamed over the final name, and the directory fsynced.
+The manifest (`pipefb.runtime.manifest`, [Note: manifests]) holds the job, its identity,
+the plan, the step to resume at (every step before it is in the weights) and each rank
+file's SHA-256. Every file is written to a temporary name in the same directory, fsynced,
+renamed over the final name, and the directory fsynced; a write that fails (a full disk)
+raises `FileWriteError` naming the file and leaves no temporary file behind.
 
 Data and random ops are pure functions of (seed, step, micro-batch, layer) (see
 `pipefb.seeding`), so the step is the whole data position and RNG state.
@@ -20,10 +22,13 @@ Data and random ops are pure functions of (seed, step, micro-batch, layer) (see
 from __future__ import annotations
 
 import argparse
+import errno
+import hashlib
 import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +36,33 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from pipefb.errors import ConfigError
+from pipefb.errors import ConfigError, DiskFullError, FileWriteError
 
 #: One piece of a job's state, as a rank file holds it: (weights `layers.i.p`, optimizer
 #: tensors `optimizer.i.p.key`, metadata with the param groups).
 Part = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]
-STATE = "state.json"
-_STEP_DIR = re.compile(r"step-(\d{6,})")
 OPTIMIZER_PREFIX = "optimizer."  # names of optimizer state tensors in rank files
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
              "U8": 1, "BOOL": 1}  # safetensors dtype names
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust I/O errors end
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class Digest:
+    """A file's SHA-256 (hex) and size in bytes."""
+
+    sha256: str
+    size: int
+
+
+def file_digest(path: Path) -> Digest:
+    """SHA-256 and size of a file, read in chunks."""
+    with open(path, "rb") as handle:
+        sha = hashlib.file_digest(handle, "sha256")
+        return Digest(sha.hexdigest(), handle.tell())
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -55,21 +77,42 @@ def rank_file(root: Path, step: int, rank: int) -> Path:
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Calls `write(tmp)` on a temporary file beside `path`, fsyncs it, renames it over
-    `path` and fsyncs the directory: a crash leaves the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    `path` and fsyncs the directory: a crash leaves the old file or the new one.
+
+    Raises:
+        DiskFullError: the disk (or quota) is full; FileWriteError: another write
+            failure. Either names the file (its step directory and name) and the cause.
+    """
     try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except (OSError, SafetensorError) as error:
+        raise _write_error(path, error) from None
+
+
+def _write_error(path: Path, error: Exception) -> FileWriteError:
+    """A failed write as one line naming the file; errno from an OSError, or from the
+    "(os error N)" that ends a safetensors I/O error."""
+    code = error.errno if isinstance(error, OSError) else None
+    if code is None and (m := _OS_ERROR.search(str(error))):
+        code = int(m.group(1))
+    cause = os.strerror(code) if code is not None else str(error)
+    kind = DiskFullError if code in _FULL else FileWriteError
+    failed = kind(f"cannot write {path.parent.name}/{path.name}: {cause}")
+    failed.errno = code or errno.EIO
+    return failed
 
 
 def layer_of(name: str) -> tuple[int, bool]:
@@ -158,14 +201,22 @@ def optimizer_share(files: Sequence[tuple[dict[str, torch.Tensor], dict[str, str
 
 
 def save_rank(path: Path, weights: Mapping[str, torch.Tensor],
-              optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
-    """Writes one owner rank's weights and optimizer state atomically."""
+              optimizer: torch.optim.Optimizer | None, names: list[str]) -> Digest:
+    """Writes one owner rank's weights and optimizer state atomically; returns the
+    file's digest, hashed before the rename (what the checkpoint's manifest records)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     metadata: dict[str, str] = {}
     if optimizer is not None:
         extra, metadata = optimizer_tensors(optimizer, names)
         tensors.update(extra)
-    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    digest: list[Digest] = []
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata=metadata)
+        digest.append(file_digest(tmp))
+
+    write_atomic(path, write)
+    return digest[0]
 
 
 def tensor_bytes(path: Path) -> dict[str, int]:
@@ -210,41 +261,6 @@ def as_part(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
     weights = {k: v for k, v in tensors.items() if not k.startswith(OPTIMIZER_PREFIX)}
     optim = {k: v for k, v in tensors.items() if k.startswith(OPTIMIZER_PREFIX)}
     return weights, optim, dict(metadata or {})
-
-
-def write_state(root: Path, step: int, state: dict[str, Any]) -> Path:
-    """Commits the checkpoint of `step`: its state.json, written after every rank file."""
-    path = step_dir(root, step) / STATE
-    text = json.dumps({**state, "step": step}, indent=2) + "\n"
-
-    def write(tmp: Path) -> None:
-        tmp.write_text(text)
-
-    write_atomic(path, write)
-    return path
-
-
-def latest(root: Path, at_most: int | None = None) -> tuple[int, dict[str, Any]] | None:
-    """The newest committed checkpoint under `root` (of a step <= `at_most`, when given):
-    (step, its state), or None.
-
-    Raises:
-        ConfigError: a state.json that is not a JSON object with its step.
-    """
-    steps = sorted((int(m.group(1)) for p in root.glob("step-*")
-                    if (m := _STEP_DIR.fullmatch(p.name)) and (p / STATE).is_file()
-                    and (at_most is None or int(m.group(1)) <= at_most)),
-                   reverse=True)
-    if not steps:
-        return None
-    path = step_dir(root, steps[0]) / STATE
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot read {str(path)!r}: {error}") from None
-    if not isinstance(state, dict) or state.get("step") != steps[0]:
-        raise ConfigError(f"{str(path)!r} is not the state of step {steps[0]}")
-    return steps[0], state
 
 
 def resolve_under(root: str | Path | None, requested: str) -> Path:

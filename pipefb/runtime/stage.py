@@ -23,7 +23,7 @@ from pipefb.job.shapes import TensorSpec, output_spec, spec_of, writes_its_input
 from pipefb.memory import DeviceMemory, MemoryAccount, storage_bytes, tensor_bytes
 from pipefb.plan.plan import Plan
 from pipefb.runtime.allreduce import Reducer
-from pipefb.runtime.checkpoint import Part, due
+from pipefb.runtime.checkpoint import Digest, Part, due
 from pipefb.runtime.clock import LayerClock
 from pipefb.runtime.exchange import Exchange, microbatch
 from pipefb.runtime.execs import (
@@ -375,9 +375,10 @@ class StageRuntime:
         pipefb.runtime.state)."""
         return self.role != "forward" or bool(self.state.buffers_of(self.fwd_layers))
 
-    def save_checkpoint(self, path: Path) -> None:
-        """Writes the owned weights and optimizer state (`RankState.save_checkpoint`)."""
-        self.state.save_checkpoint(path)
+    def save_checkpoint(self, path: Path) -> Digest:
+        """Writes the owned weights and optimizer state; returns the file's digest
+        (`RankState.save_checkpoint`)."""
+        return self.state.save_checkpoint(path)
 
     def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
                     ) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from pipefb.job.optim import build_optimizer, optimizer_state_bytes
 from pipefb.memory import tensor_bytes
 from pipefb.runtime.allreduce import Reducer
 from pipefb.runtime.checkpoint import (
+    Digest,
     Part,
     layer_of,
     load_optimizer,
@@ -183,9 +184,10 @@ class RankState:
 
     # -- checkpoints, migration, evaluation ------------------------------------------------
 
-    def save_checkpoint(self, path: Path) -> None:
-        """Writes the owned weights and optimizer state (`pipefb.runtime.checkpoint.save_rank`)."""
-        save_rank(path, self.owned_weights(), self.optimizer, self._owned_names())
+    def save_checkpoint(self, path: Path) -> Digest:
+        """Writes the owned weights and optimizer state; returns the file's digest
+        (`pipefb.runtime.checkpoint.save_rank`)."""
+        return save_rank(path, self.owned_weights(), self.optimizer, self._owned_names())
 
     def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
                     ) -> dict[str, torch.Tensor]:
