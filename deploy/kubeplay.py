@@ -20,7 +20,9 @@ manifests fails here as in a cluster:
   base64-encoded and ignores `stringData` and `defaultMode`; and it shares an emptyDir of
   one name between pods: Secret, ConfigMap and emptyDir volumes become host directories
   of this pod alone, their files decoded and owned by the pod's user and fsGroup with the
-  Secret's mode (a memory-medium emptyDir is a plain directory here);
+  Secret's mode (a memory-medium emptyDir is a plain directory here); a
+  PersistentVolumeClaim is one directory its pods share (the test's job reads no data
+  from it);
 - it reads env `secretKeyRef` only from a podman secret holding a flat JSON object of
   base64 values: the caller creates one per Secret (`Podman.secret`); those entries are
   kept as written;
@@ -178,7 +180,13 @@ class Adapter:
         return PlayPod(pod.name, pod.kind, pod.address, doc, pod.probes)
 
     def _volume(self, pod: str, spec: Doc, volume: Doc) -> Doc:
-        """A Secret, ConfigMap or emptyDir volume as a host directory of this pod alone."""
+        """A Secret, ConfigMap or emptyDir volume as a host directory of this pod alone; a
+        claim as one directory every pod mounting it shares (empty here)."""
+        if "persistentVolumeClaim" in volume:
+            folder = self.volumes / "claims" / volume["persistentVolumeClaim"]["claimName"]
+            folder.mkdir(parents=True, exist_ok=True)
+            return {"name": volume["name"],
+                    "hostPath": {"path": str(folder), "type": "Directory"}}
         folder = self.volumes / pod / volume["name"]
         folder.mkdir(parents=True, exist_ok=True)
         security = spec.get("securityContext", {})
