@@ -28,6 +28,8 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         checkpoint_every=job.checkpoint_every, checkpoint_dir=job.checkpoint_dir,
         resume=job.resume, max_restarts=job.max_restarts, slowdown=job.slowdown,
         replan=job.replan, check_groups_every=job.check_groups_every,
+        lr_schedule=job.lr_schedule, warmup_steps=job.warmup_steps, min_lr=job.min_lr,
+        clip_grad_norm=job.clip_grad_norm,
     )
 
 
@@ -48,6 +50,8 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         checkpoint_every=spec.checkpoint_every, checkpoint_dir=spec.checkpoint_dir,
         resume=spec.resume, max_restarts=spec.max_restarts, slowdown=spec.slowdown,
         replan=spec.replan, check_groups_every=spec.check_groups_every,
+        lr_schedule=spec.lr_schedule or "constant", warmup_steps=spec.warmup_steps,
+        min_lr=spec.min_lr, clip_grad_norm=spec.clip_grad_norm,
     )
 
 
