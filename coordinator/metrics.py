@@ -35,7 +35,7 @@ class CoordinatorMetrics:
         self.loss = gauge("pipefb_job_loss", "Mean training loss of the last step")
         self.samples_per_second = gauge("pipefb_job_samples_per_second",
                                         "Batch size / the median step seconds of the last "
-                                        "steps (pipefb.throughput)")
+                                        "steps (pipefb.runtime.throughput)")
         self.lr = gauge("pipefb_job_learning_rate", "Learning rate of the last step's update")
         self.grad_norm = gauge("pipefb_job_grad_norm", "The whole model's gradient norm "
                                "before clipping, last step (jobs with clip_grad_norm)")

@@ -17,7 +17,7 @@ from pipefb.errors import ConfigError, ScheduleError, WorkerFailed
 from pipefb.planner.insitu import STEPS as IN_SITU_STEPS
 from pipefb.planner.insitu import fit, median_action_seconds
 from pipefb.runtime.evaluate import evaluate
-from pipefb.throughput import SPAN, WINDOW, StepRate
+from pipefb.runtime.throughput import SPAN, WINDOW, StepRate
 from protos import coordinator_pb2, job_pb2, wire, worker_pb2
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ from pipefb.memory import KINDS
 from pipefb.processes import default_threads
 from pipefb.runtime.evaluate import evaluate
 from pipefb.runtime.reference import SingleProcess
+from pipefb.runtime.throughput import StepRate
 from pipefb.schedule.kinds import runs_in_process
-from pipefb.throughput import StepRate
 
 console = Console(stderr=True)
 RECONNECT_SECONDS = 120.0  # with --max-restarts: how long to wait for a relaunched coordinator
