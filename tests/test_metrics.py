@@ -149,7 +149,8 @@ def test_prometheus_throughput_equals_the_report(scraped: Scraped) -> None:
     steps, samples = len(report["steps"]), len(report["steps"]) * JOB.batch_size
     assert prom.value(f'pipefb_job_step{{job="{job}"}}') == last["step"] == JOB.steps - 1
     assert prom.value(f'pipefb_job_samples_per_second{{job="{job}"}}') == \
-        last["samples_per_second"]
+        last["samples_per_second_median"]
+    assert prom.value(f'pipefb_job_learning_rate{{job="{job}"}}') == last["lr"] == JOB.lr
     assert prom.value(f'pipefb_job_loss{{job="{job}"}}') == pytest.approx(last["loss"], rel=1e-6)
     assert prom.value(f'pipefb_job_step_seconds_count{{job="{job}"}}') == steps
     assert prom.value(f'pipefb_job_step_seconds_sum{{job="{job}"}}') == pytest.approx(
