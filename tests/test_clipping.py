@@ -121,3 +121,23 @@ def test_a_non_finite_norm_is_seen_by_every_owner_and_leaves_the_gradients() -> 
     got = exchange([[torch.ones(3)], [bad]], [[0], [1]], 2)
     assert math.isinf(got[0][0]) and math.isinf(got[1][0])
     assert torch.equal(got[0][1][0], torch.ones(3))  # not scaled: the step is skipped
+
+
+@pytest.mark.parametrize(("schedule", "workers"), [("1f1b", 2), ("pipefb", 4)])
+def test_a_non_finite_norm_skips_the_step_on_every_owner(client: Any, schedule: str,
+                                                         workers: int) -> None:
+    """zoo_inf_grad's first linear layer gets infinite gradients, its last one finite
+    ones, on another stage: that stage skips too, as the one process does."""
+    job = make_job("zoo_inf_grad", schedule, workers, "sgd", dataset="digits",
+                   loss="cross_entropy", clip_grad_norm=1.0, steps=2)
+    reports, weights = run_on_cluster(client, job)
+    want = single_steps(job)
+    assert all(s.skipped and not math.isfinite(s.grad_norm or 0.0) for s in want)
+    assert [r.skipped for r in reports] == [True, True]
+    assert all(not math.isfinite(r.grad_norm) and math.isfinite(r.loss) for r in reports)
+    # nothing was updated anywhere: the weights are the initial ones, as in one process
+    initial = SingleProcess(replace(job, schedule="single")).weights()
+    assert sorted(weights) == sorted(initial)
+    for name, value in initial.items():
+        assert torch.equal(weights[name], value), name
+    assert [r.loss for r in reports] == [s.loss for s in want]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -97,7 +98,11 @@ class SingleProcess:
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped step still advances the schedule: the
+            # step number decides the lr, which torch warns of when it is the first step
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step",
+                                    UserWarning)
+            self.scheduler.step()
         memory += optimizer_state_bytes(self.optimizer)
         self.device_memory.synchronize()
         seconds = time.perf_counter() - started
