@@ -20,6 +20,7 @@ from pipefb.runtime.allreduce import GroupAllReduce
 from pipefb.runtime.clipping import GlobalNormClip
 from pipefb.runtime.reference import SingleProcess
 from tests.conftest import worker_threads
+from tests.test_migration import other, wait_running
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
 
 MAX_NORM = 0.05  # well below the mlp's gradient norms (about 0.3 to 1.5): every step clips
@@ -141,3 +142,23 @@ def test_a_non_finite_norm_skips_the_step_on_every_owner(client: Any, schedule: 
     for name, value in initial.items():
         assert torch.equal(weights[name], value), name
     assert [r.loss for r in reports] == [s.loss for s in want]
+
+
+def test_a_moved_job_keeps_its_schedule_and_clipping(client: Any) -> None:
+    """A layer move re-assigns every rank with attempt + 1 (a fresh norm exchange, the
+    lr from the step number): training goes on as in one process."""
+    job = make_job("mlp", "pipefb", 4, "adamw", **{**SCHEDULED, "steps": 12},
+                   job_id="clip-move")
+    client.submit(job)
+    status = wait_running(client, "clip-move", 3)
+    fwd = other(list(status.plan.forward_partition), [[0, 1, 5], [0, 3, 5]])
+    bwd = other(list(status.plan.backward_partition), [[0, 3, 5], [0, 1, 5]])
+    client.repartition("clip-move", fwd, bwd)
+    reports = list(client.train("clip-move"))
+    [move] = client.status("clip-move").migrations
+    assert 3 <= move.step < job.steps and not move.rolled_back
+    want = single_steps(job)
+    assert [r.step for r in reports] == list(range(job.steps))
+    assert [r.lr for r in reports] == [s.lr for s in want]
+    assert [r.grad_norm for r in reports] == [s.grad_norm for s in want]
+    assert_same_training(job, reports, client.weights("clip-move"))
