@@ -9,16 +9,20 @@ import math
 import shutil
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 import torch.distributed as dist
 
+from pipefb.app.cli import main
 from pipefb.job.config import JobConfig
 from pipefb.runtime.allreduce import GroupAllReduce
 from pipefb.runtime.clipping import GlobalNormClip
 from pipefb.runtime.reference import SingleProcess
+from protos.convert import job_to_proto
 from tests.conftest import worker_threads
 from tests.test_migration import other, wait_running
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
@@ -162,3 +166,45 @@ def test_a_moved_job_keeps_its_schedule_and_clipping(client: Any) -> None:
     assert [r.lr for r in reports] == [s.lr for s in want]
     assert [r.grad_norm for r in reports] == [s.grad_norm for s in want]
     assert_same_training(job, reports, client.weights("clip-move"))
+
+
+BAD_SPECS = [
+    ({"warmup_steps": -1}, "warmup_steps -1 must be an integer >= 0"),
+    ({"min_lr": 0.5}, "min_lr 0.5 must be a finite number in 0..lr (0.05)"),
+    ({"lr_schedule": "exponential"}, "unknown lr schedule 'exponential'"),
+    ({"clip_grad_norm": -1.0}, "clip_grad_norm -1.0 must be a finite number > 0"),
+    ({"clip_grad_norm": math.inf}, "clip_grad_norm inf"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD_SPECS)
+def test_submit_refuses_bad_schedules_and_clips_naming_the_value(
+        client: Any, fields: dict[str, Any], message: str) -> None:
+    spec = job_to_proto(make_job("mlp", "1f1b", 2, "sgd"))
+    for name, value in fields.items():
+        setattr(spec, name, value)
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.SubmitJob(spec, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details() and "\n" not in info.value.details()
+
+
+def test_a_yaml_job_file_sets_schedule_and_clipping(
+        cluster: Any, client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("model: mlp\ndataset: digits\nloss: cross_entropy\nschedule: 1f1b\n"
+                   "workers: 2\nbatch_size: 8\nmicrobatches: 2\nsteps: 3\noptimizer: sgd\n"
+                   "lr: 0.05\nlr_schedule: linear\nwarmup_steps: 1\nmin_lr: 0.0\n"
+                   "clip_grad_norm: 0.05\njob_id: yaml-clip\n")
+    assert main(["submit", "--coordinator", cluster.coordinator, str(job), "--follow"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    status = client.status("yaml-clip")
+    assert (status.spec.lr_schedule, status.spec.warmup_steps, status.spec.min_lr,
+            status.spec.clip_grad_norm) == ("linear", 1, 0.0, 0.05)
+    reports = list(client.train("yaml-clip"))
+    # warm-up to 0.05 / 2, the peak, then half way down the line to 0
+    assert [r.lr for r in reports] == [0.025, 0.05, 0.025]
+    assert lines[0] == "yaml-clip" and [line.split()[5] for line in lines[1:]] == [
+        "0.025", "0.05", "0.025"]
+    assert all(f"grad norm {r.grad_norm:.4g}" in line for r, line in zip(reports, lines[1:],
+                                                                             strict=True))
