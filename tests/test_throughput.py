@@ -26,3 +26,14 @@ def test_the_median_forgets_steps_beyond_its_window() -> None:
         rate.add(0.5)
     assert rate.step_seconds() == pytest.approx(0.5)
     assert StepRate(8).samples_per_second() == 0.0 and StepRate(8).seconds_left(3) == 0.0
+
+
+def test_progress_says_when_a_step_was_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipefb.app.train import StepProgress
+
+    StepProgress(None, None).update(
+        {"step": 2, "loss": 1.25, "samples_per_second": 5.0, "samples_per_second_median": 80.0,
+         "seconds_left": 59.6, "lr": 0.01, "grad_norm": float("inf"), "skipped": True}, 4)
+    assert capsys.readouterr().err == (
+        "step 3/4 loss 1.2500 80.0 samples/s, 0:01:00 left, lr 0.01, grad norm inf\n"
+        "step 3: gradient norm inf is not finite: no weights were updated\n")
