@@ -34,7 +34,14 @@ class CoordinatorMetrics:
         self.step = gauge("pipefb_job_step", "Index of the job's last finished step (0-based)")
         self.loss = gauge("pipefb_job_loss", "Mean training loss of the last step")
         self.samples_per_second = gauge("pipefb_job_samples_per_second",
-                                        "Batch size / seconds of the last step")
+                                        "Batch size / the median step seconds of the last "
+                                        "steps (pipefb.runtime.throughput)")
+        self.lr = gauge("pipefb_job_learning_rate", "Learning rate of the last step's update")
+        self.grad_norm = gauge("pipefb_job_grad_norm", "The whole model's gradient norm "
+                               "before clipping, last step (jobs with clip_grad_norm)")
+        self.skipped = Counter("pipefb_job_skipped_steps_total", "Steps whose gradient norm "
+                               "was not finite, so no weight owner updated", ["job"],
+                               registry=registry)
         self.step_seconds = Histogram("pipefb_job_step_seconds", "Seconds of each step",
                                       ["job"], buckets=STEP_BUCKETS, registry=registry)
         self.predicted = gauge("pipefb_job_predicted_step_seconds",
@@ -67,7 +74,8 @@ class CoordinatorMetrics:
         self.catalogue = {m.name: Counter(f"pipefb_job_{m.name}_total", f"{m.help}, every "
                                           "rank", ["job"], registry=registry)
                           for m in STEP_METRICS}  # [Note: step metrics]
-        self._per_job = (self.step, self.loss, self.samples_per_second, self.step_seconds,
+        self._per_job = (self.step, self.loss, self.samples_per_second, self.lr,
+                         self.grad_norm, self.skipped, self.step_seconds,
                          self.predicted, self.bubble, self.version_lag, self.migrations,
                          self.migrated_bytes_total, self.migration_seconds, self.restarts,
                          *self.catalogue.values())
@@ -79,6 +87,7 @@ class CoordinatorMetrics:
         self.migrated_bytes_total.labels(job)
         self.migration_seconds.labels(job)
         self.restarts.labels(job)
+        self.skipped.labels(job)
         for counter in self.catalogue.values():
             counter.labels(job)
         self.predicted.labels(job).set(0.0)
@@ -102,7 +111,12 @@ class CoordinatorMetrics:
         job = report.job_id
         self.step.labels(job).set(report.step)
         self.loss.labels(job).set(report.loss)
-        self.samples_per_second.labels(job).set(report.samples_per_second)
+        self.samples_per_second.labels(job).set(report.samples_per_second_median)
+        self.lr.labels(job).set(report.lr)
+        if report.HasField("grad_norm"):
+            self.grad_norm.labels(job).set(report.grad_norm)
+        if report.skipped:
+            self.skipped.labels(job).inc()
         self.step_seconds.labels(job).observe(report.seconds)
         self.predicted.labels(job).set(predicted_seconds)
         self.bubble.labels(job).set(bubble_fraction(report))

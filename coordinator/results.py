@@ -18,6 +18,7 @@ from pipefb.errors import ConfigError, NonFiniteLoss, ScheduleError, WorkerFaile
 from pipefb.planner.insitu import STEPS as IN_SITU_STEPS
 from pipefb.planner.insitu import fit, median_action_seconds
 from pipefb.runtime.evaluate import evaluate
+from pipefb.runtime.throughput import SPAN, WINDOW, StepRate
 from protos import coordinator_pb2, job_pb2, wire, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,15 @@ def step_report(job: Job, step: int, seconds: float, replies: list[worker_pb2.St
         device_memory_bytes=rep.device_memory_bytes, weights_digest=rep.weights_digest,
         layer_seconds=rep.layer_seconds, metrics=rep.metrics)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
+    rate = StepRate(job.config.batch_size,
+                    [r.seconds for r in job.reports[-(WINDOW + SPAN - 2):]] + [seconds])
     report = coordinator_pb2.StepReport(
         job_id=job.job_id, step=step, loss=statistics.fmean(losses) if losses else float("nan"),
         seconds=seconds, samples_per_second=job.config.batch_size / seconds, workers=stats,
-        attempt=job.attempt)
+        attempt=job.attempt, samples_per_second_median=rate.samples_per_second(),
+        seconds_left=rate.seconds_left(job.config.steps - step - 1))
+    optimizer_step(report, [rep for a, rep in zip(job.plan.assignment, replies, strict=True)
+                            if a.role != "forward"])
     moves = [m for m in job.migrations if m["step"] == step and "seconds" in m]
     if moves:
         report.migration.CopyFrom(migration_proto(moves[-1]))
@@ -64,6 +70,17 @@ def check_finite_loss(step: int, replies: list[worker_pb2.StepReply]) -> None:
                 raise NonFiniteLoss(f"step {step} has a non-finite loss ({loss} on rank "
                                     f"{rank}); the job fails rather than go on training "
                                     "on it")
+def optimizer_step(report: coordinator_pb2.StepReport, owners: list[worker_pb2.StepReply]
+                   ) -> None:
+    """Sets the step's learning rate, gradient norm and whether it was skipped from the
+    weight owners' replies (every owner takes the same ones: [Note: learning-rate
+    schedules], [Note: global norm])."""
+    if owners:
+        report.lr = owners[0].lr
+    norms = [rep.grad_norm for rep in owners if rep.HasField("grad_norm")]
+    if norms:
+        report.grad_norm = norms[0]
+    report.skipped = any(rep.skipped for rep in owners)
 
 
 def check_groups_agree(report: coordinator_pb2.StepReport) -> None:

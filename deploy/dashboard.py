@@ -85,7 +85,8 @@ SUMMARY = (
               (_q(f"max by (job) (pipefb_job_step{{{JOB}}})", "{{job}}"),), "stat", 4),
     PanelSpec("Loss", "Training loss of the last step.", "none",
               (_q(f"pipefb_job_loss{{{JOB}}}", "{{job}}"),), "stat", 4),
-    PanelSpec("Samples/s", "Throughput of the last step, as the coordinator measured it.",
+    PanelSpec("Samples/s", "Throughput: the moving median over the last steps, as the "
+              "coordinator measured them.",
               "suffix: samples/s",
               (_q(f"pipefb_job_samples_per_second{{{JOB}}}", "{{job}}"),), "stat", 4),
     PanelSpec("Workers alive", "Workers whose heartbeats arrive, of those registered.", "none",
@@ -178,9 +179,22 @@ SERVICES = (
                   "{{grpc_method}}"),), width=12),
 )
 
+OPTIMIZER = (
+    PanelSpec("Learning rate", "The learning rate of each step's update (--lr-schedule: "
+              "warm-up, then constant, cosine or linear decay).", "none",
+              (_q(f"pipefb_job_learning_rate{{{JOB}}}", "{{job}}"),)),
+    PanelSpec("Gradient norm", "The whole model's gradient norm before clipping "
+              "(--clip-grad-norm), every stage together.", "none",
+              (_q(f"pipefb_job_grad_norm{{{JOB}}}", "{{job}}"),)),
+    PanelSpec("Skipped steps", "Steps whose gradient norm was not finite, so no weights "
+              "were updated.", "none",
+              (_q(f"sum by (job) (pipefb_job_skipped_steps_total{{{JOB}}})", "{{job}}"),)),
+)
+
 ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
     ("Job", SUMMARY),
     ("Training", TRAINING),
+    ("Optimizer", OPTIMIZER),
     ("Pipeline", PIPELINE),
     ("Memory", MEMORY),
     ("Traffic", TRAFFIC),

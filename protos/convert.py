@@ -29,6 +29,8 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         resume=job.resume, max_restarts=job.max_restarts, slowdown=job.slowdown,
         replan=job.replan, check_groups_every=job.check_groups_every,
         loss_config_json=json.dumps(job.loss_config),
+        lr_schedule=job.lr_schedule, warmup_steps=job.warmup_steps, min_lr=job.min_lr,
+        clip_grad_norm=job.clip_grad_norm,
     )
 
 
@@ -50,6 +52,8 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         resume=spec.resume, max_restarts=spec.max_restarts, slowdown=spec.slowdown,
         replan=spec.replan, check_groups_every=spec.check_groups_every,
         loss_config=parse_json_object(spec.loss_config_json, "loss config"),
+        lr_schedule=spec.lr_schedule or "constant", warmup_steps=spec.warmup_steps,
+        min_lr=spec.min_lr, clip_grad_norm=spec.clip_grad_norm,
     )
 
 

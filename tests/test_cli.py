@@ -48,6 +48,11 @@ BAD = [
     ("--slowdown", "1=2@x", "'1=2@x'"),
     ("--slowdown", "5=2", "slowdown names rank 5; the job has ranks 0..1"),
     ("--slowdown", "L9=2@3", "slowdown names layer 9; model 'mlp' has layers 0..4"),
+    ("--warmup-steps", "-1", "warmup_steps -1 must be an integer >= 0"),
+    ("--min-lr", "5", "min_lr 5.0 must be a finite number in 0..lr"),
+    ("--lr-schedule", "step", "unknown lr schedule 'step'"),
+    ("--clip-grad-norm", "-2", "clip_grad_norm -2.0 must be a finite number > 0"),
+    ("--clip-grad-norm", "nan", "clip_grad_norm nan"),
 ]
 
 
@@ -141,7 +146,10 @@ def test_plain_progress_lines_are_written_whole(capsys: pytest.CaptureFixture[st
 
     held_out = {f"metric_{k}": k / 8 for k in range(8)}  # a line longer than a console
     StepProgress(None, None).update(
-        {"step": 4, "loss": 0.5, "samples_per_second": 1234.5, "eval": held_out}, 10)
+        {"step": 4, "loss": 0.5, "samples_per_second": 99.0, "eval": held_out,
+         "samples_per_second_median": 1234.5, "seconds_left": 3725.4, "lr": 0.001,
+         "grad_norm": 2.5}, 10)
     want = ", ".join(f"metric_{k} {k / 8:.4f}" for k in range(8))
-    assert capsys.readouterr().err == (f"step 5/10 loss 0.5000 1234.5 samples/s\n"
+    assert capsys.readouterr().err == (f"step 5/10 loss 0.5000 1234.5 samples/s, 1:02:05 left, "
+                                       f"lr 0.001, grad norm 2.5\n"
                                        f"step 5: held-out {want}\n")

@@ -29,7 +29,7 @@ def board() -> dict[str, Any]:
 
 def test_panel_ids_are_unique_and_positive(board: dict[str, Any]) -> None:
     ids = [p["id"] for p in all_panels(board)]
-    assert len(ids) == len(set(ids)) == 32
+    assert len(ids) == len(set(ids)) == 36
     assert min(ids) == 1
 
 
@@ -47,7 +47,7 @@ def test_panels_fit_the_grid_without_overlap(board: dict[str, Any]) -> None:
 def test_every_query_names_only_contract_metrics_and_their_labels(
         board: dict[str, Any]) -> None:
     exprs = queries(board)
-    assert len(exprs) == 35
+    assert len(exprs) == 38
     for expr in exprs:
         names = METRIC_NAME.findall(expr)
         assert names, f"no pipefb metric in {expr!r}"
@@ -70,7 +70,8 @@ def test_the_checker_catches_foreign_names_and_labels() -> None:
 
 def test_the_issue_panels_are_all_there(board: dict[str, Any]) -> None:
     """Throughput, loss, compute vs idle, bubble, memory by kind, bytes/s, store memory,
-    weight-version lag, migrations and restarts."""
+    weight-version lag, migrations and restarts; learning rate, gradient norm and
+    skipped steps."""
     text = "\n".join(queries(board))
     needed = ["pipefb_job_samples_per_second", "pipefb_job_loss",
               "pipefb_worker_compute_seconds_sum", "pipefb_worker_idle_seconds_total",
@@ -78,7 +79,8 @@ def test_the_issue_panels_are_all_there(board: dict[str, Any]) -> None:
               "rate(pipefb_worker_sent_bytes_total", "rate(pipefb_worker_received_bytes_total",
               "pipefb_worker_stash_bytes", "pipefb_store_used_memory_bytes",
               "pipefb_job_weight_version_lag", "pipefb_migrations_total",
-              "pipefb_restarts_total"]
+              "pipefb_restarts_total", "pipefb_job_learning_rate", "pipefb_job_grad_norm",
+              "pipefb_job_skipped_steps_total"]
     assert [n for n in needed if n not in text] == []
     memory = next(p for p in all_panels(board) if p["title"] == "Memory per worker by kind")
     assert memory["targets"][0]["legendFormat"] == "{{worker}} {{kind}}"

@@ -31,7 +31,8 @@ from protos.monitoring import MetricsInterceptor, port_or_none
 
 JOB = JobConfig(model="mlp", model_config={"hidden": 32, "depth": 2}, dataset="digits",
                 loss="cross_entropy", schedule="pipefb", workers=2, batch_size=8,
-                microbatches=4, steps=3, optimizer="sgd", lr=0.1, policy="recompute")
+                microbatches=4, steps=3, optimizer="sgd", lr=0.1, policy="recompute",
+                clip_grad_norm=100.0)  # far above the norm: reported, never clipping
 SCRAPE_TIMEOUT_SECONDS = 30.0
 NO_PROMETHEUS = ("no prometheus/promtool on PATH: install Debian's prometheus package "
                  "(bash scripts/install_prometheus.sh; .ci/run does)")
@@ -149,7 +150,14 @@ def test_prometheus_throughput_equals_the_report(scraped: Scraped) -> None:
     steps, samples = len(report["steps"]), len(report["steps"]) * JOB.batch_size
     assert prom.value(f'pipefb_job_step{{job="{job}"}}') == last["step"] == JOB.steps - 1
     assert prom.value(f'pipefb_job_samples_per_second{{job="{job}"}}') == \
-        last["samples_per_second"]
+        last["samples_per_second_median"]
+    assert prom.value(f'pipefb_job_learning_rate{{job="{job}"}}') == last["lr"] == JOB.lr
+    assert prom.value(f'pipefb_job_grad_norm{{job="{job}"}}') == last["grad_norm"] > 0
+    # the one weight owner (the backward worker) exports the norm it took
+    owners = [w for w in last["workers"] if w["role"] != "forward"]
+    assert by_worker(prom.query(f'pipefb_worker_grad_norm{{job="{job}"}}')) == {
+        scraped.names[w["worker_id"]]: last["grad_norm"] for w in owners}
+    assert prom.value(f'pipefb_job_skipped_steps_total{{job="{job}"}}') == 0
     assert prom.value(f'pipefb_job_loss{{job="{job}"}}') == pytest.approx(last["loss"], rel=1e-6)
     assert prom.value(f'pipefb_job_step_seconds_count{{job="{job}"}}') == steps
     assert prom.value(f'pipefb_job_step_seconds_sum{{job="{job}"}}') == pytest.approx(

@@ -20,8 +20,9 @@ from pipefb.app.local import LocalServices
 from pipefb.job.config import JobConfig
 from pipefb.runtime.checkpoint import rank_file
 from pipefb.runtime.manifest import committed
+from pipefb.runtime.reference import SingleProcess
 from protos.coordinator_pb2 import DONE, FAILED, RECOVERING, RUNNING, STOPPED
-from tests.conftest import WORKER_THREADS, store_client
+from tests.conftest import WORKER_THREADS, store_client, worker_threads
 from tests.test_transparency import make_job, reference
 
 HEARTBEAT_DEADLINE_S = 5.0  # the coordinator's default heartbeat timeout
@@ -265,3 +266,23 @@ def test_a_heartbeat_under_an_id_a_restarted_coordinator_gave_another_worker_is_
     assert registry.heartbeat(first, "127.0.0.1:1001")
     assert not registry.heartbeat(first, "127.0.0.1:1002")  # the other worker's old id
     assert not registry.heartbeat(first + 1, "127.0.0.1:1002")
+
+
+def test_a_clipped_scheduled_job_replays_with_the_lr_and_norm_of_each_step(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """worker-3 owns backward stage 0 and takes part in the norm exchange; killed mid-run,
+    the replay from the checkpoint sets each step's lr from its number and exchanges the
+    norms in the new attempt's group ([Note: global norm] in pipefb/runtime/clipping.py)."""
+    job = recoverable_job("kill-clipped", lr_schedule="cosine", warmup_steps=10,
+                          min_lr=0.001, clip_grad_norm=0.05)
+    client.submit(job)
+    running_at(client, job.job_id, 8)
+    os.kill(restarting.process("worker-3").pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert_equals_uninterrupted(client, restarting, job, status)
+    with worker_threads():
+        want = list(SingleProcess(replace(job, schedule="single", checkpoint_every=0,
+                                          checkpoint_dir="", max_restarts=0)).run())
+    reports = list(client.train(job.job_id))
+    assert [r.lr for r in reports] == [s.lr for s in want]
+    assert [r.grad_norm for r in reports] == [s.grad_norm for s in want]

@@ -65,13 +65,17 @@ class WorkerMetrics:
                           "Peak accounted bytes of the last step, all kinds", job_worker)
         self.version = gauge("pipefb_worker_weight_version",
                              "Weight version after the last step", job_worker)
+        self.grad_norm = gauge("pipefb_worker_grad_norm",
+                               "The whole model's gradient norm before clipping, last step "
+                               "(weight owners of jobs with clip_grad_norm)", job_worker)
         self.retries = counter("pipefb_worker_store_retries_total",
                                "Backoff sleeps after the store refused a write (full)",
                                ["worker"])
         self.retries.labels(worker)  # exported as 0 from the start
         self.catalogue = {m.name: counter(f"pipefb_worker_{m.name}_total", m.help, job_role)
                           for m in STEP_METRICS}  # [Note: step metrics]
-        self._gauges = (self.stash_bytes, self.stash_keys, self.peak, self.version)
+        self._gauges = (self.stash_bytes, self.stash_keys, self.peak, self.version,
+                        self.grad_norm)
 
     def assigned(self, job: str, role: str) -> None:
         """A new job rank: its counters start at 0 and the previous job's gauges go."""
@@ -112,6 +116,8 @@ class WorkerMetrics:
             self.memory.labels(job, self.worker, kind).set(nbytes)
         self.peak.labels(job, self.worker).set(result.peak_memory_bytes)
         self.version.labels(job, self.worker).set(result.weight_version)
+        if result.grad_norm is not None:
+            self.grad_norm.labels(job, self.worker).set(result.grad_norm)
         for name, value in result.metrics.items():
             self.catalogue[name].labels(*labels).inc(value)
 

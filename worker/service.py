@@ -19,11 +19,11 @@ from offload_store.local import LocalTier, local_tier_cap
 from pipefb import codec
 from pipefb.allocator import release_freed_memory
 from pipefb.errors import Aborted, CodecError, ConfigError, WorkerFailed
-from pipefb.job.config import job_device
+from pipefb.job.config import JobConfig, job_device
 from pipefb.plan.migration import takeover
 from pipefb.plan.plan import Plan
 from pipefb.profile.measure import measure_profile
-from pipefb.runtime.allreduce import GroupAllReduce, rendezvous_key
+from pipefb.runtime.allreduce import GroupAllReduce, norm_rendezvous_key, rendezvous_key
 from pipefb.runtime.checkpoint import rank_file, resolve_under
 from pipefb.runtime.manifest import verified_files
 from pipefb.runtime.stage import StageRuntime
@@ -130,6 +130,7 @@ class Assigned:
     inbox: Inbox
     gate: StepGate
     reducer: GroupAllReduce | None = None  # with several groups, on ranks that own weights
+    norm_reducer: GroupAllReduce | None = None  # with clipping, on owners ([Note: global norm])
     checkpoints: Path | None = None  # the job's checkpoint directory, when it takes any
     attempt: int = 0  # the job attempt; Step calls and transfers of any other are refused
 
@@ -183,7 +184,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                  if request.store_address else None)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
-        runtime = StageRuntime(job, plan, request.rank, transport, reducer)
+        try:
+            norm_reducer = _join_norm_group(request, plan, job)
+        except BaseException:
+            if reducer is not None:
+                reducer.close()
+            raise
+        runtime = StageRuntime(job, plan, request.rank, transport, reducer, norm_reducer)
         cap = local_tier_cap(self.local_stash_bytes, runtime.device)
         if runtime.role == "combined" and cap:  # [Note: local tier]
             transport.local = LocalTier(runtime.device, cap)
@@ -205,12 +212,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 self._check_not_stale(job.job_id, request.attempt)
                 self._drop("reassigned")
                 self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
-                                          StepGate(request.resume_step), reducer, checkpoints,
-                                          request.attempt)
+                                          StepGate(request.resume_step), reducer,
+                                          norm_reducer, checkpoints, request.attempt)
         except BaseException:  # nothing of the refused assignment stays open
             transport.close()
-            if reducer is not None:
-                reducer.close()
+            for group in (reducer, norm_reducer):
+                if group is not None:
+                    group.close()
             raise
         if self.metrics is not None:
             self.metrics.assigned(job.job_id, runtime.role)
@@ -314,7 +322,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             kept_versions=r.kept_versions, kind_peak_bytes=r.kind_peak_bytes,
             activation_peak_bytes=r.activation_peak_bytes,
             device_memory_bytes=r.device_memory_bytes, weights_digest=r.weights_digest,
-            layer_seconds=r.layer_seconds, metrics=r.metrics, checkpoint_file=saved,
+            layer_seconds=r.layer_seconds, metrics=r.metrics, checkpoint_file=saved, lr=r.lr,
+            grad_norm=r.grad_norm, skipped=r.skipped,
         )
 
     def Checkpoint(self, request: worker_pb2.CheckpointRequest, context: grpc.ServicerContext
@@ -438,8 +447,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 log.warning("a step of job %s still runs after %.0f s", self._assigned.job_id,
                             DRAIN_WAIT_SECONDS)
             self._assigned.transport.close()
-            if self._assigned.reducer is not None:
-                self._assigned.reducer.close()
+            for group in (self._assigned.reducer, self._assigned.norm_reducer):
+                if group is not None:
+                    group.close()
             self._assigned = None
 
 
@@ -469,3 +479,25 @@ def _save(assigned: Assigned, step: int) -> worker_pb2.CheckpointFile:
     path = rank_file(assigned.checkpoints, step, assigned.rank)
     digest = assigned.runtime.save_checkpoint(path)
     return worker_pb2.CheckpointFile(name=path.name, sha256=digest.sha256, bytes=digest.size)
+def _join_norm_group(request: worker_pb2.AssignRequest, plan: Plan, job: JobConfig
+                     ) -> GroupAllReduce | None:
+    """With gradient clipping, a weight owner joins the norm exchange of its group: the
+    owners of every backward stage of that group ([Note: global norm] in
+    pipefb.runtime.clipping); None for a forward rank or a group with one stage. Every
+    owner joins it after its stage's group, so no two owners wait on each other's
+    first join."""
+    if not job.clip_grad_norm:
+        return None
+    mine = next((a for a in plan.assignment if a.rank == request.rank), None)
+    if mine is None:
+        raise ConfigError(f"rank {request.rank} is not in the plan")
+    stages = len({a.stage for a in plan.assignment
+                  if a.group == mine.group and a.role != "forward"})
+    if mine.role == "forward" or stages == 1:
+        return None
+    if not request.rendezvous:
+        raise ConfigError("gradient clipping across stages needs a rendezvous address")
+    key = norm_rendezvous_key(request.job.job_id, request.attempt, mine.group)
+    own_host = request.peers[request.rank].rpartition(":")[0]
+    return GroupAllReduce(request.rendezvous, key, mine.stage, stages, job_device(job),
+                          bind_host=own_host)

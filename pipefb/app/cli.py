@@ -74,6 +74,16 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default=d.optimizer, help="sgd or adamw")
     p.add_argument("--optimizer-config", default="", help="JSON object of optimizer options")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate")
+    p.add_argument("--lr-schedule", default=d.lr_schedule,
+                   help="constant, cosine or linear: after --warmup-steps of linear warm-up, "
+                        "keep --lr, or decay it to --min-lr over the job's steps (torch's "
+                        "schedulers)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help="steps of linear learning-rate warm-up (0: none)")
+    p.add_argument("--min-lr", type=float, default=d.min_lr,
+                   help="the learning rate cosine and linear decay to")
+    p.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm,
+                   help="clip the whole model's gradient norm (every stage) to this; 0: off")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds weights, data, dropout")
     p.add_argument("--mode", default="",
                    help="sync (equal to one process) or async (pipedream, pipefb); "
@@ -210,7 +220,8 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     for name in ("model", "dataset", "loss", "workers", "batch_size",
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
                  "policy", "eval_every", "plan", "job_id", "device", "checkpoint_every",
-                 "resume", "max_restarts", "slowdown", "replan", "check_groups_every"):
+                 "resume", "max_restarts", "slowdown", "replan", "check_groups_every",
+                 "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm"):
         values.setdefault(name, getattr(args, name))
     if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
         values["checkpoint_dir"] = args.checkpoint_dir or ""  # "": the job's own directory
@@ -338,8 +349,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(status.job_id)
         if args.follow:
             for report in client.train(status.job_id):
-                print(f"step {report.step} loss {report.loss:.4f} "
-                      f"{report.samples_per_second:.1f} samples/s", flush=True)
+                norm = (f" grad norm {report.grad_norm:.4g}{' (skipped)' * report.skipped}"
+                        if report.HasField("grad_norm") else "")
+                print(f"step {report.step} loss {report.loss:.4f} lr {report.lr:.3g}{norm} "
+                      f"{report.samples_per_second_median:.1f} samples/s", flush=True)
             for why in client.status(status.job_id).refused_checkpoints:
                 print(f"checkpoint refused: {why}", file=sys.stderr)
     return 0

@@ -35,6 +35,7 @@ from pipefb.memory import KINDS
 from pipefb.processes import default_threads
 from pipefb.runtime.evaluate import evaluate
 from pipefb.runtime.reference import SingleProcess
+from pipefb.runtime.throughput import StepRate
 from pipefb.schedule.kinds import runs_in_process
 
 console = Console(stderr=True)
@@ -51,12 +52,16 @@ class StepProgress:
 
     def update(self, step: dict[str, Any], total: int) -> None:
         """Shows a finished step."""
+        sps, left = step["samples_per_second_median"], step["seconds_left"]
         if self.bar is not None and self.task is not None:
             self.bar.update(self.task, completed=step["step"] + 1, loss=step["loss"],
-                            sps=step["samples_per_second"])
+                            sps=sps, left=clock(left))
         else:
             self.line(f"step {step['step'] + 1}/{total} loss {step['loss']:.4f} "
-                      f"{step['samples_per_second']:.1f} samples/s")
+                      f"{sps:.1f} samples/s, {clock(left)} left{optimizer_note(step)}")
+        if step.get("skipped"):
+            self.line(f"step {step['step'] + 1}: gradient norm {step['grad_norm']} is not "
+                      "finite: no weights were updated")
         if step.get("eval"):
             held_out = ", ".join(f"{k} {v:.4f}" for k, v in sorted(step["eval"].items()))
             self.line(f"step {step['step'] + 1}: held-out {held_out}")
@@ -69,6 +74,20 @@ class StepProgress:
             print(text, file=sys.stderr, flush=True)
 
 
+def clock(seconds: float) -> str:
+    """Seconds as H:MM:SS."""
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+def optimizer_note(step: dict[str, Any]) -> str:
+    """", lr X, grad norm Y" for a plain progress line (the norm with clipping only)."""
+    note = f", lr {step['lr']:.3g}" if step.get("lr") else ""
+    if step.get("grad_norm") is not None:
+        note += f", grad norm {step['grad_norm']:.4g}"
+    return note
+
+
 @contextmanager
 def progress(job: JobConfig, enabled: bool) -> Iterator[StepProgress]:
     """A StepProgress for the job's steps."""
@@ -78,9 +97,9 @@ def progress(job: JobConfig, enabled: bool) -> Iterator[StepProgress]:
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("loss {task.fields[loss]:.4f}"),
                   TextColumn("{task.fields[sps]:.0f} samples/s"), TimeElapsedColumn(),
-                  console=console) as bar:
+                  TextColumn("{task.fields[left]} left"), console=console) as bar:
         task = bar.add_task(f"{job.schedule} x{job.workers}", total=job.steps, loss=float("nan"),
-                            sps=0.0)
+                            sps=0.0, left="-:--:--")
         yield StepProgress(bar, task)
 
 
@@ -151,12 +170,17 @@ def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
     single = SingleProcess(job)
     report = base_report(job, 1)
     peak = 0
+    rate = StepRate(job.batch_size)
     with progress(job, show) as bar:
         for s in single.run():
             if not math.isfinite(s.loss):
                 raise NonFiniteLoss(f"step {s.step} has a non-finite loss ({s.loss})")
+            rate.add(s.seconds)
             step = {"step": s.step, "loss": s.loss, "seconds": s.seconds,
                     "samples_per_second": s.samples_per_second,
+                    "samples_per_second_median": rate.samples_per_second(),
+                    "seconds_left": rate.seconds_left(job.steps - s.step - 1),
+                    "lr": s.lr, "grad_norm": s.grad_norm, "skipped": s.skipped,
                     "device_memory_bytes": s.device_memory_bytes}
             report["steps"].append(step)
             peak = max(peak, s.peak_memory_bytes)
@@ -235,7 +259,11 @@ def step_dict(msg: Any) -> dict[str, Any]:
     """A StepReport message as the report's step entry."""
     return {
         "step": msg.step, "loss": msg.loss, "seconds": msg.seconds,
-        "samples_per_second": msg.samples_per_second, "eval": dict(msg.eval),
+        "samples_per_second": msg.samples_per_second,
+        "samples_per_second_median": msg.samples_per_second_median,
+        "seconds_left": msg.seconds_left, "lr": msg.lr,
+        "grad_norm": msg.grad_norm if msg.HasField("grad_norm") else None,
+        "skipped": msg.skipped, "eval": dict(msg.eval),
         "workers": [{"rank": w.rank, "worker_id": w.worker_id, "role": w.role, "stage": w.stage,
                      "group": w.group,
                      "compute_seconds": w.compute_seconds, "idle_seconds": w.idle_seconds,

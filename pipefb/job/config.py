@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pipefb.errors import ConfigError
+from pipefb.job.lr import LR_SCHEDULES
 from pipefb.schedule.kinds import REGISTRY, runs_in_process
 from pipefb.schedule.kinds import SCHEDULES as SCHEDULES  # the names a job may run
 
@@ -86,6 +87,10 @@ class JobConfig:
     optimizer_config: dict[str, Any] = field(default_factory=dict)  # optimizer options
     loss_config: dict[str, Any] = field(default_factory=dict)  # loss options (cross_entropy:
     # ignore_index, label_smoothing)
+    lr_schedule: str = "constant"  # constant, cosine or linear ([Note: learning-rate schedules])
+    warmup_steps: int = 0  # steps of linear warm-up before the schedule's decay
+    min_lr: float = 0.0  # the floor cosine and linear decay to, reached after the last step
+    clip_grad_norm: float = 0.0  # clip the whole model's gradient norm to this; 0: off
 
     def __post_init__(self) -> None:
         _check_positive(self, ("workers", "batch_size", "microbatches", "steps"))
@@ -121,8 +126,31 @@ class JobConfig:
             )
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"learning rate {self.lr!r} must be a finite number > 0")
+        self._check_lr_schedule()
         if self.job_id and not _JOB_ID.match(self.job_id):
             raise ConfigError(f"job id {self.job_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
+
+    def _check_lr_schedule(self) -> None:
+        """The learning-rate schedule and gradient clipping (pipefb.job.lr)."""
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"unknown lr schedule {self.lr_schedule!r}; choose one of "
+                              f"{LR_SCHEDULES}")
+        warmup = self.warmup_steps
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ConfigError(f"warmup_steps {warmup!r} must be an integer >= 0")
+        if warmup >= self.steps and (warmup or self.lr_schedule != "constant"):
+            raise ConfigError(f"warmup_steps {warmup} must be fewer than the job's "
+                              f"{self.steps} steps")
+        floor = self.min_lr
+        if isinstance(floor, bool) or not isinstance(floor, int | float) or not (
+                math.isfinite(floor) and 0 <= floor <= self.lr):
+            raise ConfigError(f"min_lr {floor!r} must be a finite number in 0..lr "
+                              f"({self.lr!r})")
+        clip = self.clip_grad_norm
+        if isinstance(clip, bool) or not isinstance(clip, int | float) or not (
+                math.isfinite(clip) and clip >= 0):
+            raise ConfigError(f"clip_grad_norm {clip!r} must be a finite number > 0 "
+                              "(0: no clipping)")
 
     def _check_plan(self) -> None:
         if self.plan not in PLANS:

@@ -1,8 +1,12 @@
 """Optimizers by name; purely per-parameter elementwise, so splitting parameters is exact.
 
-[Note: split optimizers] No option here couples parameters (no global gradient-norm
-clipping), so an optimizer over a subset of the parameters updates that subset exactly
-as one optimizer over all of them would: backward workers each own one.
+[Note: split optimizers] No option here couples parameters, so an optimizer over a
+subset of the parameters updates that subset exactly as one optimizer over all of them
+would: backward workers each own one. The two things a step shares across parameters
+are outside the optimizer and shared explicitly: the learning rate, a function of the
+step number that every owner computes alike ([Note: learning-rate schedules] in
+pipefb.job.lr), and gradient clipping by the global norm, whose per-parameter norms the
+owners exchange before stepping ([Note: global norm] in pipefb.runtime.clipping).
 """
 
 from __future__ import annotations

@@ -41,6 +41,12 @@ def rendezvous_key(job_id: str, attempt: int, stage: int) -> str:
     return f"pipefb/{job_id}/{attempt}/stage{stage}/"
 
 
+def norm_rendezvous_key(job_id: str, attempt: int, group: int) -> str:
+    """The TCPStore prefix of one group's gradient-norm exchange among the owners of its
+    stages (pipefb.runtime.clipping), in one attempt of a job."""
+    return f"pipefb/{job_id}/{attempt}/norm{group}/"
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """Splits `host:port`.
 

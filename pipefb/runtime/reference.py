@@ -2,14 +2,18 @@
 
 Every pipeline schedule in `sync` mode must reproduce these losses and weights: same data
 (seeded by (seed, step, micro-batch)), same random ops (seeded by (seed, step,
-micro-batch, layer)), loss averaged over micro-batches, one optimizer step per step.
-With `staleness` S > 0 it is the reference of async PipeFB instead: step k's gradient is
-taken at weight version k - S and applied to the newest weights.
+micro-batch, layer)), loss averaged over micro-batches, one optimizer step per step,
+with torch's learning-rate scheduler and `clip_grad_norm_` (pipefb.job.lr,
+pipefb.runtime.clipping). With `staleness` S > 0 it is the reference of async PipeFB
+instead: step k's gradient is taken at weight version k - S and applied to the newest
+weights.
 """
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +21,7 @@ import torch
 
 from pipefb.job.config import JobConfig, build_layers, job_device
 from pipefb.job.data import job_dataset
+from pipefb.job.lr import lr_scheduler
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
 from pipefb.memory import DeviceMemory, tensor_bytes
 from pipefb.runtime.state import persistent_buffers
@@ -33,6 +38,9 @@ class SingleStep:
     samples_per_second: float
     peak_memory_bytes: int  # parameters + gradients + optimizer state after the step
     device_memory_bytes: dict[str, int]  # CUDA allocator statistics of the step; {} on cpu
+    lr: float = 0.0  # the learning rate of the step's update
+    grad_norm: float | None = None  # with clipping: the gradient norm clip_grad_norm_ took
+    skipped: bool = False  # the norm was not finite and the optimizer did not step
 
 
 class SingleProcess:
@@ -48,6 +56,9 @@ class SingleProcess:
         self.params = list({id(p): p for layer in self.layers for p in layer.parameters()
                             }.values())
         self.optimizer = build_optimizer(job.optimizer, self.params, job.lr, job.optimizer_config)
+        # torch's own scheduler, stepped after every step ([Note: learning-rate schedules])
+        self.scheduler = lr_scheduler(self.optimizer, job.lr_schedule, job.lr, job.steps,
+                                      job.warmup_steps, job.min_lr)
         # the last `staleness` versions before the newest, oldest first
         self.history: list[list[torch.Tensor]] = []
 
@@ -79,13 +90,25 @@ class SingleProcess:
         if self.staleness:
             self.history = [*self.history, [p.detach().clone() for p in self.params]]
             self.history = self.history[-self.staleness:]
-        self.optimizer.step()
+        lr, grad_norm = float(self.optimizer.param_groups[0]["lr"]), None
+        if self.job.clip_grad_norm:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                                                             self.job.clip_grad_norm))
+        skipped = grad_norm is not None and not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # a skipped step still advances the schedule: the
+            # step number decides the lr, which torch warns of when it is the first step
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step",
+                                    UserWarning)
+            self.scheduler.step()
         memory += optimizer_state_bytes(self.optimizer)
         self.device_memory.synchronize()
         seconds = time.perf_counter() - started
         return SingleStep(step, sum(losses) / len(losses), seconds,
-                          self.job.batch_size / seconds, memory, self.device_memory.snapshot())
+                          self.job.batch_size / seconds, memory, self.device_memory.snapshot(),
+                          lr, grad_norm, skipped)
 
     def _swap_in(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """Puts `values` into the parameters; returns what they held."""

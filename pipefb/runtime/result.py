@@ -36,6 +36,9 @@ class StepResult:
     weights_digest: str = ""  # several groups: digest of the owned weights after the step
     layer_seconds: dict[int, float] = field(default_factory=dict)  # per layer (`replan`)
     metrics: dict[str, float] = field(default_factory=dict)  # [Note: step metrics]
+    lr: float = 0.0  # a weight owner: the learning rate of the step's OPT; else 0
+    grad_norm: float | None = None  # with clipping, on an owner: the model's gradient norm
+    skipped: bool = False  # the norm was not finite and the OPT updated nothing
 
 
 @dataclass
@@ -53,6 +56,9 @@ class Iteration:
     phases: list[tuple[str, float]] = field(default_factory=list)
     recompute: float = 0.0  # seconds re-running forwards inside B actions so far
     counted: dict[str, float] = field(default_factory=dict)  # [Note: step metrics]
+    lr: float = 0.0  # what the OPT did (StepResult's fields of the same names)
+    grad_norm: float | None = None
+    skipped: bool = False
 
     def count(self, metric: str, amount: float) -> None:
         """Adds `amount` to a catalogue metric of this step ([Note: step metrics])."""

@@ -24,6 +24,7 @@ from pipefb.memory import DeviceMemory, MemoryAccount, storage_bytes, tensor_byt
 from pipefb.plan.plan import Plan
 from pipefb.runtime.allreduce import Reducer
 from pipefb.runtime.checkpoint import Digest, Part, due
+from pipefb.runtime.clipping import GlobalNormClip, parameter_places
 from pipefb.runtime.clock import LayerClock
 from pipefb.runtime.exchange import Exchange, microbatch
 from pipefb.runtime.execs import (
@@ -55,14 +56,20 @@ class StageRuntime:
     """One rank of a job: its place in the plan, its state and its action interpreter."""
 
     def __init__(self, job: JobConfig, plan: Plan, rank: int, transport: Transport,
-                 reducer: Reducer | None = None) -> None:
+                 reducer: Reducer | None = None, norm_reducer: Reducer | None = None
+                 ) -> None:
         """Places rank `rank` in `plan` and builds its layers, executors and state.
+
+        `reducer` sums the gradients of this stage across groups (None with one group);
+        `norm_reducer`, with gradient clipping, sums over the weight owners of this
+        rank's group ([Note: global norm]; None where one owner holds every stage).
 
         Raises:
             ConfigError: the plan gives `rank` no stage.
         """
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
         self.reducer = reducer  # sums gradients across groups; None with one group
+        self.norm_reducer = norm_reducer
         self.place = place(plan, rank)
         self.actions, self.topology = self.place.actions, self.place.topology
         self.fwd_layers, self.bwd_layers = self.place.fwd_layers, self.place.bwd_layers
@@ -103,6 +110,7 @@ class StageRuntime:
                                   self.clock)
         self.state = RankState(self.job, self.rank, layers, execs, self.fwd_layers,
                                self.bwd_layers)
+        self.clip = self._clip(all_layers)
         self.exchange = Exchange(
             self.transport, self.place, self.flight, self.state, self.device, self.job.steps,
             self.plan.mode == "sync", self._stored_layers(self.fwd_layers),
@@ -114,6 +122,17 @@ class StageRuntime:
         self.receives = receive_specs(self.place, specs, loss_spec, forward_params)
         self.max_receive_bytes = max((s.nbytes for named in self.receives.values()
                                       for s in named.values()), default=0)
+
+    def _clip(self, all_layers: Sequence[torch.nn.Module]) -> GlobalNormClip | None:
+        """With `clip_grad_norm`, a weight owner's share of the global norm."""
+        if not self.job.clip_grad_norm or self.role == "forward":
+            return None
+        places = parameter_places(all_layers)
+        dtype = next((p.dtype for layer in all_layers for p in layer.parameters()),
+                     torch.get_default_dtype())
+        return GlobalNormClip(self.job.clip_grad_norm,
+                              [places[name] for name in self.state.owned_names()],
+                              len(places), dtype, self.device, self.norm_reducer)
 
     @property
     def role(self) -> str:
@@ -202,6 +221,9 @@ class StageRuntime:
             weights_digest=self.state.weights_digest() if self._check_groups(step) else "",
             layer_seconds=dict(self.clock.layer_seconds),
             metrics=step_metrics(it.counted),
+            lr=it.lr,
+            grad_norm=it.grad_norm,
+            skipped=it.skipped,
         )
 
     def _check_groups(self, step: int) -> bool:
@@ -338,7 +360,9 @@ class StageRuntime:
 
     def _optimizer_step(self, action: Action, step: int, it: Iteration) -> None:
         self._run_deferred(step, keep=0)  # the last B ran them; OPT needs every grad
-        self.state.step(self._versions_needed_after(step), self.reducer)
+        done = self.state.step(step, self._versions_needed_after(step), self.reducer,
+                               self.clip)
+        it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped
 
     def _versions_needed_after(self, step: int) -> set[int]:
         """Weight versions some backward after step `step`'s OPT will still use."""

@@ -3,8 +3,10 @@ checkpoints, migrations and evaluations read and write."""
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,6 +14,7 @@ import torch
 from pipefb.codec import raw_view
 from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig
+from pipefb.job.lr import LearningRates
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
 from pipefb.memory import tensor_bytes
 from pipefb.runtime.allreduce import Reducer
@@ -25,8 +28,18 @@ from pipefb.runtime.checkpoint import (
     optimizer_tensors,
     save_rank,
 )
+from pipefb.runtime.clipping import GlobalNormClip
 from pipefb.runtime.execs import LayerExec
 from pipefb.runtime.versions import WeightVersions
+
+
+@dataclass
+class OptStep:
+    """What one optimizer step did."""
+
+    lr: float  # the learning rate of the step
+    grad_norm: float | None = None  # the whole model's gradient norm (with clipping)
+    skipped: bool = False  # the norm was not finite: no owner updated its weights
 
 
 def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
@@ -65,6 +78,8 @@ class RankState:
             build_optimizer(job.optimizer, self.owned, job.lr, job.optimizer_config)
             if self.owned else None  # a stage of parameter-free layers has nothing to update
         )
+        self.rates = LearningRates(job.lr_schedule, job.lr, job.steps, job.warmup_steps,
+                                   job.min_lr)
         self.version = 0
         self.versions = WeightVersions()
         self._eval_weights: dict[int, dict[str, torch.Tensor]] = {}  # version -> owned weights
@@ -93,17 +108,28 @@ class RankState:
         """Counts the owned parameters' gradient bytes (after gradients were accumulated)."""
         self.grad_bytes = tensor_bytes(p.grad for p in self.owned if p.grad is not None)
 
-    def step(self, needed: set[int], reducer: Reducer | None) -> None:
-        """The optimizer step (OPT): keeps the current version if a later backward needs it
-        (`needed`), sums the gradients across groups (`reducer`), updates the owned
-        weights to the next version and drops the kept versions not `needed`; on the job's
-        `eval_every` cadence keeps a copy of the new version for evaluation."""
+    def step(self, step: int, needed: set[int], reducer: Reducer | None,
+             clip: GlobalNormClip | None = None) -> OptStep:
+        """The optimizer step (OPT) of training step `step`: keeps the current version if a
+        later backward needs it (`needed`), sums the gradients across groups (`reducer`),
+        clips them by the whole model's gradient norm (`clip`, a collective of the
+        group's owners), sets the step's learning rate ([Note: learning-rate schedules]),
+        updates the owned weights to the next version, unless the norm is not finite,
+        and drops the kept versions not `needed`; on the job's `eval_every` cadence keeps
+        a copy of the new version for evaluation."""
         if self.version in needed:
             self.versions.keep(self.version, {i: self.layers[i] for i in self.bwd_layers})
+        done = OptStep(lr=self.rates.at(step))
+        if self.optimizer is not None and reducer is not None:
+            self._sum_gradients_across_groups(reducer)
+        if clip is not None:  # every owner takes part, one without parameters too
+            done.grad_norm = clip.clip_(self.owned)
+            done.skipped = not math.isfinite(done.grad_norm)
         if self.optimizer is not None:  # None: the stage owns no parameters
-            if reducer is not None:
-                self._sum_gradients_across_groups(reducer)
-            self.optimizer.step()
+            if not done.skipped:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = done.lr
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.optimizer_bytes = optimizer_state_bytes(self.optimizer)
         for i in self.bwd_layers:
@@ -116,6 +142,7 @@ class RankState:
             self._eval_weights[self.version] = {k: v.clone()
                                                 for k, v in self.owned_weights().items()}
             self._eval_bytes = self._kept_eval_bytes()
+        return done
 
     def _sum_gradients_across_groups(self, reducer: Reducer) -> None:
         """Every group's copy of this stage ends with the step's whole gradient (a parameter
@@ -166,7 +193,7 @@ class RankState:
         layers, the optimizer's order)."""
         return [f"{i}.{n}" for i in layers for n, _ in self.layers[i].named_parameters()]
 
-    def _owned_names(self) -> list[str]:
+    def owned_names(self) -> list[str]:
         """`{layer}.{param}` of every parameter the optimizer updates, in its order."""
         return [name for name, _ in self._trainable(self.bwd_layers)]
 
@@ -187,7 +214,7 @@ class RankState:
     def save_checkpoint(self, path: Path) -> Digest:
         """Writes the owned weights and optimizer state; returns the file's digest
         (`pipefb.runtime.checkpoint.save_rank`)."""
-        return save_rank(path, self.owned_weights(), self.optimizer, self._owned_names())
+        return save_rank(path, self.owned_weights(), self.optimizer, self.owned_names())
 
     def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
                     ) -> dict[str, torch.Tensor]:
@@ -205,7 +232,7 @@ class RankState:
         out = {**self.weights_of(sorted(wanted)),
                **self.buffers_of(sorted(wanted & set(self.fwd_layers)))}
         if self.optimizer is not None and optim:
-            state, _ = optimizer_tensors(self.optimizer, self._owned_names())
+            state, _ = optimizer_tensors(self.optimizer, self.owned_names())
             out.update({k: v for k, v in state.items() if layer_of(k)[0] in optim})
         return out
 
@@ -247,7 +274,7 @@ class RankState:
                 load_buffers(layer, i, weights)  # absent: a rank that never ran its forward
                 self.execs[i].weights_changed()
         if self.optimizer is not None:
-            names = self._owned_names()
+            names = self.owned_names()
             states.append(({}, optimizer_tensors(self.optimizer, names)[1]))  # groups last
             load_optimizer(self.optimizer, names, *optimizer_share(states, names))
             self.optimizer_bytes = optimizer_state_bytes(self.optimizer)

@@ -198,3 +198,18 @@ def pair(config: dict[str, Any]) -> list[nn.Module]:
     """A layer that hands the next one a tuple of tensors."""
     h = int(config.get("hidden", 16))
     return [Pair(h), Join(h)]
+
+
+class InfiniteGrad(nn.Module):
+    """Passes its input on unchanged (adds sqrt(0)), but its input gradient is infinite:
+    d sqrt(u) / du at u = 0. A finite loss with a non-finite gradient norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(x - x.detach())
+
+
+def inf_grad(config: dict[str, Any]) -> list[nn.Module]:
+    """Digits through a layer whose gradient below it is infinite: the first linear
+    layer's gradients are not finite, the last one's are."""
+    h = int(config.get("hidden", 16))
+    return [nn.Flatten(), nn.Linear(64, h), nn.Tanh(), InfiniteGrad(), nn.Linear(h, 10)]
