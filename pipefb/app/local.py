@@ -209,9 +209,13 @@ class LocalServices:
             proc.stop()
         with self._lock:  # listed until stopped, so that `kill` still finds them
             self.processes = []
+        self._forget_token()
+        _RUNNING.discard(self)
+
+    def _forget_token(self) -> None:
+        """Removes the user token this cluster left for clients of its address."""
         if self.own_token and self.coordinator:
             token_path(self.coordinator).unlink(missing_ok=True)
-        _RUNNING.discard(self)
 
     def kill(self) -> int:
         """SIGKILLs every process still running, and reaps it (Redis's server follows
@@ -219,6 +223,7 @@ class LocalServices:
         self._stopping.set()
         with self._lock:
             procs = list(self.processes)
+        self._forget_token()
         return sum(proc.kill() for proc in procs)
 
 
