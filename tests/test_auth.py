@@ -21,12 +21,21 @@ import redis
 import torch
 
 from coordinator.client import CoordinatorClient
+from coordinator.journal import Entry
 from offload_store import connect, open_store
 from offload_store.acl import SERVICE_USER, job_user
 from offload_store.admin import RedisAdmin
 from pipefb.app.local import LocalServices
+from pipefb.errors import ConfigError
 from pipefb.secretfiles import token_path, write_private
-from protos import coordinator_pb2, coordinator_pb2_grpc, server, worker_pb2, worker_pb2_grpc
+from protos import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    security,
+    server,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from protos.security import Security
 from tests.conftest import WORKER_THREADS
 from tests.test_transparency import assert_same_training, make_job
@@ -241,3 +250,40 @@ def test_workers_hold_neither_the_user_token_nor_the_store_password(
         names = {line.split(b"=", 1)[0].decode() for line in environ if line}
         assert "PIPEFB_SERVICE_TOKEN_FILE" in names
         assert not names & {"PIPEFB_TOKEN_FILE", "PIPEFB_STORE_PASSWORD", "PIPEFB_USERS_FILE"}
+
+
+@pytest.mark.parametrize(("method", "who", "allowed"), [
+    ("/pipefb.v1.StageWorker/Drain", "service", True),
+    ("/pipefb.v1.StageWorker/Drain", "admin", False),
+    ("/pipefb.v1.StageWorker/Assign", "alice", False),
+    ("/pipefb.v1.Coordinator/RegisterWorker", "service", True),
+    ("/pipefb.v1.Coordinator/RegisterWorker", "admin", False),
+    ("/pipefb.v1.Coordinator/Heartbeat", "alice", False),
+    ("/pipefb.v1.Coordinator/SubmitJob", "alice", True),
+    ("/pipefb.v1.Coordinator/ExportWeights", "admin", True),
+    ("/pipefb.v1.Coordinator/GetJob", "service", False),
+    ("/pipefb.calibration.Echo/Send", "service", True),
+])
+def test_the_access_policy_table(method: str, who: str, allowed: bool) -> None:
+    assert security.allowed(method, who) is allowed
+
+
+def test_a_users_file_is_checked_line_by_line(tmp_path: Path) -> None:
+    good = write_private(tmp_path / "good", "# who\nalice a-token  # ops\n\nbob b-token")
+    assert security.from_env({"PIPEFB_USERS_FILE": str(good)}).users == (
+        ("alice", "a-token"), ("bob", "b-token"))
+    for text, line in (("alice", 1), ("alice a b", 1), ("ok t\nadmin x", 2),
+                       ("ok t\nservice x", 2)):
+        bad = write_private(tmp_path / "bad", text)
+        with pytest.raises(ConfigError, match=f"line {line}: write NAME TOKEN"):
+            security.from_env({"PIPEFB_USERS_FILE": str(bad)})
+
+
+def test_a_journaled_job_keeps_its_owner() -> None:
+    entry = Entry(make_job("mlp", "gpipe", 2, "sgd", job_id="j"), owner="alice")
+    assert Entry.from_dict(entry.to_dict()).owner == "alice"
+    old = entry.to_dict()
+    del old["owner"]  # written before jobs had owners: the admin's
+    assert Entry.from_dict(old).owner == "admin"
+    with pytest.raises(ConfigError, match="owner"):
+        Entry.from_dict({**entry.to_dict(), "owner": ""})
