@@ -18,6 +18,7 @@ from pipefb.errors import (
     Aborted,
     CodecError,
     ConfigError,
+    Overloaded,
     ScheduleError,
     StoreFullError,
     WorkerFailed,
@@ -27,6 +28,7 @@ from protos import security
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20  # tensor chunks are <= 1 MiB; control messages are small
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # trailing metadata of an Overloaded refusal
 
 
 class FailedPrecondition(RuntimeError):
@@ -40,6 +42,7 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ScheduleError, grpc.StatusCode.INVALID_ARGUMENT),
     (KeyError, grpc.StatusCode.NOT_FOUND),
     (StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Aborted, grpc.StatusCode.ABORTED),
     (WorkerFailed, grpc.StatusCode.UNAVAILABLE),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
@@ -69,9 +72,18 @@ def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
         log.debug("client of %s left: %r", type(error).__name__, error)
         raise error
     code = status_of(error)
+    if isinstance(error, Overloaded):  # the gRPC retry pushback (gRFC A6): when to retry
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY,
+                                        str(round(error.retry_after_seconds * 1000))),))
     if code is grpc.StatusCode.INTERNAL:
         log.exception("unexpected error in handler", exc_info=error)
     context.abort(code, f"{type(error).__name__}: {_message(error)}")
+
+
+def abort(context: grpc.ServicerContext, error: BaseException) -> None:
+    """Ends the RPC with `error`'s status (`STATUS_OF`) and message; always raises. For
+    interceptors that refuse a call before its handler runs."""
+    _abort(context, error)
 
 
 def _wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -141,6 +141,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self.local_stash_bytes = local_stash_bytes  # a combined rank's local tier cap; -1:
         # the device's default (`offload_store.local.local_tier_cap`)
         self._lock = threading.Lock()
+        self._stopping = threading.Event()  # SIGTERM: long calls (Profile) end now
         self._assigned: Assigned | None = None
         self._source: Source | None = None  # a paused attempt peers may migrate from
         self.checkpoint_root = checkpoint_root  # checkpoints are written and read only here
@@ -406,9 +407,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def Profile(self, request: worker_pb2.ProfileRequest, context: grpc.ServicerContext
                 ) -> worker_pb2.ProfileReply:
         query = ProfileQuery.from_proto(request)
-        try:
-            profile = measure_profile(query.job, query.microbatch_size, query.layers,
-                                      query.warmup, query.repeats)
+        try:  # stops once the caller is gone (deadline, cancel) or the worker stops
+            profile = measure_profile(
+                query.job, query.microbatch_size, query.layers, query.warmup, query.repeats,
+                cancelled=lambda: self._stopping.is_set() or not context.is_active())
         finally:
             release_freed_memory()  # the model, data and activations it timed are gone
         return profile_to_proto(profile, torch.get_num_threads())
@@ -427,6 +429,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def stop(self) -> None:
         """The process is stopping (SIGTERM): a running step ends now with ABORTED, since
         its peers may be gone and nothing else would wake a receive (before its timeout)."""
+        self._stopping.set()
         with self._lock:
             self._drop("the worker is stopping")
 
