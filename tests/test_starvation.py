@@ -13,13 +13,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import CoordinatorClient
 from coordinator.limits import Limits
 from pipefb.app.local import LocalServices
 from pipefb.job.config import JobConfig
 from pipefb.processes import Process
-from protos import coordinator_pb2, server, worker_pb2_grpc
+from protos import coordinator_pb2, server, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery
 from tests.conftest import WORKER_THREADS
 
@@ -125,10 +126,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 @pytest.fixture()
-def worker(tmp_path: Path, cluster: LocalServices) -> Iterator[Process]:
+def worker(tmp_path: Path) -> Iterator[Process]:
     """A worker process of its own (registered nowhere)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = Process("lone-worker", ["-m", "worker", "--listen", "127.0.0.1:0", "--threads", "1"],
-                   tmp_path, cluster.env)
+                   tmp_path, env)
     proc.wait_ready()
     yield proc
     if proc.popen.poll() is None:
@@ -159,3 +161,21 @@ def test_a_profile_stops_when_its_deadline_passes_and_sigterm_ends_the_worker(
     print(f"SIGTERM during a Profile: exit {code} after {seconds:.1f} s")
     assert seconds < 8.0
     assert call.exception() is not None
+
+
+def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process) -> None:
+    """40 Step calls for a step far ahead, each with a 1 s deadline: they wait for their
+    turn only until then, so the worker's 32 threads come back and it keeps answering."""
+    from tests.test_worker_service import second_rank_assignment
+
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address))
+    stub.Assign(second_rank_assignment(), timeout=60)
+    calls = [stub.Step.future(worker_pb2.StepRequest(job_id="win", step=5), timeout=1.0)
+             for _ in range(40)]
+    for call in calls:
+        assert call.exception(timeout=30).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.0)
+    with server.channel(worker.address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10).drained

@@ -60,12 +60,21 @@ class StepGate:
             return self._running if self._running >= 0 else self._next
 
     @contextmanager
-    def turn(self, step: int) -> Iterator[None]:
-        """Waits until `step` is next, holds the turn while the body runs, then passes it."""
+    def turn(self, step: int, timeout: float | None = None) -> Iterator[None]:
+        """Waits until `step` is next, holds the turn while the body runs, then passes it.
+
+        Raises:
+            Aborted: the job was drained meanwhile, or `step` was not next within
+                `timeout` seconds (the caller's deadline; None: no limit).
+        """
         with self._cond:
-            self._cond.wait_for(lambda: self._next >= step or self._aborted is not None)
+            ready = self._cond.wait_for(
+                lambda: self._next >= step or self._aborted is not None, timeout)
             if self._aborted is not None:
                 raise Aborted(self._aborted)
+            if not ready:
+                raise Aborted(f"step {step} did not get its turn before the caller's "
+                              f"deadline (next: {self._next}, running: {self._running})")
             if self._next != step:
                 raise FailedPrecondition(f"step {step} already ran; the next is {self._next}")
             self._next, self._running = -1, step  # taken: later steps wait, this one runs
@@ -293,7 +302,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if self._source is not None:  # a later attempt runs: no rollback needs it now
             with self._lock:
                 self._source = None
-        with assigned.gate.turn(request.step):
+        with assigned.gate.turn(request.step, context.time_remaining()):
             r = assigned.runtime.run_step(request.step)
             if request.checkpoint and assigned.runtime.saves_checkpoints:
                 if assigned.checkpoints is None:
@@ -324,7 +333,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         assigned = self._current(request.job_id, request.attempt)
         if assigned.checkpoints is None:
             raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
-        with assigned.gate.between(request.step, CHECKPOINT_WAIT_SECONDS):
+        remaining = context.time_remaining()  # the caller's deadline, if sooner
+        wait = CHECKPOINT_WAIT_SECONDS if remaining is None else min(
+            remaining, CHECKPOINT_WAIT_SECONDS)
+        with assigned.gate.between(request.step, wait):
             if not assigned.runtime.saves_checkpoints:
                 return worker_pb2.CheckpointReply(saved=False)
             assigned.runtime.save_checkpoint(
