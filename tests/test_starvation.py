@@ -165,7 +165,8 @@ def test_a_profile_stops_when_its_deadline_passes_and_sigterm_ends_the_worker(
 
 def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process) -> None:
     """40 Step calls for a step far ahead, each with a 1 s deadline: they wait for their
-    turn only until then, so the worker's 32 threads come back and it keeps answering."""
+    turn only until then, so the worker's 32 threads come back and it keeps answering;
+    one without a deadline waits until the job is drained."""
     from tests.test_worker_service import second_rank_assignment
 
     stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address))
@@ -178,4 +179,8 @@ def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process)
     with server.channel(worker.address) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    waiting = stub.Step.future(worker_pb2.StepRequest(job_id="win", step=5))  # no deadline
+    time.sleep(1.0)
+    assert waiting.running()  # it waits for its turn until the job is drained
     assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10).drained
+    assert waiting.exception(timeout=30).code() == grpc.StatusCode.ABORTED

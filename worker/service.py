@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
 DRAIN_WAIT_SECONDS = 10.0  # how long Drain waits for a running step to reach an abort point
 CHECKPOINT_WAIT_SECONDS = 30.0  # how long Checkpoint waits for the running step to end
+MAX_WAIT_SECONDS = 1e6  # a caller's deadline further off than this counts as none
 MAX_LEAD = 2  # steps a transfer may be ahead of the receiving rank (sync leads by one)
 
 
@@ -302,7 +303,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if self._source is not None:  # a later attempt runs: no rollback needs it now
             with self._lock:
                 self._source = None
-        with assigned.gate.turn(request.step, context.time_remaining()):
+        with assigned.gate.turn(request.step, _time_left(context)):
             r = assigned.runtime.run_step(request.step)
             if request.checkpoint and assigned.runtime.saves_checkpoints:
                 if assigned.checkpoints is None:
@@ -333,9 +334,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         assigned = self._current(request.job_id, request.attempt)
         if assigned.checkpoints is None:
             raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
-        remaining = context.time_remaining()  # the caller's deadline, if sooner
-        wait = CHECKPOINT_WAIT_SECONDS if remaining is None else min(
-            remaining, CHECKPOINT_WAIT_SECONDS)
+        left = _time_left(context)  # the caller's deadline, if sooner
+        wait = CHECKPOINT_WAIT_SECONDS if left is None else min(left, CHECKPOINT_WAIT_SECONDS)
         with assigned.gate.between(request.step, wait):
             if not assigned.runtime.saves_checkpoints:
                 return worker_pb2.CheckpointReply(saved=False)
@@ -458,6 +458,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             if self._assigned.reducer is not None:
                 self._assigned.reducer.close()
             self._assigned = None
+
+
+def _time_left(context: grpc.ServicerContext) -> float | None:
+    """Seconds to the caller's deadline; None without one (gRPC then reports a time far
+    beyond what a wait's timeout may be)."""
+    left: float | None = context.time_remaining()
+    return None if left is None or left > MAX_WAIT_SECONDS else max(0.0, left)
 
 
 def _join_group(request: worker_pb2.AssignRequest, plan: Plan, device: torch.device
