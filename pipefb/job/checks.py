@@ -15,14 +15,14 @@ def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float
     no storage), loss and dataset once, and its size against `limits` before anything
     of the model is allocated ([Note: size at submit] in pipefb.job.size).
 
-    Returns:
-        The placeholder planner's cost of each layer (loss included), so the model need
-        not be built again to plan.
-
     Args:
         config: the job.
         limits: caps on layers, parameters and a step's activation bytes; None: the
             `SizeLimits` defaults.
+
+    Returns:
+        The placeholder planner's cost of each layer (loss included), so the model need
+        not be built again to plan.
 
     Raises:
         ConfigError: naming the bad value (unknown name, bad option, too many stages), or
