@@ -419,10 +419,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def Profile(self, request: worker_pb2.ProfileRequest, context: grpc.ServicerContext
                 ) -> worker_pb2.ProfileReply:
         query = ProfileQuery.from_proto(request)
-        try:  # stops once the caller is gone (deadline, cancel) or the worker stops
+        gone = threading.Event()  # set by gRPC when the call ends: deadline, cancel
+        if not context.add_callback(gone.set):
+            gone.set()
+        try:  # stops once the caller is gone or the worker stops (two flags, no gRPC lock)
             profile = measure_profile(
                 query.job, query.microbatch_size, query.layers, query.warmup, query.repeats,
-                cancelled=lambda: self._stopping.is_set() or not context.is_active())
+                cancelled=lambda: gone.is_set() or self._stopping.is_set())
         finally:
             release_freed_memory()  # the model, data and activations it timed are gone
         return profile_to_proto(profile, torch.get_num_threads())
