@@ -9,6 +9,7 @@ from pathlib import Path
 
 from coordinator.driver import Driver
 from coordinator.journal import Journal
+from coordinator.limits import Admission, add_limit_flags, from_args
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
@@ -43,8 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        "PIPEFB_JOURNAL") else None,
                    help="folder where unfinished jobs are journaled; a coordinator started "
                         "on it resumes them (default: none, jobs die with the coordinator)")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                   help="seconds without a heartbeat before a worker counts as dead")
+    p.add_argument("--heartbeat-timeout", type=float,
+                   default=float(os.environ.get("PIPEFB_HEARTBEAT_TIMEOUT", "5")),
+                   help="seconds without a heartbeat before a worker counts as dead "
+                        "(the coordinator's own stalls not counted)")
+    add_limit_flags(p)
     monitoring.add_metrics_flags(p)
     args = p.parse_args(argv)
     if not args.store:
@@ -59,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_from_args(args)  # the only files a job's dataset may read (submit checks)
     security.require(security.from_env(), "python -m coordinator", admin=True)
-    registry = Registry(timeout_seconds=args.heartbeat_timeout)
+    limits = from_args(args)
+    registry = Registry(timeout_seconds=args.heartbeat_timeout,
+                        expire_seconds=limits.worker_expiry_seconds,
+                        max_workers=limits.max_workers)
     cluster = Cluster.load(args.cluster) if args.cluster else None
     interceptors, url = monitoring.start_from_args(args)
     observer = CoordinatorMetrics(registry, args.store) if url else None
@@ -69,10 +76,11 @@ def main(argv: list[str] | None = None) -> None:
                     checkpoint_root=args.checkpoint_root,
                     rendezvous_host=host, rendezvous_advertise=args.advertise,
                     rendezvous_port=args.rendezvous_port, journal=journal)
-    servicer = CoordinatorServicer(registry, driver)
+    servicer = CoordinatorServicer(registry, driver, limits.size)
+    admission = Admission(limits, servicer.unfinished)  # [Note: reserved threads]
     srv, port, health = server.create_server(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen,
-        interceptors=interceptors)
+        interceptors=(*interceptors, admission), max_workers=limits.threads)
     servicer.resume(journal.pending())
     server.ready(health)
     print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)

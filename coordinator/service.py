@@ -16,9 +16,11 @@ from coordinator.checkpoints import claim_directory, own_directory
 from coordinator.driver import Driver
 from coordinator.jobs import TERMINAL, Job
 from coordinator.journal import Entry
+from coordinator.limits import check_worker
 from coordinator.registry import Registry
 from coordinator.reshape import migration_proto
 from pipefb.job.checks import check_job
+from pipefb.job.size import SizeLimits
 from pipefb.schedule.kinds import runs_in_process
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, security, tensor_pb2, wire
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
@@ -32,8 +34,10 @@ KEEP_FINISHED_JOBS = 32  # finished jobs whose status, reports and weights stay 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Jobs by id, workers by registry."""
 
-    def __init__(self, registry: Registry, driver: Driver) -> None:
+    def __init__(self, registry: Registry, driver: Driver,
+                 size_limits: SizeLimits | None = None) -> None:
         self.registry, self.driver = registry, driver
+        self.size_limits = size_limits or SizeLimits()  # what one job may ask for
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
 
@@ -49,6 +53,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                        context: grpc.ServicerContext) -> coordinator_pb2.RegisterWorkerReply:
         if not request.address:
             raise ValueError("RegisterWorker needs an address")
+        check_worker(request.address, request.name)
         worker_id = self.registry.register(request.address, request.name)
         self.driver.profiles.forget(request.address)  # a new process: profile it anew
         return coordinator_pb2.RegisterWorkerReply(
@@ -64,7 +69,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         config = job_from_proto(request)
         if runs_in_process(config.schedule):
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
-        costs = check_job(config)
+        costs = check_job(config, self.size_limits)
         with self._lock:
             job_id = config.job_id or self._fresh_id()
             if job_id in self._jobs:
@@ -76,6 +81,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._jobs[job_id] = job
         self.driver.start(job)
         return _status(job)
+
+    def unfinished(self) -> set[str]:
+        """The ids of the jobs not ended yet (admission counts them: coordinator.limits)."""
+        with self._lock:
+            return {j.job_id for j in self._jobs.values() if j.state not in TERMINAL}
 
     def _fresh_id(self) -> str:
         """job-<16 random hex digits>: an id nobody guesses (resumed jobs keep theirs)."""
@@ -90,7 +100,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         for entry in entries:
             step = entry.step if entry.config.mode == "sync" else 0  # async: from step 0
             try:
-                costs = check_job(entry.config)
+                costs = check_job(entry.config, self.size_limits)
             except ValueError as error:  # ConfigError too: e.g. a model plugin is gone
                 log.error("journaled job %s cannot resume: %s", entry.config.job_id, error)
                 continue

@@ -42,3 +42,10 @@ class DiskFullError(FileWriteError):
 
 class NonFiniteLoss(ArithmeticError):
     """A step's loss is NaN or infinite; the message names the step and the rank."""
+class Overloaded(RuntimeError):
+    """A service limit refused a request for now; `retry_after_seconds` says when to
+    try again (RESOURCE_EXHAUSTED with the gRPC retry pushback over the wire)."""
+
+    def __init__(self, message: str, retry_after_seconds: float) -> None:
+        super().__init__(f"{message}; retry in {retry_after_seconds:g} s")
+        self.retry_after_seconds = retry_after_seconds

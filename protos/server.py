@@ -20,6 +20,7 @@ from pipefb.errors import (
     ConfigError,
     DiskFullError,
     FileWriteError,
+    Overloaded,
     ScheduleError,
     StoreFullError,
     WorkerFailed,
@@ -29,6 +30,7 @@ from protos import security
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 << 20  # tensor chunks are <= 1 MiB; control messages are small
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # trailing metadata of an Overloaded refusal
 
 
 class FailedPrecondition(RuntimeError):
@@ -44,6 +46,7 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (StoreFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DiskFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a checkpoint's disk is full
     (FileWriteError, grpc.StatusCode.FAILED_PRECONDITION),  # a checkpoint's disk refused
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Aborted, grpc.StatusCode.ABORTED),
     (WorkerFailed, grpc.StatusCode.UNAVAILABLE),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
@@ -73,9 +76,18 @@ def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
         log.debug("client of %s left: %r", type(error).__name__, error)
         raise error
     code = status_of(error)
+    if isinstance(error, Overloaded):  # the gRPC retry pushback (gRFC A6): when to retry
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY,
+                                        str(round(error.retry_after_seconds * 1000))),))
     if code is grpc.StatusCode.INTERNAL:
         log.exception("unexpected error in handler", exc_info=error)
     context.abort(code, f"{type(error).__name__}: {_message(error)}")
+
+
+def abort(context: grpc.ServicerContext, error: BaseException) -> None:
+    """Ends the RPC with `error`'s status (`STATUS_OF`) and message; always raises. For
+    interceptors that refuse a call before its handler runs."""
+    _abort(context, error)
 
 
 def _wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:

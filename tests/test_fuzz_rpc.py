@@ -81,7 +81,11 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     yield from serve(tmp_path_factory.mktemp("fuzz-coordinator"), "coordinator",
-                     ["--store", "127.0.0.1:1"], coordinator_pb2_grpc.CoordinatorStub)
+                     # limits wide enough that the cases reach the handlers (the limits
+                     # have their own attacks: tests/test_limits.py)
+                     ["--store", "127.0.0.1:1", "--registrations-per-second", "1000000",
+                      "--max-jobs", "1000", "--max-jobs-per-caller", "1000"],
+                     coordinator_pb2_grpc.CoordinatorStub)
 
 
 def answered(call: Callable[[], Any]) -> Any:

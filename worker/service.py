@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
 DRAIN_WAIT_SECONDS = 10.0  # how long Drain waits for a running step to reach an abort point
 CHECKPOINT_WAIT_SECONDS = 30.0  # how long Checkpoint waits for the running step to end
+MAX_WAIT_SECONDS = 1e6  # a caller's deadline further off than this counts as none
 MAX_LEAD = 2  # steps a transfer may be ahead of the receiving rank (sync leads by one)
 
 
@@ -61,12 +62,21 @@ class StepGate:
             return self._running if self._running >= 0 else self._next
 
     @contextmanager
-    def turn(self, step: int) -> Iterator[None]:
-        """Waits until `step` is next, holds the turn while the body runs, then passes it."""
+    def turn(self, step: int, timeout: float | None = None) -> Iterator[None]:
+        """Waits until `step` is next, holds the turn while the body runs, then passes it.
+
+        Raises:
+            Aborted: the job was drained meanwhile, or `step` was not next within
+                `timeout` seconds (the caller's deadline; None: no limit).
+        """
         with self._cond:
-            self._cond.wait_for(lambda: self._next >= step or self._aborted is not None)
+            ready = self._cond.wait_for(
+                lambda: self._next >= step or self._aborted is not None, timeout)
             if self._aborted is not None:
                 raise Aborted(self._aborted)
+            if not ready:
+                raise Aborted(f"step {step} did not get its turn before the caller's "
+                              f"deadline (next: {self._next}, running: {self._running})")
             if self._next != step:
                 raise FailedPrecondition(f"step {step} already ran; the next is {self._next}")
             self._next, self._running = -1, step  # taken: later steps wait, this one runs
@@ -144,6 +154,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self.local_stash_bytes = local_stash_bytes  # a combined rank's local tier cap; -1:
         # the device's default (`offload_store.local.local_tier_cap`)
         self._lock = threading.Lock()
+        self._stopping = threading.Event()  # SIGTERM: long calls (Profile) end now
         self._assigned: Assigned | None = None
         self._source: Source | None = None  # a paused attempt peers may migrate from
         self.checkpoint_root = checkpoint_root  # checkpoints are written and read only here
@@ -319,7 +330,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if self._source is not None:  # a later attempt runs: no rollback needs it now
             with self._lock:
                 self._source = None
-        with assigned.gate.turn(request.step):
+        with assigned.gate.turn(request.step, _time_left(context)):
             r = assigned.runtime.run_step(request.step)
             saved = None
             if request.checkpoint and assigned.runtime.saves_checkpoints:
@@ -351,7 +362,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         assigned = self._current(request.job_id, request.attempt)
         if assigned.checkpoints is None:
             raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
-        with assigned.gate.between(request.step, CHECKPOINT_WAIT_SECONDS):
+        left = _time_left(context)  # the caller's deadline, if sooner
+        wait = CHECKPOINT_WAIT_SECONDS if left is None else min(left, CHECKPOINT_WAIT_SECONDS)
+        with assigned.gate.between(request.step, wait):
             if not assigned.runtime.saves_checkpoints:
                 return worker_pb2.CheckpointReply(saved=False)
             saved = _save(assigned, request.step)
@@ -433,9 +446,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def Profile(self, request: worker_pb2.ProfileRequest, context: grpc.ServicerContext
                 ) -> worker_pb2.ProfileReply:
         query = ProfileQuery.from_proto(request)
-        try:
-            profile = measure_profile(query.job, query.microbatch_size, query.layers,
-                                      query.warmup, query.repeats)
+        gone = threading.Event()  # set by gRPC when the call ends: deadline, cancel
+        if not context.add_callback(gone.set):
+            gone.set()
+        try:  # stops once the caller is gone or the worker stops (two flags, no gRPC lock)
+            profile = measure_profile(
+                query.job, query.microbatch_size, query.layers, query.warmup, query.repeats,
+                cancelled=lambda: gone.is_set() or self._stopping.is_set())
         finally:
             release_freed_memory()  # the model, data and activations it timed are gone
         return profile_to_proto(profile, torch.get_num_threads())
@@ -454,6 +471,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     def stop(self) -> None:
         """The process is stopping (SIGTERM): a running step ends now with ABORTED, since
         its peers may be gone and nothing else would wake a receive (before its timeout)."""
+        self._stopping.set()
         with self._lock:
             self._drop("the worker is stopping")
 
@@ -471,6 +489,13 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 if group is not None:
                     group.close()
             self._assigned = None
+
+
+def _time_left(context: grpc.ServicerContext) -> float | None:
+    """Seconds to the caller's deadline; None without one (gRPC then reports a time far
+    beyond what a wait's timeout may be)."""
+    left: float | None = context.time_remaining()
+    return None if left is None or left > MAX_WAIT_SECONDS else max(0.0, left)
 
 
 def _join_group(request: worker_pb2.AssignRequest, plan: Plan, device: torch.device

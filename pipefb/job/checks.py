@@ -5,12 +5,20 @@ from __future__ import annotations
 import torch
 
 from pipefb.errors import ConfigError
-from pipefb.job.config import AUTO, JobConfig, build_layers, layer_costs, layer_policies, slowdowns
+from pipefb.job.config import AUTO, JobConfig, layer_costs, layer_policies, slowdowns
+from pipefb.job.size import SizeLimits, check_activations, check_parameters, meta_layers
 from pipefb.schedule.kinds import runs_in_process, schedule_kind
 
 
-def check_job(config: JobConfig) -> list[float]:
-    """Checks every name and config by building the model, loss and dataset once.
+def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float]:
+    """Checks every name and config by building the model (on the meta device: shapes,
+    no storage), loss and dataset once, and its size against `limits` before anything
+    of the model is allocated ([Note: size at submit] in pipefb.job.size).
+
+    Args:
+        config: the job.
+        limits: caps on layers, parameters and a step's activation bytes; None: the
+            `SizeLimits` defaults.
 
     Returns:
         The placeholder planner's cost of each layer (loss included), so the model need
@@ -19,7 +27,8 @@ def check_job(config: JobConfig) -> list[float]:
     Raises:
         ConfigError: naming the bad value (unknown name, bad option, too many stages), or
             the model's layers do not take the dataset's micro-batches, or the loss gives
-            no scalar (shapes propagated with fake tensors: nothing is computed).
+            no scalar (shapes propagated with fake tensors: nothing is computed), or the
+            model or its activations exceed `limits`.
     """
     from pipefb.job.data import job_dataset
     from pipefb.job.optim import build_optimizer
@@ -31,7 +40,9 @@ def check_job(config: JobConfig) -> list[float]:
         written_parameters,
     )
 
-    layers = build_layers(config)
+    limits = limits or SizeLimits()
+    layers = meta_layers(config)
+    check_parameters(config, layers, limits)
     check_no_shared_parameters(config.model, layers)
     dataset = job_dataset(config, check_all=True)  # paths, windows, token ids
     x, y = dataset.microbatch(0, 0, config.microbatch_size)
@@ -42,6 +53,7 @@ def check_job(config: JobConfig) -> list[float]:
     except SpecError as error:
         raise ConfigError(f"model {config.model!r}, dataset {config.dataset!r} and loss "
                           f"{config.loss!r} do not fit: {error}") from None
+    check_activations(config, specs, limits)
     for i, (module, layer_specs) in enumerate(zip(layers, specs, strict=True)):
         written = written_parameters(module, layer_specs)
         if written:

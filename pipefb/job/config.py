@@ -26,7 +26,9 @@ DEVICES = ("cpu", "cuda")  # cuda: each worker's current CUDA device (CUDA_VISIB
 MAX_STALENESS = 8  # bounds the weight versions and stashed steps a job may hold
 MAX_SLOWDOWN = 100.0  # fault injection: the most a slowdown may stretch compute
 MAX_RESTARTS = 100  # a crash loop ends long before; bounds what a spec may ask
-_JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # matched whole (fullmatch: no trailing newline)
+MAX_CONFIG_BYTES = 1 << 20  # a JSON config (model, dataset, optimizer, job file) at most
+MAX_CONFIG_DEPTH = 32  # nesting of objects and arrays a JSON config may have
 
 
 def parse_json_object(text: str | dict[str, Any] | None, what: str) -> dict[str, Any]:
@@ -38,14 +40,38 @@ def parse_json_object(text: str | dict[str, Any] | None, what: str) -> dict[str,
     if text is None or text == "":
         return {}
     if isinstance(text, dict):
+        check_depth(text, what)
         return dict(text)
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{what} has {len(text)} characters; at most {MAX_CONFIG_BYTES} "
+                          "are allowed")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{what} is not valid JSON ({error.msg}): {text!r}") from None
+        raise ConfigError(f"{what} is not valid JSON ({error.msg}): {text[:200]!r}") from None
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise ConfigError(f"{what} is nested deeper than {MAX_CONFIG_DEPTH} levels") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"{what} must be a JSON object, got {text!r}")
+        raise ConfigError(f"{what} must be a JSON object, got {text[:200]!r}")
+    check_depth(value, what)
     return value
+
+
+def check_depth(value: object, what: str) -> None:
+    """Refuses a JSON-able value nested deeper than MAX_CONFIG_DEPTH (checked without
+    recursion, so a deep value cannot exhaust the stack).
+
+    Raises:
+        ConfigError: naming `what` and the limit.
+    """
+    level: list[object] = [value]
+    for _ in range(MAX_CONFIG_DEPTH):
+        level = [child for item in level if isinstance(item, (dict, list))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return
+    if any(isinstance(item, (dict, list)) for item in level):
+        raise ConfigError(f"{what} is nested deeper than {MAX_CONFIG_DEPTH} levels")
 
 
 @dataclass(frozen=True)
@@ -127,7 +153,7 @@ class JobConfig:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"learning rate {self.lr!r} must be a finite number > 0")
         self._check_lr_schedule()
-        if self.job_id and not _JOB_ID.match(self.job_id):
+        if self.job_id and not _JOB_ID.fullmatch(self.job_id):
             raise ConfigError(f"job id {self.job_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
 
     def _check_lr_schedule(self) -> None:

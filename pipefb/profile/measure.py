@@ -51,6 +51,7 @@ parameters are timed with a tensor of zeros beside them that makes up the rest.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import statistics
 import time
@@ -62,7 +63,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from pipefb.errors import ConfigError
+from pipefb.errors import Aborted, ConfigError
 from pipefb.job.config import MAXIMA, JobConfig, build_layers, job_device
 from pipefb.job.data import Dataset, job_dataset
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
@@ -93,6 +94,17 @@ CONTRAST_BYTES = 1 << 20
 KEPT_COPIES = 2  # weight copies the profiler holds at once, as a PipeDream stage keeps
 
 T = TypeVar("T")
+#: the running profile's cancellation test (`measure_profile(cancelled=...)`), asked
+#: before every timed call and every layer's tracing
+_CANCELLED: contextvars.ContextVar[Callable[[], bool]] = contextvars.ContextVar(
+    "cancelled", default=lambda: False)
+
+
+def _check_cancelled() -> None:
+    """Raises Aborted once the caller of the running profile gave up."""
+    if _CANCELLED.get()():
+        raise Aborted("the profile was cancelled (its caller went away, its deadline "
+                      "passed, or the worker is stopping)")
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,8 @@ class _Samples:
 
 
 def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None = None,
-                    warmup: int = WARMUP, repeats: int = REPEATS) -> Profile:
+                    warmup: int = WARMUP, repeats: int = REPEATS,
+                    cancelled: Callable[[], bool] | None = None) -> Profile:
     """Times every layer of `job` on this process (see [Note: profiled layers] and
     [Note: timed as a pipeline runs]).
 
@@ -141,6 +154,8 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
         layers: which layers to time, a non-empty range of step 1; None: all of them.
         warmup: untimed rounds before the timed ones, >= 0.
         repeats: timed rounds, >= 1.
+        cancelled: asked before every timed call and every layer's tracing; once it
+            answers True the profile stops (a caller whose deadline passed).
 
     Returns:
         A measured profile: one `LayerProfile` per layer, the loss layer last, the seconds
@@ -149,10 +164,21 @@ def measure_profile(job: JobConfig, microbatch_size: int, layers: range | None =
 
     Raises:
         ConfigError: a bad argument or job value, naming it.
+        Aborted: `cancelled` answered True.
     """
     check_int("micro-batch size", microbatch_size, 1, MAXIMA["batch_size"])
     check_int("warmup", warmup, 0, MAX_RUNS)
     check_int("repeats", repeats, 1, MAX_RUNS)
+    token = _CANCELLED.set(cancelled or (lambda: False))
+    try:
+        return _measure(job, microbatch_size, layers, warmup, repeats)
+    finally:
+        _CANCELLED.reset(token)
+
+
+def _measure(job: JobConfig, microbatch_size: int, layers: range | None, warmup: int,
+             repeats: int) -> Profile:
+    """`measure_profile` after its arguments were checked."""
     device = job_device(job)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         dataset = job_dataset(job)
@@ -190,8 +216,11 @@ def _pipeline(seq: LayerSequence, dataset: Dataset, size: int, timed: range, sto
     call's from cold caches ([Note: cold caches])."""
     device = seq.inputs.device
     flows = grad_flows(seq.layers)
-    executors = [split_exec(seq.layers[i], seq.specs[i], needs_grad(i, seq.specs[i], flows[i]),
-                            device) for i in range(stop)]
+    executors: list[SplitExec | NoGradExec] = []
+    for i in range(stop):
+        _check_cancelled()
+        executors.append(split_exec(seq.layers[i], seq.specs[i],
+                                    needs_grad(i, seq.specs[i], flows[i]), device))
     samples = _Samples({}, {}, {}, [], {})
     for r in range(warmup + repeats):
         record = r >= warmup
@@ -283,6 +312,7 @@ def _mean_seconds(fn: Callable[[], object], warmup: int, repeats: int,
 
 
 def _timed(fn: Callable[[], T]) -> tuple[float, T]:
+    _check_cancelled()
     start = time.perf_counter()
     result = fn()
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]

@@ -1,0 +1,186 @@
+"""Attacks on a running cluster's coordinator and workers, with real processes on
+127.0.0.1: many followers of a training job, a coordinator stopped past the heartbeat
+timeout, a Profile whose caller gave up, SIGTERM during a Profile."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.client import CoordinatorClient
+from coordinator.limits import Limits
+from pipefb.app.local import LocalServices
+from pipefb.job.config import JobConfig
+from pipefb.processes import Process
+from protos import coordinator_pb2, server, worker_pb2, worker_pb2_grpc
+from protos.convert import ProfileQuery
+from tests.conftest import WORKER_THREADS
+
+HEARTBEAT_TIMEOUT = 3.0  # short, so a stall past it keeps the test short
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServices]:
+    """Redis, a coordinator whose workers count as dead after HEARTBEAT_TIMEOUT s, and
+    2 workers."""
+    env = {"PIPEFB_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT)}
+    with LocalServices(2, tmp_path_factory.mktemp("starvation"), threads=WORKER_THREADS,
+                       extra_env=env) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: LocalServices) -> Iterator[CoordinatorClient]:
+    with CoordinatorClient(cluster.coordinator) as c:
+        c.wait_for_workers(2)
+        yield c
+
+
+def job(name: str, steps: int) -> JobConfig:
+    """A small 2-rank GPipe job."""
+    return JobConfig(model="mlp", dataset="digits", schedule="gpipe", workers=2, steps=steps,
+                     optimizer="sgd", job_id=name)
+
+
+def wait_state(client: CoordinatorClient, job_id: str, states: tuple[str, ...],
+               timeout: float = 120.0, step: int = 0) -> coordinator_pb2.JobStatus:
+    """Polls until the job is in one of `states` (at `step` or later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.status(job_id)
+        if coordinator_pb2.JobState.Name(status.state) in states and status.step >= step:
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+
+
+def test_forty_followers_neither_starve_heartbeats_nor_fail_the_job(
+        client: CoordinatorClient) -> None:
+    steps, per_caller = 40, Limits().max_streams_per_caller
+    client.submit(job("followed", steps))
+    outcomes: list[int | grpc.RpcError] = [0] * 40
+
+    def follow(k: int) -> None:
+        try:
+            outcomes[k] = sum(1 for _ in client.train("followed"))
+        except grpc.RpcError as error:
+            outcomes[k] = error
+
+    threads = [threading.Thread(target=follow, args=(k,)) for k in range(40)]
+    for t in threads:
+        t.start()
+    oldest = 0.0  # the oldest heartbeat any worker had while the job trained
+    while client.status("followed").state not in (coordinator_pb2.DONE, coordinator_pb2.FAILED):
+        oldest = max([oldest, *(w.last_heartbeat_age_seconds for w in client.workers())])
+        time.sleep(0.2)
+    for t in threads:
+        t.join(60)
+    status = client.status("followed")
+    print(f"40 followers: oldest heartbeat {oldest:.2f} s while the job trained")
+    assert status.state == coordinator_pb2.DONE, status.error
+    assert not status.restarts and oldest < HEARTBEAT_TIMEOUT
+    followed = [o for o in outcomes if isinstance(o, int)]
+    refused = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+    assert followed == [steps] * per_caller  # each got every step report
+    assert len(refused) == 40 - per_caller
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.details().endswith(f"follows {per_caller} streams, its limit; retry in 5 s")
+
+
+def test_a_stalled_coordinator_does_not_blame_the_workers(cluster: LocalServices,
+                                                          client: CoordinatorClient) -> None:
+    client.submit(job("stalled", 200))
+    wait_state(client, "stalled", ("RUNNING",), step=2)
+    coordinator = cluster.process("coordinator")
+    os.kill(coordinator.pid, signal.SIGSTOP)
+    try:
+        time.sleep(HEARTBEAT_TIMEOUT + 2.0)  # every worker looks silent for longer
+    finally:
+        os.kill(coordinator.pid, signal.SIGCONT)
+    status = wait_state(client, "stalled", ("DONE", "FAILED"))
+    assert status.state == coordinator_pb2.DONE, status.error
+    assert not status.restarts and status.step == 200
+    assert all(w.alive for w in client.workers())
+
+
+def profile_request(repeats: int) -> object:
+    """A Profile of a model big enough to keep a worker busy for many seconds."""
+    big = JobConfig(model="mlp", dataset="digits", schedule="gpipe", workers=2,
+                    batch_size=512, microbatches=2, model_config={"hidden": 1024, "depth": 6})
+    return ProfileQuery(big, 256, None, 2, repeats).to_proto()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture()
+def worker(tmp_path: Path) -> Iterator[Process]:
+    """A worker process of its own (registered nowhere)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = Process("lone-worker", ["-m", "worker", "--listen", "127.0.0.1:0", "--threads", "1"],
+                   tmp_path, env)
+    proc.wait_ready()
+    yield proc
+    if proc.popen.poll() is None:
+        proc.popen.kill()
+        proc.popen.wait()
+
+
+def test_a_profile_stops_when_its_deadline_passes_and_sigterm_ends_the_worker(
+        worker: Process) -> None:
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address))
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Profile(profile_request(100), timeout=3.0)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.0)  # the profile notices at its next timed call
+    before = cpu_seconds(worker.pid)
+    time.sleep(2.0)
+    idle = cpu_seconds(worker.pid) - before
+    print(f"after the deadline the worker used {idle:.2f} CPU s in 2 s")
+    assert idle < 0.5
+
+    call = stub.Profile.future(profile_request(100), timeout=120.0)
+    time.sleep(2.0)
+    assert call.running()
+    start = time.monotonic()
+    worker.popen.send_signal(signal.SIGTERM)
+    code = worker.popen.wait(timeout=30)
+    seconds = time.monotonic() - start
+    print(f"SIGTERM during a Profile: exit {code} after {seconds:.1f} s")
+    assert seconds < 8.0
+    assert call.exception() is not None
+
+
+def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process) -> None:
+    """40 Step calls for a step far ahead, each with a 1 s deadline: they wait for their
+    turn only until then, so the worker's 32 threads come back and it keeps answering;
+    one without a deadline waits until the job is drained."""
+    from tests.test_worker_service import second_rank_assignment
+
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address))
+    stub.Assign(second_rank_assignment(), timeout=60)
+    calls = [stub.Step.future(worker_pb2.StepRequest(job_id="win", step=5), timeout=1.0)
+             for _ in range(40)]
+    for call in calls:
+        assert call.exception(timeout=30).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.0)
+    with server.channel(worker.address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    waiting = stub.Step.future(worker_pb2.StepRequest(job_id="win", step=5))  # no deadline
+    time.sleep(1.0)
+    assert waiting.running()  # it waits for its turn until the job is drained
+    assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10).drained
+    assert waiting.exception(timeout=30).code() == grpc.StatusCode.ABORTED
