@@ -23,6 +23,7 @@ from pipefb.job.config import JobConfig, build_layers, job_device
 from pipefb.job.data import job_dataset
 from pipefb.job.lr import lr_scheduler
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
+from pipefb.job.precision import autocast
 from pipefb.memory import DeviceMemory, tensor_bytes
 from pipefb.runtime.state import persistent_buffers
 from pipefb.seeding import derive_seed, seed_random_ops
@@ -67,9 +68,10 @@ class SingleProcess:
         x, targets = self.dataset.microbatch(step, microbatch, self.job.microbatch_size)
         x, targets = x.to(self.device), targets.to(self.device)
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            seed_random_ops(derive_seed(self.job.seed, step, microbatch, i))
-            x = layer(x, targets) if i == last else layer(x)
+        with autocast(self.job.precision, self.device):  # [Note: mixed precision]
+            for i, layer in enumerate(self.layers):
+                seed_random_ops(derive_seed(self.job.seed, step, microbatch, i))
+                x = layer(x, targets) if i == last else layer(x)
         return x
 
     def step(self, step: int) -> SingleStep:

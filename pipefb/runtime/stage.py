@@ -19,6 +19,7 @@ from typing import cast
 import torch
 
 from pipefb.job.config import JobConfig, build_layers, job_device
+from pipefb.job.precision import autocast
 from pipefb.job.shapes import TensorSpec, output_spec, spec_of, writes_its_input
 from pipefb.memory import DeviceMemory, MemoryAccount, storage_bytes, tensor_bytes
 from pipefb.plan.plan import Plan
@@ -74,6 +75,8 @@ class StageRuntime:
         self.actions, self.topology = self.place.actions, self.place.topology
         self.fwd_layers, self.bwd_layers = self.place.fwd_layers, self.place.bwd_layers
         self.device = job_device(job)
+        # the forwards' autocast ([Note: mixed precision] in pipefb.job.precision)
+        self.autocast = partial(autocast, job.precision, self.device)
         self.device_memory = DeviceMemory(self.device)
         self.clock = LayerClock(job, rank, self.device_memory)
         self.flight = InFlight()
@@ -99,7 +102,8 @@ class StageRuntime:
         self.n_layers = len(all_layers)
         self.data = MicroBatches(self.job, self.plan.microbatch_size, self.place.mb_offset,
                                  self.device)
-        specs = self.data.layer_specs(all_layers)
+        with self.autocast():  # each layer's inputs in the dtypes autocast gives them
+            specs = self.data.layer_specs(all_layers)
         self.specs = specs
         flows = grad_flows(all_layers)
         held = self.place.held
@@ -117,7 +121,8 @@ class StageRuntime:
             {i: self.runner.stash_names(i) for i in self._stored_layers(self.bwd_layers)})
         forward_params = {k: spec_of(p) for k, p in
                           self.state.named_params(self.fwd_layers).items()}
-        loss_spec = output_spec(all_layers[-1], specs[-1])
+        with self.autocast():
+            loss_spec = output_spec(all_layers[-1], specs[-1])
         self.loss_dtype = loss_spec.dtype
         self.receives = receive_specs(self.place, specs, loss_spec, forward_params)
         self.max_receive_bytes = max((s.nbytes for named in self.receives.values()
@@ -147,8 +152,10 @@ class StageRuntime:
         needs = needs_grad(i, specs, flows)
         if (trains(layer, needs) and self.role == "combined" and self.plan.policy[i] == "keep"
                 and self.plan.mode == "sync" and not self.place.defer):
-            return AutogradExec(layer, needs, copy_inputs=writes_its_input(layer, specs, needs))
-        return split_exec(layer, specs, needs, self.device)
+            with self.autocast():
+                copy = writes_its_input(layer, specs, needs)
+            return AutogradExec(layer, needs, copy_inputs=copy, autocast=self.autocast)
+        return split_exec(layer, specs, needs, self.device, self.autocast)
 
     def _stored_layers(self, layers: range) -> list[int]:
         """Layers whose saved tensors go through the offload store (all on split ranks)."""
