@@ -15,10 +15,15 @@ import torch
 from pipefb.app.cli import main
 from pipefb.job.config import JobConfig
 from pipefb.job.losses import build_loss
+from pipefb.job.precision import autocast
 from pipefb.job.shapes import spec_of
 from pipefb.models import build_model
+from pipefb.profile.analytic import analytic_profile
+from pipefb.profile.measure import measure_profile
 from pipefb.runtime.layersplit import LayerSplit
+from pipefb.runtime.reference import SingleProcess
 from protos.convert import job_to_proto
+from tests.test_device import needs_cuda
 from tests.test_transparency import assert_same_training, make_job, reference, run_on_cluster
 
 # (schedule, workers, groups): combined and split kinds, and two groups where they apply
@@ -70,7 +75,6 @@ def stash_bytes(job: JobConfig) -> int:
     size = job.microbatch_size
     x = torch.zeros(size, 16, dtype=torch.long)
     targets, total = torch.zeros(size, 16, dtype=torch.long), 0
-    from pipefb.job.precision import autocast
     with autocast(job.precision, "cpu"):
         for i, layer in enumerate(layers):
             inputs = [x, targets] if i == len(layers) - 1 else [x]
@@ -118,7 +122,9 @@ def test_the_split_traced_under_autocast_equals_eager_autocast() -> None:
 
 
 BAD = [({"precision": "fp8"}, "unknown precision 'fp8'"),
-       ({"precision": "fp16"}, "precision 'fp16' needs --device cuda")]
+       ({"precision": "fp16"}, "precision 'fp16' needs --device cuda"),
+       ({"precision": "fp16", "device": "cuda", "schedule": "pipefb", "mode": "async"},
+        "precision 'fp16' runs sync jobs only; this one is 'async'")]
 
 
 @pytest.mark.parametrize(("fields", "message"), BAD)
@@ -138,3 +144,44 @@ def test_local_train_refuses_a_bad_precision_in_one_line(
     code = main(["local", "train", "--precision", "half", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert code != 0 and "unknown precision 'half'" in err and "\n" not in err
+
+
+# -- on a GPU ------------------------------------------------------------------------------
+# CUDA autocast and fp16's loss scaling: these run only where a CUDA device is.
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize(("schedule", "workers", "groups"), [("1f1b", 4, 1), ("pipefb", 4, 2)])
+def test_cuda_mixed_precision_pipeline_equals_one_process(
+        client: Any, precision: str, schedule: str, workers: int, groups: int) -> None:
+    job = gpt_job(schedule, workers, groups, device="cuda", precision=precision)
+    reports, weights = run_on_cluster(client, job)
+    single = SingleProcess(replace(job, schedule="single", groups=1))
+    want = list(single.run())
+    assert [r.skipped for r in reports] == [s.skipped for s in want]
+    torch.testing.assert_close(torch.tensor([r.loss for r in reports], dtype=torch.float64),
+                               torch.tensor([s.loss for s in want], dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    for name, value in single.weights().items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_planners_profiles_count_the_autocast_dtypes() -> None:
+    """Both profilers see what a bf16 stage holds: the head's bfloat16 logits are half the
+    bytes, and each layer's stash is what the runtime stashes (`stash_bytes`)."""
+    bf16 = gpt_job("pipefb", 2, 1)
+    size = bf16.microbatch_size
+    rows = {p: analytic_profile(replace(bf16, precision=p), size, 1e9).layers
+            for p in ("bf16", "fp32")}
+    head = 3  # embedding, two blocks, head, loss
+    assert rows["bf16"][head].output_bytes * 2 == rows["fp32"][head].output_bytes
+    assert rows["bf16"][1].input_bytes == rows["fp32"][1].input_bytes  # the residual stream
+    for p, layers in rows.items():
+        per_microbatch = stash_bytes(replace(bf16, precision=p)) // bf16.microbatches
+        assert sum(r.saved_bytes for r in layers) <= per_microbatch
+    assert sum(r.saved_bytes for r in rows["bf16"]) < 0.75 * sum(
+        r.saved_bytes for r in rows["fp32"])
+    measured = measure_profile(bf16, size, warmup=0, repeats=1).layers
+    assert [r.saved_bytes for r in measured] == [r.saved_bytes for r in rows["bf16"]]
+    assert [r.output_bytes for r in measured] == [r.output_bytes for r in rows["bf16"]]

@@ -131,6 +131,10 @@ class JobConfig:
             raise ConfigError(f"learning rate {self.lr!r} must be a finite number > 0")
         self._check_lr_schedule()
         check_precision(self.precision, self.device)
+        if self.precision == "fp16" and self.mode != "sync":
+            raise ConfigError(f"precision 'fp16' runs sync jobs only; this one is "
+                              f"{self.mode!r} (each backward must take the scale its "
+                              "step's update divides by)")
         if self.job_id and not _JOB_ID.match(self.job_id):
             raise ConfigError(f"job id {self.job_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
 

@@ -41,6 +41,7 @@ from pipefb.runtime.execs import (
 from pipefb.runtime.flight import InFlight
 from pipefb.runtime.inputs import MicroBatches
 from pipefb.runtime.layersplit import DeferredGrads
+from pipefb.runtime.lossscale import LossScale
 from pipefb.runtime.place import place
 from pipefb.runtime.receives import check_received, receive_specs
 from pipefb.runtime.result import COMPUTE, Iteration, StepResult
@@ -62,8 +63,9 @@ class StageRuntime:
         """Places rank `rank` in `plan` and builds its layers, executors and state.
 
         `reducer` sums the gradients of this stage across groups (None with one group);
-        `norm_reducer`, with gradient clipping, sums over the weight owners of this
-        rank's group ([Note: global norm]; None where one owner holds every stage).
+        `norm_reducer`, with gradient clipping or fp16, sums over the weight owners of this
+        rank's group ([Note: global norm], [Note: loss scaling]; None where one owner
+        holds every stage).
 
         Raises:
             ConfigError: the plan gives `rank` no stage.
@@ -115,6 +117,9 @@ class StageRuntime:
         self.state = RankState(self.job, self.rank, layers, execs, self.fwd_layers,
                                self.bwd_layers)
         self.clip = self._clip(all_layers)
+        # fp16: every owner's copy of the loss scale ([Note: loss scaling])
+        self.scale = (LossScale(self.device, self.norm_reducer)
+                      if self.job.precision == "fp16" and self.role != "forward" else None)
         self.exchange = Exchange(
             self.transport, self.place, self.flight, self.state, self.device, self.job.steps,
             self.plan.mode == "sync", self._stored_layers(self.fwd_layers),
@@ -316,8 +321,10 @@ class StageRuntime:
     def _output_grad(self, action: Action, step: int, m: int) -> torch.Tensor:
         """The gradient of the loss with respect to the stage's output for (step, m)."""
         if action.stage == len(self.topology.backward_workers) - 1:
-            # d(mean over the step's micro-batches, every group's), in the loss's dtype
-            return torch.full((), 1.0 / (self.plan.microbatches * self.plan.groups),
+            # d(mean over the step's micro-batches, every group's), in the loss's dtype,
+            # times the loss scale with fp16 ([Note: loss scaling])
+            scale = self.scale.scale if self.scale is not None else 1.0
+            return torch.full((), scale / (self.plan.microbatches * self.plan.groups),
                               dtype=self.loss_dtype, device=self.device)
         return self.flight.grads.pop((step, action.stage, m))
 
@@ -368,7 +375,7 @@ class StageRuntime:
     def _optimizer_step(self, action: Action, step: int, it: Iteration) -> None:
         self._run_deferred(step, keep=0)  # the last B ran them; OPT needs every grad
         done = self.state.step(step, self._versions_needed_after(step), self.reducer,
-                               self.clip)
+                               self.clip, self.scale)
         it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped
 
     def _versions_needed_after(self, step: int) -> set[int]:
