@@ -185,3 +185,19 @@ def test_the_planners_profiles_count_the_autocast_dtypes() -> None:
     measured = measure_profile(bf16, size, warmup=0, repeats=1).layers
     assert [r.saved_bytes for r in measured] == [r.saved_bytes for r in rows["bf16"]]
     assert [r.output_bytes for r in measured] == [r.output_bytes for r in rows["bf16"]]
+
+
+def test_a_yaml_job_file_sets_the_precision(
+        cluster: Any, client: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("model: mlp\ndataset: digits\nloss: cross_entropy\nschedule: pipefb\n"
+                   "workers: 2\nbatch_size: 8\nmicrobatches: 2\nsteps: 2\noptimizer: sgd\n"
+                   "lr: 0.05\nprecision: bf16\njob_id: yaml-bf16\n")
+    assert main(["submit", "--coordinator", cluster.coordinator, str(job), "--follow"]) == 0
+    assert client.status("yaml-bf16").spec.precision == "bf16"
+    reports = list(client.train("yaml-bf16"))
+    want, _ = reference(JobConfig.from_dict({
+        "model": "mlp", "dataset": "digits", "loss": "cross_entropy", "schedule": "pipefb",
+        "workers": 2, "batch_size": 8, "microbatches": 2, "steps": 2, "optimizer": "sgd",
+        "lr": 0.05, "precision": "bf16"}))
+    assert [r.loss for r in reports] == want
