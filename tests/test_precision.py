@@ -52,6 +52,19 @@ def test_bf16_pipeline_equals_one_process_under_the_same_autocast(
     assert fp32_losses[0] != want_losses[0]  # autocast changed the numbers
 
 
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_bf16_offloaded_and_recomputed_layers_equal_one_process(client: Any, policy: str
+                                                                 ) -> None:
+    """A combined rank's offloaded stash goes through the store in bfloat16; a recomputed
+    forward runs the same captured casts again."""
+    job = gpt_job("1f1b", 2, 1, policy=policy)
+    reports, weights = run_on_cluster(client, job)
+    want_losses, want_weights = reference(job)
+    assert [r.loss for r in reports] == want_losses
+    for name, want in want_weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=0, atol=0, msg=name)
+
+
 def test_bf16_stash_keeps_bfloat16_and_its_bytes_shrink(client: Any) -> None:
     bf16 = gpt_job("pipefb", 2, 1, steps=2)
     stashed = {}
