@@ -11,8 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipefb.job.config import JobConfig
+from pipefb.job.optim import build_optimizer
 from pipefb.runtime.allreduce import GroupAllReduce
+from pipefb.runtime.clipping import GlobalNormClip
+from pipefb.runtime.execs import AutogradExec
 from pipefb.runtime.lossscale import LossScale
+from pipefb.runtime.state import RankState
 
 # each step's true gradients of two parameters; None: the first one overflows
 STEPS: list[list[float] | None] = [[1.0, -2.0], [0.5, 3.0], None, [0.25, 1e-3], [1.0, 1.0],
@@ -72,3 +77,40 @@ def test_an_overflow_on_one_owner_skips_the_step_on_every_owner() -> None:
         t.join(30)
     assert out[0][:2] == out[1][:2] == (True, 2.0)  # both skip and halve the scale
     assert torch.equal(out[0][2], torch.tensor([1.0, 2.0]))  # unscaled: 1 / 4
+
+
+def test_an_owners_optimizer_step_unscales_clips_and_skips_as_torch_does() -> None:
+    """`RankState.step` with a scale (what an fp16 owner runs at OPT) against one process
+    with torch's GradScaler and clip_grad_norm_: the same weights after every step, the
+    same steps skipped."""
+    job = JobConfig(model="mlp", dataset="digits", schedule="1f1b", workers=2,
+                    optimizer="adamw", lr=0.01, steps=len(STEPS), clip_grad_norm=0.5)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    theirs = torch.nn.Linear(3, 2)
+    theirs.load_state_dict(layer.state_dict())
+    state = RankState(job, 0, {0: layer}, {0: AutogradExec(layer, [False])}, range(1),
+                      range(1))
+    params = list(layer.parameters())
+    clip = GlobalNormClip(0.5, [0, 1], 2, torch.float32, torch.device("cpu"), None)
+    scale = LossScale(torch.device("cpu"), None, init_scale=2.0**10, growth_interval=2)
+    optimizer = build_optimizer("adamw", list(theirs.parameters()), 0.01, {})  # the job's
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    for step, values in enumerate(STEPS):
+        grads = [torch.full_like(p, math.inf if values is None else values[0]) for p in params]
+        if values is not None:
+            grads[1] = torch.full_like(params[1], values[1])
+        s = float(scaler.scale(torch.ones(())))
+        for p, q, g in zip(params, theirs.parameters(), grads, strict=True):
+            p.grad, q.grad = g * scale.scale, g * s
+        done = state.step(step, set(), None, clip, scale)
+        scaler.unscale_(optimizer)
+        norm = float(torch.nn.utils.clip_grad_norm_(list(theirs.parameters()), 0.5))
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        assert done.skipped == (scaler.get_scale() < before) == (values is None)
+        assert done.grad_norm == norm or not math.isfinite(norm)
+        for p, q in zip(params, theirs.parameters(), strict=True):
+            assert torch.equal(p, q)
