@@ -88,7 +88,9 @@ def assign_all(job: Job, ranks: Ranks, store_address: str, rendezvous: Callable[
     spec, plan_msg = job_to_proto(job.config), plan_to_proto(job.plan)
     peers = [w.address for w in ranks.workers]
     # several groups all-reduce their gradients; clipping exchanges the stages' norms
-    meeting = rendezvous() if job.plan.groups > 1 or job.config.clip_grad_norm else ""
+    # and fp16 its overflow flags ([Note: loss scaling])
+    exchanges = job.config.clip_grad_norm or job.config.precision == "fp16"
+    meeting = rendezvous() if job.plan.groups > 1 or exchanges else ""
     source = None
     if job.migrating_from is not None:
         old, attempt = job.migrating_from

@@ -22,8 +22,8 @@ PROFILE_TIMEOUT_SECONDS = 600.0  # one worker's whole profile (tracing included)
 
 # [Note: profile reuse]
 # A worker's reply to a Profile request depends on the worker and on what the request
-# asks: the model, data, loss, optimizer, device, seed, batch and micro-batch sizes, the
-# layers, warm-up and repeats, and any injected slowdown. It does not depend on how the
+# asks: the model, data, loss, optimizer, device, precision, seed, batch and micro-batch
+# sizes, the layers, warm-up and repeats, and any injected slowdown. It does not depend on how the
 # job would be planned or run (PLAN_ONLY), so `plan: auto` jobs that differ only in
 # those (a sweep over schedules, steps or caps) reuse the first one's replies, so such
 # a sweep pays for profiling, which takes far longer than planning, only once. The

@@ -31,6 +31,7 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         loss_config_json=json.dumps(job.loss_config),
         lr_schedule=job.lr_schedule, warmup_steps=job.warmup_steps, min_lr=job.min_lr,
         clip_grad_norm=job.clip_grad_norm,
+        precision=job.precision,
     )
 
 
@@ -54,6 +55,7 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         loss_config=parse_json_object(spec.loss_config_json, "loss config"),
         lr_schedule=spec.lr_schedule or "constant", warmup_steps=spec.warmup_steps,
         min_lr=spec.min_lr, clip_grad_norm=spec.clip_grad_norm,
+        precision=spec.precision or "fp32",
     )
 
 

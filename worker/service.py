@@ -531,7 +531,7 @@ def _join_norm_group(request: worker_pb2.AssignRequest, plan: Plan, job: JobConf
     pipefb.runtime.clipping); None for a forward rank or a group with one stage. Every
     owner joins it after its stage's group, so no two owners wait on each other's
     first join."""
-    if not job.clip_grad_norm:
+    if not job.clip_grad_norm and job.precision != "fp16":  # fp16: [Note: loss scaling]
         return None
     mine = next((a for a in plan.assignment if a.rank == request.rank), None)
     if mine is None:
@@ -541,7 +541,8 @@ def _join_norm_group(request: worker_pb2.AssignRequest, plan: Plan, job: JobConf
     if mine.role == "forward" or stages == 1:
         return None
     if not request.rendezvous:
-        raise ConfigError("gradient clipping across stages needs a rendezvous address")
+        raise ConfigError("gradient clipping and fp16 across stages need a rendezvous "
+                          "address")
     key = norm_rendezvous_key(request.job.job_id, request.attempt, mine.group)
     own_host = request.peers[request.rank].rpartition(":")[0]
     return GroupAllReduce(request.rendezvous, key, mine.stage, stages, job_device(job),

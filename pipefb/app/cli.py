@@ -84,6 +84,10 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                    help="the learning rate cosine and linear decay to")
     p.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm,
                    help="clip the whole model's gradient norm (every stage) to this; 0: off")
+    p.add_argument("--precision", default=d.precision,
+                   help="fp32, bf16 (autocast per stage, float32 master weights and "
+                        "optimizer state; cpu and cuda) or fp16 (cuda: autocast and loss "
+                        "scaling agreed across stages)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds weights, data, dropout")
     p.add_argument("--mode", default="",
                    help="sync (equal to one process) or async (pipedream, pipefb); "
@@ -223,6 +227,7 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
                  "resume", "max_restarts", "slowdown", "replan", "check_groups_every",
                  "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm"):
         values.setdefault(name, getattr(args, name))
+    values.setdefault("precision", args.precision)
     if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
         values["checkpoint_dir"] = args.checkpoint_dir or ""  # "": the job's own directory
     if args.groups is not None or "groups" not in values:  # default: auto with --plan auto

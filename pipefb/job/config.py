@@ -13,6 +13,7 @@ import torch
 
 from pipefb.errors import ConfigError
 from pipefb.job.lr import LR_SCHEDULES
+from pipefb.job.precision import check_precision
 from pipefb.schedule.kinds import REGISTRY, runs_in_process
 from pipefb.schedule.kinds import SCHEDULES as SCHEDULES  # the names a job may run
 
@@ -117,6 +118,8 @@ class JobConfig:
     warmup_steps: int = 0  # steps of linear warm-up before the schedule's decay
     min_lr: float = 0.0  # the floor cosine and linear decay to, reached after the last step
     clip_grad_norm: float = 0.0  # clip the whole model's gradient norm to this; 0: off
+    precision: str = "fp32"  # fp32, bf16 (autocast, float32 master weights) or fp16 (cuda:
+    # autocast and loss scaling); [Note: mixed precision] in pipefb.job.precision
 
     def __post_init__(self) -> None:
         _check_positive(self, ("workers", "batch_size", "microbatches", "steps"))
@@ -153,6 +156,11 @@ class JobConfig:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"learning rate {self.lr!r} must be a finite number > 0")
         self._check_lr_schedule()
+        check_precision(self.precision, self.device)
+        if self.precision == "fp16" and self.mode != "sync":
+            raise ConfigError(f"precision 'fp16' runs sync jobs only; this one is "
+                              f"{self.mode!r} (each backward must take the scale its "
+                              "step's update divides by)")
         if self.job_id and not _JOB_ID.fullmatch(self.job_id):
             raise ConfigError(f"job id {self.job_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
 

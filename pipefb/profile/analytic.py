@@ -84,7 +84,7 @@ def analytic_profile(job: JobConfig, microbatch_size: int, flops_per_second: flo
     device = _Device(float(flops_per_second), float(bytes_per_second), float(launch_seconds))
     with torch.random.fork_rng(devices=[]):
         dataset = job_dataset(job)
-        seq = sequence(build_layers(job), dataset, microbatch_size)
+        seq = sequence(build_layers(job), dataset, microbatch_size, job.precision)
         rows = tuple(_analytic_layer(seq, i, out, device, derive_seed(job.seed, DATA_STEP, 0, i))
                      for i, out in enumerate(seq.output_specs()))
         params = params_of(seq.layers)
@@ -105,7 +105,7 @@ def _analytic_layer(seq: LayerSequence, i: int, out: TensorSpec, device: _Device
     inputs = sum(s.nbytes for s in specs)
     input_grads = sum(s.nbytes for s, g in zip(specs, needs, strict=True) if g)
     params = tensor_bytes(layer.parameters())
-    saved = _example_stash_bytes(layer, specs, needs, seed)
+    saved = _example_stash_bytes(seq, i, needs, seed)
     launch = device.launch_seconds
     return LayerProfile(
         name=type(layer).__name__,
@@ -116,10 +116,11 @@ def _analytic_layer(seq: LayerSequence, i: int, out: TensorSpec, device: _Device
         forward_fixed_seconds=launch, backward_fixed_seconds=launch)
 
 
-def _example_stash_bytes(layer: nn.Module, specs: list[TensorSpec], needs: list[bool],
-                         seed: int) -> int:
-    """The stash bytes of one forward of the layer's captured split on example inputs."""
-    executor = split_exec(layer, specs, needs)
+def _example_stash_bytes(seq: LayerSequence, i: int, needs: list[bool], seed: int) -> int:
+    """The stash bytes of one forward of layer i's captured split on example inputs (in
+    the dtypes the job's autocast gives them)."""
+    layer, specs = seq.layers[i], seq.specs[i]
+    executor = split_exec(layer, specs, needs, autocast=seq.autocast)
     generator = torch.Generator().manual_seed(_EXAMPLE_SEED)
     if executor.has_random_ops:
         seed_random_ops(seed)

@@ -183,7 +183,7 @@ def _measure(job: JobConfig, microbatch_size: int, layers: range | None, warmup:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         dataset = job_dataset(job)
         seq = sequence([layer.to(device) for layer in build_layers(job)], dataset,
-                        microbatch_size)
+                        microbatch_size, job.precision)
         timed = _timed_layers(layers, len(seq.layers))
         caches = _Caches(device)
         full = _pipeline(seq, dataset, microbatch_size, timed, len(seq.layers), job.seed,
@@ -191,7 +191,7 @@ def _measure(job: JobConfig, microbatch_size: int, layers: range | None, warmup:
         size = second_size(microbatch_size, job.batch_size)
         rounds = second_rounds(warmup, repeats, microbatch_size, size)
         second = (full if microbatch_size == size else
-                  _pipeline(sequence(seq.layers, dataset, size), dataset, size,
+                  _pipeline(sequence(seq.layers, dataset, size, job.precision), dataset, size,
                             timed, timed.stop, job.seed, *rounds, caches))
         owned = _owned_layers(seq.layers, timed)
         optimizer = _optimizer_costs(job, params_of(list(owned.values())), warmup, repeats,
@@ -220,7 +220,8 @@ def _pipeline(seq: LayerSequence, dataset: Dataset, size: int, timed: range, sto
     for i in range(stop):
         _check_cancelled()
         executors.append(split_exec(seq.layers[i], seq.specs[i],
-                                    needs_grad(i, seq.specs[i], flows[i]), device))
+                                    needs_grad(i, seq.specs[i], flows[i]), device,
+                                    seq.autocast))
     samples = _Samples({}, {}, {}, [], {})
     for r in range(warmup + repeats):
         record = r >= warmup

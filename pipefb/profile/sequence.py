@@ -12,16 +12,19 @@ stash may alias the layer's input or output).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
 
 from pipefb.errors import ConfigError
 from pipefb.job.data import Dataset
+from pipefb.job.precision import autocast
 from pipefb.job.shapes import TensorSpec, infer_input_specs, output_spec, spec_of
 from pipefb.memory import tensor_bytes
-from pipefb.runtime.execs import Saved
+from pipefb.runtime.execs import Autocast, Saved
 
 DATA_STEP = 0  # shapes come from step 0's micro-batch 0; round r runs step DATA_STEP + r
 
@@ -34,6 +37,9 @@ class LayerSequence:
     specs: list[list[TensorSpec]]
     inputs: torch.Tensor  # the micro-batch's inputs (layer 0's input)
     targets: torch.Tensor  # its targets (the loss layer's second input)
+    # the job's autocast: specs, and the splits traced, in the dtypes it gives
+    # ([Note: mixed precision] in pipefb.job.precision)
+    autocast: Autocast = field(default=nullcontext)
 
     @property
     def last(self) -> int:
@@ -42,15 +48,21 @@ class LayerSequence:
 
     def output_specs(self) -> list[TensorSpec]:
         """Each layer's output spec (the loss's by shape propagation, without compute)."""
-        return [s[0] for s in self.specs[1:]] + [output_spec(self.layers[-1], self.specs[-1])]
+        with self.autocast():
+            loss = output_spec(self.layers[-1], self.specs[-1])
+        return [s[0] for s in self.specs[1:]] + [loss]
 
 
-def sequence(layers: list[nn.Module], dataset: Dataset, size: int) -> LayerSequence:
-    """The layers with their input specs and the micro-batch, on the layers' device."""
+def sequence(layers: list[nn.Module], dataset: Dataset, size: int, precision: str = "fp32"
+             ) -> LayerSequence:
+    """The layers with their input specs and the micro-batch, on the layers' device,
+    under the autocast of `precision` (the job's)."""
     x, y = dataset.microbatch(DATA_STEP, 0, size)
     device = next((p.device for p in params_of(layers)), torch.device("cpu"))
-    specs = infer_input_specs(layers, spec_of(x), spec_of(y))
-    return LayerSequence(layers, specs, x.to(device), y.to(device))
+    cast = partial(autocast, precision, device)
+    with cast():
+        specs = infer_input_specs(layers, spec_of(x), spec_of(y))
+    return LayerSequence(layers, specs, x.to(device), y.to(device), cast)
 
 
 def params_of(layers: Sequence[nn.Module]) -> list[torch.Tensor]:

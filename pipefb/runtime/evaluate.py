@@ -10,6 +10,7 @@ import torch
 from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.job.data import job_dataset
+from pipefb.job.precision import autocast
 from pipefb.runtime.state import load_buffers
 
 EVAL_SAMPLES = 1024  # held-out samples per evaluation: the same draws for every schedule
@@ -59,7 +60,7 @@ def evaluate(job: JobConfig, weights: Mapping[str, torch.Tensor],
     else:  # a corpus (text) or a generator (synthetic): `samples` fixed draws
         batches = [dataset.microbatch(0, b, min(EVAL_BATCH, samples - b * EVAL_BATCH), "eval")
                    for b in range(-(-samples // EVAL_BATCH))]
-    with torch.no_grad():
+    with torch.no_grad(), autocast(job.precision, "cpu"):  # as the job trained
         for x, y in batches:
             size = len(x)
             for layer in model:

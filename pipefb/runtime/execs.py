@@ -14,7 +14,8 @@ on runs it for every layer: [Note: input grads first] in docs/architecture.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
@@ -24,6 +25,8 @@ from pipefb.runtime.layersplit import DeferredGrads, LayerSplit
 
 Saved = dict[str, torch.Tensor]
 Params = Sequence[torch.Tensor] | None  # a weight version in module order; None: the live one
+#: The autocast a layer's forward runs under ([Note: mixed precision] in pipefb.job.precision)
+Autocast = Callable[[], AbstractContextManager[object]]
 
 
 def needs_grad(layer: int, specs: Sequence[TensorSpec], flows: bool | None = None
@@ -89,8 +92,10 @@ class AutogradExec:
     """Eager autograd; the saved tensors are the autograd graph's own (counted, not moved)."""
 
     def __init__(self, layer: torch.nn.Module, input_requires_grad: Sequence[bool],
-                 has_random_ops: bool = True, copy_inputs: bool = False) -> None:
+                 has_random_ops: bool = True, copy_inputs: bool = False,
+                 autocast: Autocast = nullcontext) -> None:
         self.layer = layer
+        self.autocast = autocast  # the forward's; the backward runs outside, as in one process
         self.stash_names: list[str] = []  # nothing leaves the worker
         self.input_requires_grad = list(input_requires_grad)
         self.has_random_ops = has_random_ops  # unknown without tracing: seed to be safe
@@ -110,7 +115,8 @@ class AutogradExec:
             kept.append(t)  # only to account their bytes; autograd holds them anyway
             return t
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (torch.enable_grad(), self.autocast(),
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
             args = [x.clone() if self.copy_inputs and x.requires_grad else x for x in leaves]
             out = self.layer(*args)
         saved = {f"input_{i}": x for i, x in enumerate(leaves)}
@@ -137,14 +143,15 @@ class NoGradExec:
     input: parameter-free or frozen layers at the front): its forward runs without
     autograd, it saves nothing, and its backward has nothing to compute."""
 
-    def __init__(self, layer: torch.nn.Module, n_inputs: int) -> None:
-        self.layer, self.n_inputs = layer, n_inputs
+    def __init__(self, layer: torch.nn.Module, n_inputs: int,
+                 autocast: Autocast = nullcontext) -> None:
+        self.layer, self.n_inputs, self.autocast = layer, n_inputs, autocast
         self.stash_names: list[str] = []
         self.has_random_ops = True  # unknown without tracing: seed to be safe
 
     def forward(self, inputs: Sequence[torch.Tensor], params: Params = None,
                 update_buffers: bool = True) -> tuple[torch.Tensor, Saved]:
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             if update_buffers:
                 return self.layer(*inputs), {}
             buffers = [(b, b.clone()) for b in self.layer.buffers()]
@@ -224,9 +231,12 @@ class SplitExec:
 
 
 def split_exec(layer: torch.nn.Module, specs: list[TensorSpec], needs: Sequence[bool],
-               device: torch.device | None = None) -> SplitExec | NoGradExec:
+               device: torch.device | None = None, autocast: Autocast = nullcontext
+               ) -> SplitExec | NoGradExec:
     """The split executor of a layer, or `NoGradExec` for one nothing differentiates
-    ([Note: no gradient])."""
+    ([Note: no gradient]). The split is traced under `autocast`, so its graphs hold the
+    casts and run without it ([Note: mixed precision] in pipefb.job.precision)."""
     if not trains(layer, needs):
-        return NoGradExec(layer, len(specs))
-    return SplitExec(layer, specs, needs, device)
+        return NoGradExec(layer, len(specs), autocast)
+    with autocast():
+        return SplitExec(layer, specs, needs, device)

@@ -23,6 +23,7 @@ from pipefb.job.config import JobConfig, build_layers, job_device
 from pipefb.job.data import job_dataset
 from pipefb.job.lr import lr_scheduler
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
+from pipefb.job.precision import autocast
 from pipefb.memory import DeviceMemory, tensor_bytes
 from pipefb.runtime.state import persistent_buffers
 from pipefb.seeding import derive_seed, seed_random_ops
@@ -59,6 +60,9 @@ class SingleProcess:
         # torch's own scheduler, stepped after every step ([Note: learning-rate schedules])
         self.scheduler = lr_scheduler(self.optimizer, job.lr_schedule, job.lr, job.steps,
                                       job.warmup_steps, job.min_lr)
+        # fp16: torch's own loss scaler ([Note: loss scaling] in pipefb.runtime.lossscale)
+        self.scaler = (torch.amp.GradScaler(self.device.type)
+                       if job.precision == "fp16" else None)
         # the last `staleness` versions before the newest, oldest first
         self.history: list[list[torch.Tensor]] = []
 
@@ -67,9 +71,10 @@ class SingleProcess:
         x, targets = self.dataset.microbatch(step, microbatch, self.job.microbatch_size)
         x, targets = x.to(self.device), targets.to(self.device)
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            seed_random_ops(derive_seed(self.job.seed, step, microbatch, i))
-            x = layer(x, targets) if i == last else layer(x)
+        with autocast(self.job.precision, self.device):  # [Note: mixed precision]
+            for i, layer in enumerate(self.layers):
+                seed_random_ops(derive_seed(self.job.seed, step, microbatch, i))
+                x = layer(x, targets) if i == last else layer(x)
         return x
 
     def step(self, step: int) -> SingleStep:
@@ -81,7 +86,8 @@ class SingleProcess:
         losses = []
         for m in range(self.job.microbatches):
             loss = self.loss(step, m)
-            torch.autograd.backward(loss / self.job.microbatches)
+            loss_part = loss / self.job.microbatches
+            torch.autograd.backward(self.scaler.scale(loss_part) if self.scaler else loss_part)
             losses.append(loss.item())
         if live is not None:
             self._swap_in(live)
@@ -91,11 +97,18 @@ class SingleProcess:
             self.history = [*self.history, [p.detach().clone() for p in self.params]]
             self.history = self.history[-self.staleness:]
         lr, grad_norm = float(self.optimizer.param_groups[0]["lr"]), None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if self.job.clip_grad_norm:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
                                                              self.job.clip_grad_norm))
         skipped = grad_norm is not None and not math.isfinite(grad_norm)
-        if not skipped:
+        if self.scaler is not None:  # it skips a step whose gradients overflowed
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before
+        elif not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped step still advances the schedule: the

@@ -19,6 +19,7 @@ from typing import cast
 import torch
 
 from pipefb.job.config import JobConfig, build_layers, job_device
+from pipefb.job.precision import autocast
 from pipefb.job.shapes import TensorSpec, output_spec, spec_of, writes_its_input
 from pipefb.memory import DeviceMemory, MemoryAccount, storage_bytes, tensor_bytes
 from pipefb.plan.plan import Plan
@@ -40,6 +41,7 @@ from pipefb.runtime.execs import (
 from pipefb.runtime.flight import InFlight
 from pipefb.runtime.inputs import MicroBatches
 from pipefb.runtime.layersplit import DeferredGrads
+from pipefb.runtime.lossscale import LossScale
 from pipefb.runtime.place import place
 from pipefb.runtime.receives import check_received, receive_specs
 from pipefb.runtime.result import COMPUTE, Iteration, StepResult
@@ -61,8 +63,9 @@ class StageRuntime:
         """Places rank `rank` in `plan` and builds its layers, executors and state.
 
         `reducer` sums the gradients of this stage across groups (None with one group);
-        `norm_reducer`, with gradient clipping, sums over the weight owners of this
-        rank's group ([Note: global norm]; None where one owner holds every stage).
+        `norm_reducer`, with gradient clipping or fp16, sums over the weight owners of this
+        rank's group ([Note: global norm], [Note: loss scaling]; None where one owner
+        holds every stage).
 
         Raises:
             ConfigError: the plan gives `rank` no stage.
@@ -74,6 +77,8 @@ class StageRuntime:
         self.actions, self.topology = self.place.actions, self.place.topology
         self.fwd_layers, self.bwd_layers = self.place.fwd_layers, self.place.bwd_layers
         self.device = job_device(job)
+        # the forwards' autocast ([Note: mixed precision] in pipefb.job.precision)
+        self.autocast = partial(autocast, job.precision, self.device)
         self.device_memory = DeviceMemory(self.device)
         self.clock = LayerClock(job, rank, self.device_memory)
         self.flight = InFlight()
@@ -99,7 +104,8 @@ class StageRuntime:
         self.n_layers = len(all_layers)
         self.data = MicroBatches(self.job, self.plan.microbatch_size, self.place.mb_offset,
                                  self.device)
-        specs = self.data.layer_specs(all_layers)
+        with self.autocast():  # each layer's inputs in the dtypes autocast gives them
+            specs = self.data.layer_specs(all_layers)
         self.specs = specs
         flows = grad_flows(all_layers)
         held = self.place.held
@@ -111,13 +117,17 @@ class StageRuntime:
         self.state = RankState(self.job, self.rank, layers, execs, self.fwd_layers,
                                self.bwd_layers)
         self.clip = self._clip(all_layers)
+        # fp16: every owner's copy of the loss scale ([Note: loss scaling])
+        self.scale = (LossScale(self.device, self.norm_reducer)
+                      if self.job.precision == "fp16" and self.role != "forward" else None)
         self.exchange = Exchange(
             self.transport, self.place, self.flight, self.state, self.device, self.job.steps,
             self.plan.mode == "sync", self._stored_layers(self.fwd_layers),
             {i: self.runner.stash_names(i) for i in self._stored_layers(self.bwd_layers)})
         forward_params = {k: spec_of(p) for k, p in
                           self.state.named_params(self.fwd_layers).items()}
-        loss_spec = output_spec(all_layers[-1], specs[-1])
+        with self.autocast():
+            loss_spec = output_spec(all_layers[-1], specs[-1])
         self.loss_dtype = loss_spec.dtype
         self.receives = receive_specs(self.place, specs, loss_spec, forward_params)
         self.max_receive_bytes = max((s.nbytes for named in self.receives.values()
@@ -147,8 +157,10 @@ class StageRuntime:
         needs = needs_grad(i, specs, flows)
         if (trains(layer, needs) and self.role == "combined" and self.plan.policy[i] == "keep"
                 and self.plan.mode == "sync" and not self.place.defer):
-            return AutogradExec(layer, needs, copy_inputs=writes_its_input(layer, specs, needs))
-        return split_exec(layer, specs, needs, self.device)
+            with self.autocast():
+                copy = writes_its_input(layer, specs, needs)
+            return AutogradExec(layer, needs, copy_inputs=copy, autocast=self.autocast)
+        return split_exec(layer, specs, needs, self.device, self.autocast)
 
     def _stored_layers(self, layers: range) -> list[int]:
         """Layers whose saved tensors go through the offload store (all on split ranks)."""
@@ -309,8 +321,10 @@ class StageRuntime:
     def _output_grad(self, action: Action, step: int, m: int) -> torch.Tensor:
         """The gradient of the loss with respect to the stage's output for (step, m)."""
         if action.stage == len(self.topology.backward_workers) - 1:
-            # d(mean over the step's micro-batches, every group's), in the loss's dtype
-            return torch.full((), 1.0 / (self.plan.microbatches * self.plan.groups),
+            # d(mean over the step's micro-batches, every group's), in the loss's dtype,
+            # times the loss scale with fp16 ([Note: loss scaling])
+            scale = self.scale.scale if self.scale is not None else 1.0
+            return torch.full((), scale / (self.plan.microbatches * self.plan.groups),
                               dtype=self.loss_dtype, device=self.device)
         return self.flight.grads.pop((step, action.stage, m))
 
@@ -361,7 +375,7 @@ class StageRuntime:
     def _optimizer_step(self, action: Action, step: int, it: Iteration) -> None:
         self._run_deferred(step, keep=0)  # the last B ran them; OPT needs every grad
         done = self.state.step(step, self._versions_needed_after(step), self.reducer,
-                               self.clip)
+                               self.clip, self.scale)
         it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped
 
     def _versions_needed_after(self, step: int) -> set[int]:

@@ -30,6 +30,7 @@ from pipefb.runtime.checkpoint import (
 )
 from pipefb.runtime.clipping import GlobalNormClip
 from pipefb.runtime.execs import LayerExec
+from pipefb.runtime.lossscale import LossScale
 from pipefb.runtime.versions import WeightVersions
 
 
@@ -109,22 +110,28 @@ class RankState:
         self.grad_bytes = tensor_bytes(p.grad for p in self.owned if p.grad is not None)
 
     def step(self, step: int, needed: set[int], reducer: Reducer | None,
-             clip: GlobalNormClip | None = None) -> OptStep:
+             clip: GlobalNormClip | None = None, scale: LossScale | None = None) -> OptStep:
         """The optimizer step (OPT) of training step `step`: keeps the current version if a
         later backward needs it (`needed`), sums the gradients across groups (`reducer`),
         clips them by the whole model's gradient norm (`clip`, a collective of the
         group's owners), sets the step's learning rate ([Note: learning-rate schedules]),
         updates the owned weights to the next version, unless the norm is not finite,
         and drops the kept versions not `needed`; on the job's `eval_every` cadence keeps
-        a copy of the new version for evaluation."""
+        a copy of the new version for evaluation. With `scale` (fp16), the gradients are
+        unscaled first and a step whose gradients overflowed on any owner is skipped
+        ([Note: loss scaling])."""
         if self.version in needed:
             self.versions.keep(self.version, {i: self.layers[i] for i in self.bwd_layers})
         done = OptStep(lr=self.rates.at(step))
         if self.optimizer is not None and reducer is not None:
             self._sum_gradients_across_groups(reducer)
+        overflowed = scale is not None and scale.unscale_(self.owned)  # a collective too
         if clip is not None:  # every owner takes part, one without parameters too
             done.grad_norm = clip.clip_(self.owned)
             done.skipped = not math.isfinite(done.grad_norm)
+        if scale is not None:
+            done.skipped = done.skipped or overflowed
+            scale.update(overflowed)
         if self.optimizer is not None:  # None: the stage owns no parameters
             if not done.skipped:
                 for group in self.optimizer.param_groups:
