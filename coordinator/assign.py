@@ -80,12 +80,14 @@ def assign_all(job: Job, ranks: Ranks, store_address: str, rendezvous: Callable[
                fail_ranks: Iterable[int] = ()) -> list[worker_pb2.AssignReply]:
     """Assigns every rank the job's plan and attempt, from its start step (and from
     the paused attempt, during a migration); `rendezvous` opens the all-reduce
-    rendezvous, asked only for a plan of several groups or a job that clips gradients."""
+    rendezvous (pipefb.runtime.allreduce), which the ranks join where they need it."""
     assert job.plan is not None
     spec, plan_msg = job_to_proto(job.config), plan_to_proto(job.plan)
     peers = [w.address for w in ranks.workers]
-    # several groups all-reduce their gradients; clipping exchanges the stages' norms
-    meeting = rendezvous() if job.plan.groups > 1 or job.config.clip_grad_norm else ""
+    # several groups all-reduce their gradients; clipping exchanges the stages' norms; the
+    # owners of a tied parameter's copies exchange its gradients (the model shows ties,
+    # not the spec: every job gets the address, and only the ranks that need it join)
+    meeting = rendezvous()
     source = None
     if job.migrating_from is not None:
         old, attempt = job.migrating_from
