@@ -527,7 +527,9 @@ def _join_tie_group(request: worker_pb2.AssignRequest, runtime: StageRuntime
     index, size = member
     key = tie_rendezvous_key(request.job.job_id, request.attempt, runtime.place.group)
     own_host = request.peers[request.rank].rpartition(":")[0]
-    reducer = GroupAllReduce(request.rendezvous, key, index, size, runtime.device,
+    # gloo on the host whatever the device: NCCL refuses two ranks on one GPU, and the
+    # workers of a one-GPU machine share it ([Note: tied parameters])
+    reducer = GroupAllReduce(request.rendezvous, key, index, size, torch.device("cpu"),
                              bind_host=own_host)
     runtime.set_tie_reducer(reducer)
     return reducer

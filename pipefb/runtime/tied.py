@@ -10,16 +10,17 @@ ranks each build the whole model and keep their own layers, so each rank unties 
 into a copy of its own (`untie`; the copies start equal). The weight owners of the uses
 keep each micro-batch's contribution c_u,m of their copies apart (`TiedGrads.take`, after
 the layer's backward or its weight-grad half); at OPT the owners that hold a use sum one
-(uses x micro-batches) buffer per tied parameter over gloo or NCCL (`Reducer.sum_`, a
+(uses x micro-batches) buffer per tied parameter over gloo (`Reducer.sum_`, a
 collective among the stages that hold a use: each slot holds one owner's value plus
 zeros, which adds exactly), and each computes the same sum in autograd's order from the
 same numbers. Every copy so gets the gradient one process gets, bit for bit, and the
 same optimizer step from the same state keeps the copies equal; the coordinator
 compares their digests (`digests`). The cost: each owner keeps its uses' gradients of
 every micro-batch of the step until OPT, and the buffer is (uses x micro-batches) times
-the parameter. The sum runs before the groups' all-reduce (which then sums identical
-copies alike on every owner) and before clipping, which counts the parameter once, at
-its first use's place.
+the parameter, staged through host memory on a GPU (gloo: NCCL refuses two ranks on one
+device, as the workers sharing a machine's one GPU are). The sum runs before the groups'
+all-reduce (which then sums identical copies alike on every owner) and before clipping,
+which counts the parameter once, at its first use's place.
 """
 
 from __future__ import annotations
@@ -150,8 +151,10 @@ class TiedGrads:
         use and micro-batch in one process's order (a collective of the members)."""
         buffers = [self._buffer(step, tie) for tie in self.ties]
         self._grads = {k: g for k, g in self._grads.items() if k[0] > step}
-        if self.reducer is not None:
-            self.reducer.sum_(buffers)
+        if self.reducer is not None:  # gloo, through host memory (see `_join_tie_group`)
+            staged = [b.cpu() for b in buffers]
+            self.reducer.sum_(staged)
+            buffers = [b.to(self.device) for b in staged]
         for tie, buffer in zip(self.ties, buffers, strict=True):
             total = autograd_sum(buffer)
             for i, name in tie.uses:
