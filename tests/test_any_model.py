@@ -1,7 +1,8 @@
 """User-style models (tests/plugin_pkg/pipefb_zoo) train exactly on every schedule and
 activation policy: parameter-free layers anywhere, frozen layers, BatchNorm's buffers,
-in-place ops, dropout, float64, embeddings, torch's TransformerEncoderLayer; and a model
-that cannot be trained is refused at submit with one line naming its layers."""
+in-place ops, dropout, float64, embeddings, torch's TransformerEncoderLayer, a head tied
+to the embedding; and a model that cannot be trained is refused at submit with one line
+naming its layers."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ ZOO: dict[str, dict[str, Any]] = {
     "zoo_relus": DIGITS, "zoo_frozen": DIGITS, "zoo_batchnorm": DIGITS, "zoo_convbn": DIGITS,
     "zoo_inplace": DIGITS, "zoo_dropout": DIGITS, "zoo_double": DIGITS, "zoo_embed": TEXT,
     "zoo_transformer": TEXT, "zoo_bfloat16": DIGITS, "zoo_recurrent": TEXT,
+    "zoo_tied": TEXT,  # tests/test_tied.py: its copies, groups, resume, async
 }
 # Models whose split backward runs other kernels than eager autograd: torch's attention
 # backward as AOTAutograd traces it differs from its fused eager kernel in the last bits.
