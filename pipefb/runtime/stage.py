@@ -119,6 +119,7 @@ class StageRuntime:
         self.clip = self._clip(all_layers)
         self.tied = TiedGrads(self.ties, layers, self.bwd_layers, self.plan.microbatches,
                               self.device)
+        self.state.summed_apart = {id(p) for p in self.tied.owned_copies()}
         self.exchange = Exchange(
             self.transport, self.place, self.flight, self.state, self.device, self.job.steps,
             self.plan.mode == "sync", self._stored_layers(self.fwd_layers),

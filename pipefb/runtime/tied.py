@@ -19,7 +19,8 @@ compares their digests (`digests`). The cost: each owner keeps its uses' gradien
 every micro-batch of the step until OPT, and the buffer is (uses x micro-batches) times
 the parameter, staged through host memory on a GPU (gloo: NCCL refuses two ranks on one
 device, as the workers sharing a machine's one GPU are). The sum runs before the groups'
-all-reduce (which then sums identical copies alike on every owner) and before clipping,
+all-reduce (which then sums each copy in a collective of its own, so every owner of a
+copy adds the groups' identical values alike) and before clipping,
 which counts the parameter once, at its first use's place.
 """
 
@@ -124,6 +125,11 @@ class TiedGrads:
         self.reducer: Reducer | None = None  # the members' exchange; None: one member
         # (step, micro-batch, layer, param) -> that use's gradient of that micro-batch
         self._grads: dict[tuple[int, int, int, str], torch.Tensor] = {}
+
+    def owned_copies(self) -> list[torch.Tensor]:
+        """This rank's copies of trained tied parameters whose backward it runs."""
+        return [self.layers[i].get_parameter(name) for tie in self.ties
+                for i, name in tie.uses if i in self.owned]
 
     @property
     def holds_any(self) -> bool:
