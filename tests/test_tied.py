@@ -21,6 +21,7 @@ from pipefb.job.config import JobConfig, build_layers
 from pipefb.runtime.reference import SingleProcess
 from pipefb.runtime.tied import autograd_sum, find_ties, untie
 from protos import coordinator_pb2
+from protos.convert import plan_from_proto
 from tests.conftest import worker_threads
 from tests.test_migration import wait_running
 from tests.test_transparency import MODELS, make_job, reference, run_on_cluster
@@ -84,6 +85,16 @@ def test_clipping_counts_a_tied_parameter_once(client: Any) -> None:
     assert [r.grad_norm for r in reports] == want and all(n > 0.05 for n in want)
 
 
+def test_an_auto_plan_profiles_and_trains_a_tied_model_exactly(client: Any) -> None:
+    job = tied_job("zoo_tied", "auto", 3, plan="auto")
+    job_id = client.submit(job).job_id
+    reports = list(client.train(job_id))
+    plan = plan_from_proto(client.status(job_id).plan)
+    assert plan.mode == "sync"
+    assert_bit_equal(replace(job, schedule="single", plan="", microbatches=plan.microbatches),
+                     reports, client.weights(job_id))
+
+
 def test_two_groups_sum_the_tie_then_across_groups(client: Any) -> None:
     """With two groups each group sums its copies' gradients exactly, then the groups'
     all-reduce adds the two halves of the batch: one process adds the micro-batches in
@@ -140,10 +151,10 @@ def test_a_move_that_brings_both_uses_onto_one_stage_trains_as_without_it(client
 REFUSED_ASYNC = {
     ("pipedream", ""): "model 'zoo_tied': layer 0 (Embedding) parameter 'weight' is also "
                        "layer 3 (Linear) parameter 'weight'; tied parameters train in sync "
-                       "mode only, not with --mode async (schedule 'pipedream')",
+                       "mode only, and schedule 'pipedream' runs in async mode here",
     ("pipefb", "async"): "model 'zoo_tied': layer 0 (Embedding) parameter 'weight' is also "
                          "layer 3 (Linear) parameter 'weight'; tied parameters train in sync "
-                         "mode only, not with --mode async (schedule 'pipefb')",
+                         "mode only, and schedule 'pipefb' runs in async mode here",
 }
 
 

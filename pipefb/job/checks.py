@@ -90,5 +90,5 @@ def check_tied_parameters(config: JobConfig, layers: list[torch.nn.Module]) -> N
                 raise ConfigError(
                     f"model {config.model!r}: layer {j} ({type(layers[j]).__name__}) "
                     f"parameter {other!r} is also layer {i} ({type(layer).__name__}) "
-                    f"parameter {name!r}; tied parameters train in sync mode only, not "
-                    f"with --mode async (schedule {config.schedule!r})")
+                    f"parameter {name!r}; tied parameters train in sync mode only, and "
+                    f"schedule {config.schedule!r} runs in async mode here")
