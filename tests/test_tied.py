@@ -30,7 +30,8 @@ TEXT: dict[str, Any] = {"dataset": "text", "loss": "cross_entropy",
                         "dataset_config": {"block_size": 8, "max_bytes": 50_000}}
 GPT_TIED: dict[str, Any] = {**MODELS["gpt"], "model_config": {**MODELS["gpt"]["model_config"],
                                                               "tie_embeddings": True}}
-JOBS: dict[str, dict[str, Any]] = {"zoo_tied": {"model": "zoo_tied", **TEXT}, "gpt": GPT_TIED}
+JOBS: dict[str, dict[str, Any]] = {"zoo_tied": {"model": "zoo_tied", **TEXT}, "gpt": GPT_TIED,
+                                   "zoo_tied3": {"model": "zoo_tied3", **TEXT}}
 pytestmark = pytest.mark.usefixtures("plugin_path")  # the zoo's entry points
 # (schedule, workers, policy): combined and split kinds, the ties on two, three and four
 # stages' owners, every activation policy
@@ -44,7 +45,8 @@ def tied_job(name: str, schedule: str, workers: int, **extra: Any) -> JobConfig:
 
 
 def tie_names(job: JobConfig) -> tuple[str, str]:
-    """The weight names of the first and the last use of the model's one tie."""
+    """The weight names of the first and the last use of the model's one tie (zoo_tied3's
+    middle use is checked by the bit-equality with `single`)."""
     (tie,) = find_ties(build_layers(job))
     (first, a), (last, b) = tie.uses[0], tie.uses[-1]
     return f"layers.{first}.{a}", f"layers.{last}.{b}"

@@ -157,7 +157,7 @@ class TiedGrads:
         use and micro-batch in one process's order (a collective of the members)."""
         buffers = [self._buffer(step, tie) for tie in self.ties]
         self._grads = {k: g for k, g in self._grads.items() if k[0] > step}
-        if self.reducer is not None:  # gloo, through host memory (see `_join_tie_group`)
+        if self.reducer is not None:  # gloo, through host memory ([Note: tied parameters])
             staged = [b.cpu() for b in buffers]
             self.reducer.sum_(staged)
             buffers = [b.to(self.device) for b in staged]
