@@ -19,7 +19,7 @@ from pipefb.errors import ConfigError, WorkerFailed
 from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.runtime.reference import SingleProcess
-from pipefb.runtime.tied import autograd_sum, find_ties, untie
+from pipefb.runtime.tied import autograd_sum, find_ties, secondary_names, tie_stages, untie
 from protos import coordinator_pb2
 from protos.convert import plan_from_proto
 from tests.conftest import worker_threads
@@ -232,3 +232,15 @@ def test_diverged_copies_fail_the_step_naming_the_parameter_and_ranks() -> None:
         check_ties_agree(report)
     assert str(caught.value) == ("tied copies diverged at step 4: parameter 0.weight on "
                                  "rank 2 (stage 0) and rank 3 (stage 1) differ")
+
+
+def test_the_exchange_members_are_the_stages_that_own_a_use() -> None:
+    layers = build_layers(tied_job("zoo_tied3", "1f1b", 2))  # uses on layers 1, 3 and 5
+    ties = find_ties(layers)
+    assert [t.layers for t in ties] == [[1, 3, 5]]
+    assert secondary_names(ties) == {"3.weight", "5.weight"}
+    assert tie_stages(ties, [0, 2, 4, 6, 8]) == [0, 1, 2]
+    assert tie_stages(ties, [0, 6, 8]) == [0]  # one stage owns every use: no exchange
+    assert tie_stages(ties, [0, 1, 3, 8]) == [1, 2]
+    frozen = [replace(t, trains=False) for t in ties]
+    assert tie_stages(frozen, [0, 2, 4, 6, 8]) == []  # nothing to sum
