@@ -81,16 +81,17 @@ def assign_all(job: Job, ranks: Ranks, store_address: str, rendezvous: Callable[
                ) -> list[worker_pb2.AssignReply]:
     """Assigns every rank the job's plan and attempt, from its start step (and from
     the paused attempt, during a migration); `rendezvous` opens the all-reduce
-    rendezvous, asked only for a plan of several groups or a job that clips gradients;
+    rendezvous (pipefb.runtime.allreduce), which the ranks join where they need it;
     `store_user` is the job's own store user and password ([Note: job store users] in
     offload_store/acl.py)."""
     assert job.plan is not None
     spec, plan_msg = job_to_proto(job.config), plan_to_proto(job.plan)
     peers = [w.address for w in ranks.workers]
-    # several groups all-reduce their gradients; clipping exchanges the stages' norms
-    # and fp16 its overflow flags ([Note: loss scaling])
-    exchanges = job.config.clip_grad_norm or job.config.precision == "fp16"
-    meeting = rendezvous() if job.plan.groups > 1 or exchanges else ""
+    # several groups all-reduce their gradients; clipping exchanges the stages' norms, fp16
+    # its overflow flags ([Note: loss scaling]); the owners of a tied parameter's copies
+    # exchange its gradients (the model shows ties, not the spec: every job gets the
+    # address, and only the ranks that need it join)
+    meeting = rendezvous()
     source = None
     if job.migrating_from is not None:
         old, attempt = job.migrating_from

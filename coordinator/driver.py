@@ -35,6 +35,7 @@ from coordinator.reshape import consider_move, migrate, repartition, switch_plan
 from coordinator.results import (
     check_finite_loss,
     check_groups_agree,
+    check_ties_agree,
     collect_weights,
     evaluate_version,
     fit_in_situ,
@@ -286,6 +287,7 @@ class Driver:
         check_finite_loss(step, replies)  # before anything commits this step's weights
         report = step_report(job, step, seconds, replies, ranks)
         check_groups_agree(report)
+        check_ties_agree(report)
         if step < job.step:  # a replay ([Note: restarts]): reported before
             compare_replay(job, report)
             return

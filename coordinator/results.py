@@ -39,7 +39,7 @@ def step_report(job: Job, step: int, seconds: float, replies: list[worker_pb2.St
         kept_versions=rep.kept_versions, weight_version=rep.weight_version,
         kind_peak_bytes=rep.kind_peak_bytes, activation_peak_bytes=rep.activation_peak_bytes,
         device_memory_bytes=rep.device_memory_bytes, weights_digest=rep.weights_digest,
-        layer_seconds=rep.layer_seconds, metrics=rep.metrics)
+        layer_seconds=rep.layer_seconds, metrics=rep.metrics, tied_digests=rep.tied_digests)
         for a, rep in zip(job.plan.assignment, replies, strict=True)]
     rate = StepRate(job.config.batch_size,
                     [r.seconds for r in job.reports[-(WINDOW + SPAN - 2):]] + [seconds])
@@ -107,6 +107,24 @@ def check_groups_agree(report: coordinator_pb2.StepReport) -> None:
             raise WorkerFailed(f"groups diverged at step {report.step}: stage {w.stage} "
                                f"weights of rank {seen.rank} (group {seen.group}) and rank "
                                f"{w.rank} (group {w.group}) differ")
+
+
+def check_ties_agree(report: coordinator_pb2.StepReport) -> None:
+    """Every copy of a tied parameter, on every rank and group, holds the same values after
+    the step ([Note: tied parameters] in pipefb.runtime.tied).
+
+    Raises:
+        WorkerFailed: two copies differ; names the step, the parameter and both ranks.
+    """
+    first: dict[str, coordinator_pb2.WorkerStepStats] = {}
+    for w in report.workers:
+        for name, digest in sorted(w.tied_digests.items()):
+            tie = name.partition("#")[0]
+            seen = first.setdefault(tie, w)
+            if seen.tied_digests[tie] != digest:
+                raise WorkerFailed(f"tied copies diverged at step {report.step}: parameter "
+                                   f"{tie} on rank {seen.rank} (stage {seen.stage}) and "
+                                   f"rank {w.rank} (stage {w.stage}) differ")
 
 
 def collect_weights(job: Job, ranks: Ranks, version: int = 0) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from protos import tensor_pb2 as protos_dot_tensor__pb2
 from protos import worker_pb2 as protos_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/coordinator.proto\x12\tpipefb.v1\x1a\x10protos/job.proto\x1a\x13protos/tensor.proto\x1a\x13protos/worker.proto\"6\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"C\n\x13RegisterWorkerReply\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\"6\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x1e\n\x0cTrainRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa4\x03\n\nStepReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x05 \x01(\x01\x12+\n\x07workers\x18\x06 \x03(\x0b\x32\x1a.pipefb.v1.WorkerStepStats\x12-\n\x04\x65val\x18\x07 \x03(\x0b\x32\x1f.pipefb.v1.StepReport.EvalEntry\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\x05\x12\'\n\tmigration\x18\t \x01(\x0b\x32\x14.pipefb.v1.Migration\x12\n\n\x02lr\x18( \x01(\x01\x12\x16\n\tgrad_norm\x18) \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07skipped\x18* \x01(\x08\x12!\n\x19samples_per_second_median\x18+ \x01(\x01\x12\x14\n\x0cseconds_left\x18, \x01(\x01\x1a+\n\tEvalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\n_grad_norm\"\xe8\x08\n\x0fWorkerStepStats\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\x05\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x06 \x01(\x01\x12\x19\n\x11peak_memory_bytes\x18\x07 \x01(\x03\x12\x41\n\x0cmemory_bytes\x18\x08 \x03(\x0b\x32+.pipefb.v1.WorkerStepStats.MemoryBytesEntry\x12\x12\n\nbytes_sent\x18\t \x01(\x03\x12\x15\n\rbytes_stashed\x18\n \x01(\x03\x12\x45\n\x0e\x61\x63tion_seconds\x18\x0b \x03(\x0b\x32-.pipefb.v1.WorkerStepStats.ActionSecondsEntry\x12$\n\x05spans\x18\x0c \x03(\x0b\x32\x15.pipefb.v1.ActionSpan\x12\'\n\x08versions\x18\r \x03(\x0b\x32\x15.pipefb.v1.VersionTag\x12\x15\n\rkept_versions\x18\x0e \x03(\x03\x12\x16\n\x0eweight_version\x18\x0f \x01(\x03\x12\x46\n\x0fkind_peak_bytes\x18\x10 \x03(\x0b\x32-.pipefb.v1.WorkerStepStats.KindPeakBytesEntry\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x11 \x01(\x03\x12N\n\x13\x64\x65vice_memory_bytes\x18\x12 \x03(\x0b\x32\x31.pipefb.v1.WorkerStepStats.DeviceMemoryBytesEntry\x12\r\n\x05group\x18\x13 \x01(\x05\x12\x16\n\x0eweights_digest\x18\x14 \x01(\t\x12\x43\n\rlayer_seconds\x18\x15 \x03(\x0b\x32,.pipefb.v1.WorkerStepStats.LayerSecondsEntry\x12\x38\n\x07metrics\x18\x16 \x03(\x0b\x32\'.pipefb.v1.WorkerStepStats.MetricsEntry\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12\x41\x63tionSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12KindPeakBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16\x44\x65viceMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11LayerSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"o\n\x12RepartitionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x19\n\x11\x66orward_partition\x18\x02 \x03(\x05\x12\x1a\n\x12\x62\x61\x63kward_partition\x18\x03 \x03(\x05\x12\x12\n\nfail_ranks\x18\x04 \x03(\x05\"\x85\x01\n\tMigration\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x19\n\x11\x66orward_partition\x18\x04 \x03(\x05\x12\x1a\n\x12\x62\x61\x63kward_partition\x18\x05 \x03(\x05\x12\x13\n\x0brolled_back\x18\x06 \x01(\t\"&\n\x14\x43heckpointJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xdb\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.pipefb.v1.JobState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12 \n\x04spec\x18\x04 \x01(\x0b\x32\x12.pipefb.v1.JobSpec\x12\x1d\n\x04plan\x18\x05 \x01(\x0b\x32\x0f.pipefb.v1.Plan\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nworker_ids\x18\x07 \x03(\x05\x12\x14\n\x0cplanner_json\x18\x08 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\x05\x12\x10\n\x08restarts\x18\n \x03(\t\x12(\n\nmigrations\x18\x0b \x03(\x0b\x32\x14.pipefb.v1.Migration\x12\x14\n\x0c\x63heckpointed\x18\x0c \x01(\x03\x12\x12\n\nstart_step\x18\x32 \x01(\x03\x12\x1b\n\x13refused_checkpoints\x18\x33 \x03(\t\"\x14\n\x12ListWorkersRequest\"\x81\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\"\n\x1alast_heartbeat_age_seconds\x18\x06 \x01(\x01\":\n\x10ListWorkersReply\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.pipefb.v1.WorkerInfo*\xa2\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0c\n\x08PLANNING\x10\x02\x12\x0b\n\x07RUNNING\x10\x03\x12\r\n\tMIGRATING\x10\x04\x12\x11\n\rCHECKPOINTING\x10\x05\x12\x0e\n\nRECOVERING\x10\x06\x12\x08\n\x04\x44ONE\x10\x07\x12\n\n\x06\x46\x41ILED\x10\x08\x12\x0b\n\x07STOPPED\x10\t2\xae\x05\n\x0b\x43oordinator\x12R\n\x0eRegisterWorker\x12 .pipefb.v1.RegisterWorkerRequest\x1a\x1e.pipefb.v1.RegisterWorkerReply\x12\x43\n\tHeartbeat\x12\x1b.pipefb.v1.HeartbeatRequest\x1a\x19.pipefb.v1.HeartbeatReply\x12\x35\n\tSubmitJob\x12\x12.pipefb.v1.JobSpec\x1a\x14.pipefb.v1.JobStatus\x12\x39\n\x05Train\x12\x17.pipefb.v1.TrainRequest\x1a\x15.pipefb.v1.StepReport0\x01\x12\x38\n\x06GetJob\x12\x18.pipefb.v1.GetJobRequest\x1a\x14.pipefb.v1.JobStatus\x12I\n\x0bListWorkers\x12\x1d.pipefb.v1.ListWorkersRequest\x1a\x1b.pipefb.v1.ListWorkersReply\x12:\n\x07StopJob\x12\x19.pipefb.v1.StopJobRequest\x1a\x14.pipefb.v1.JobStatus\x12J\n\rExportWeights\x12\x1f.pipefb.v1.ExportWeightsRequest\x1a\x16.pipefb.v1.TensorChunk0\x01\x12\x42\n\x0bRepartition\x12\x1d.pipefb.v1.RepartitionRequest\x1a\x14.pipefb.v1.JobStatus\x12\x43\n\nCheckpoint\x12\x1f.pipefb.v1.CheckpointJobRequest\x1a\x14.pipefb.v1.JobStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/coordinator.proto\x12\tpipefb.v1\x1a\x10protos/job.proto\x1a\x13protos/tensor.proto\x1a\x13protos/worker.proto\"6\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"C\n\x13RegisterWorkerReply\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\"6\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x1e\n\x0cTrainRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa4\x03\n\nStepReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x05 \x01(\x01\x12+\n\x07workers\x18\x06 \x03(\x0b\x32\x1a.pipefb.v1.WorkerStepStats\x12-\n\x04\x65val\x18\x07 \x03(\x0b\x32\x1f.pipefb.v1.StepReport.EvalEntry\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\x05\x12\'\n\tmigration\x18\t \x01(\x0b\x32\x14.pipefb.v1.Migration\x12\n\n\x02lr\x18( \x01(\x01\x12\x16\n\tgrad_norm\x18) \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07skipped\x18* \x01(\x08\x12!\n\x19samples_per_second_median\x18+ \x01(\x01\x12\x14\n\x0cseconds_left\x18, \x01(\x01\x1a+\n\tEvalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\n_grad_norm\"\xdf\t\n\x0fWorkerStepStats\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\x05\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x06 \x01(\x01\x12\x19\n\x11peak_memory_bytes\x18\x07 \x01(\x03\x12\x41\n\x0cmemory_bytes\x18\x08 \x03(\x0b\x32+.pipefb.v1.WorkerStepStats.MemoryBytesEntry\x12\x12\n\nbytes_sent\x18\t \x01(\x03\x12\x15\n\rbytes_stashed\x18\n \x01(\x03\x12\x45\n\x0e\x61\x63tion_seconds\x18\x0b \x03(\x0b\x32-.pipefb.v1.WorkerStepStats.ActionSecondsEntry\x12$\n\x05spans\x18\x0c \x03(\x0b\x32\x15.pipefb.v1.ActionSpan\x12\'\n\x08versions\x18\r \x03(\x0b\x32\x15.pipefb.v1.VersionTag\x12\x15\n\rkept_versions\x18\x0e \x03(\x03\x12\x16\n\x0eweight_version\x18\x0f \x01(\x03\x12\x46\n\x0fkind_peak_bytes\x18\x10 \x03(\x0b\x32-.pipefb.v1.WorkerStepStats.KindPeakBytesEntry\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x11 \x01(\x03\x12N\n\x13\x64\x65vice_memory_bytes\x18\x12 \x03(\x0b\x32\x31.pipefb.v1.WorkerStepStats.DeviceMemoryBytesEntry\x12\r\n\x05group\x18\x13 \x01(\x05\x12\x16\n\x0eweights_digest\x18\x14 \x01(\t\x12\x43\n\rlayer_seconds\x18\x15 \x03(\x0b\x32,.pipefb.v1.WorkerStepStats.LayerSecondsEntry\x12\x38\n\x07metrics\x18\x16 \x03(\x0b\x32\'.pipefb.v1.WorkerStepStats.MetricsEntry\x12\x41\n\x0ctied_digests\x18\x64 \x03(\x0b\x32+.pipefb.v1.WorkerStepStats.TiedDigestsEntry\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12\x41\x63tionSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12KindPeakBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16\x44\x65viceMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11LayerSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10TiedDigestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"o\n\x12RepartitionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x19\n\x11\x66orward_partition\x18\x02 \x03(\x05\x12\x1a\n\x12\x62\x61\x63kward_partition\x18\x03 \x03(\x05\x12\x12\n\nfail_ranks\x18\x04 \x03(\x05\"\x85\x01\n\tMigration\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x19\n\x11\x66orward_partition\x18\x04 \x03(\x05\x12\x1a\n\x12\x62\x61\x63kward_partition\x18\x05 \x03(\x05\x12\x13\n\x0brolled_back\x18\x06 \x01(\t\"&\n\x14\x43heckpointJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0eStopJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xdb\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.pipefb.v1.JobState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12 \n\x04spec\x18\x04 \x01(\x0b\x32\x12.pipefb.v1.JobSpec\x12\x1d\n\x04plan\x18\x05 \x01(\x0b\x32\x0f.pipefb.v1.Plan\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nworker_ids\x18\x07 \x03(\x05\x12\x14\n\x0cplanner_json\x18\x08 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\x05\x12\x10\n\x08restarts\x18\n \x03(\t\x12(\n\nmigrations\x18\x0b \x03(\x0b\x32\x14.pipefb.v1.Migration\x12\x14\n\x0c\x63heckpointed\x18\x0c \x01(\x03\x12\x12\n\nstart_step\x18\x32 \x01(\x03\x12\x1b\n\x13refused_checkpoints\x18\x33 \x03(\t\"\x14\n\x12ListWorkersRequest\"\x81\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\"\n\x1alast_heartbeat_age_seconds\x18\x06 \x01(\x01\":\n\x10ListWorkersReply\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.pipefb.v1.WorkerInfo*\xa2\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0c\n\x08PLANNING\x10\x02\x12\x0b\n\x07RUNNING\x10\x03\x12\r\n\tMIGRATING\x10\x04\x12\x11\n\rCHECKPOINTING\x10\x05\x12\x0e\n\nRECOVERING\x10\x06\x12\x08\n\x04\x44ONE\x10\x07\x12\n\n\x06\x46\x41ILED\x10\x08\x12\x0b\n\x07STOPPED\x10\t2\xae\x05\n\x0b\x43oordinator\x12R\n\x0eRegisterWorker\x12 .pipefb.v1.RegisterWorkerRequest\x1a\x1e.pipefb.v1.RegisterWorkerReply\x12\x43\n\tHeartbeat\x12\x1b.pipefb.v1.HeartbeatRequest\x1a\x19.pipefb.v1.HeartbeatReply\x12\x35\n\tSubmitJob\x12\x12.pipefb.v1.JobSpec\x1a\x14.pipefb.v1.JobStatus\x12\x39\n\x05Train\x12\x17.pipefb.v1.TrainRequest\x1a\x15.pipefb.v1.StepReport0\x01\x12\x38\n\x06GetJob\x12\x18.pipefb.v1.GetJobRequest\x1a\x14.pipefb.v1.JobStatus\x12I\n\x0bListWorkers\x12\x1d.pipefb.v1.ListWorkersRequest\x1a\x1b.pipefb.v1.ListWorkersReply\x12:\n\x07StopJob\x12\x19.pipefb.v1.StopJobRequest\x1a\x14.pipefb.v1.JobStatus\x12J\n\rExportWeights\x12\x1f.pipefb.v1.ExportWeightsRequest\x1a\x16.pipefb.v1.TensorChunk0\x01\x12\x42\n\x0bRepartition\x12\x1d.pipefb.v1.RepartitionRequest\x1a\x14.pipefb.v1.JobStatus\x12\x43\n\nCheckpoint\x12\x1f.pipefb.v1.CheckpointJobRequest\x1a\x14.pipefb.v1.JobStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,8 +48,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTEPSTATS_LAYERSECONDSENTRY']._serialized_options = b'8\001'
   _globals['_WORKERSTEPSTATS_METRICSENTRY']._loaded_options = None
   _globals['_WORKERSTEPSTATS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=2820
-  _globals['_JOBSTATE']._serialized_end=2982
+  _globals['_WORKERSTEPSTATS_TIEDDIGESTSENTRY']._loaded_options = None
+  _globals['_WORKERSTEPSTATS_TIEDDIGESTSENTRY']._serialized_options = b'8\001'
+  _globals['_JOBSTATE']._serialized_start=2939
+  _globals['_JOBSTATE']._serialized_end=3101
   _globals['_REGISTERWORKERREQUEST']._serialized_start=99
   _globals['_REGISTERWORKERREQUEST']._serialized_end=153
   _globals['_REGISTERWORKERREPLY']._serialized_start=155
@@ -65,37 +67,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREPORT_EVALENTRY']._serialized_start=709
   _globals['_STEPREPORT_EVALENTRY']._serialized_end=752
   _globals['_WORKERSTEPSTATS']._serialized_start=769
-  _globals['_WORKERSTEPSTATS']._serialized_end=1897
-  _globals['_WORKERSTEPSTATS_MEMORYBYTESENTRY']._serialized_start=1580
-  _globals['_WORKERSTEPSTATS_MEMORYBYTESENTRY']._serialized_end=1630
-  _globals['_WORKERSTEPSTATS_ACTIONSECONDSENTRY']._serialized_start=1632
-  _globals['_WORKERSTEPSTATS_ACTIONSECONDSENTRY']._serialized_end=1684
-  _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_start=1686
-  _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_end=1738
-  _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_start=1740
-  _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_end=1796
-  _globals['_WORKERSTEPSTATS_LAYERSECONDSENTRY']._serialized_start=1798
-  _globals['_WORKERSTEPSTATS_LAYERSECONDSENTRY']._serialized_end=1849
-  _globals['_WORKERSTEPSTATS_METRICSENTRY']._serialized_start=1851
-  _globals['_WORKERSTEPSTATS_METRICSENTRY']._serialized_end=1897
-  _globals['_GETJOBREQUEST']._serialized_start=1899
-  _globals['_GETJOBREQUEST']._serialized_end=1930
-  _globals['_REPARTITIONREQUEST']._serialized_start=1932
-  _globals['_REPARTITIONREQUEST']._serialized_end=2043
-  _globals['_MIGRATION']._serialized_start=2046
-  _globals['_MIGRATION']._serialized_end=2179
-  _globals['_CHECKPOINTJOBREQUEST']._serialized_start=2181
-  _globals['_CHECKPOINTJOBREQUEST']._serialized_end=2219
-  _globals['_STOPJOBREQUEST']._serialized_start=2221
-  _globals['_STOPJOBREQUEST']._serialized_end=2253
-  _globals['_JOBSTATUS']._serialized_start=2256
-  _globals['_JOBSTATUS']._serialized_end=2603
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2605
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2625
-  _globals['_WORKERINFO']._serialized_start=2628
-  _globals['_WORKERINFO']._serialized_end=2757
-  _globals['_LISTWORKERSREPLY']._serialized_start=2759
-  _globals['_LISTWORKERSREPLY']._serialized_end=2817
-  _globals['_COORDINATOR']._serialized_start=2985
-  _globals['_COORDINATOR']._serialized_end=3671
+  _globals['_WORKERSTEPSTATS']._serialized_end=2016
+  _globals['_WORKERSTEPSTATS_MEMORYBYTESENTRY']._serialized_start=1647
+  _globals['_WORKERSTEPSTATS_MEMORYBYTESENTRY']._serialized_end=1697
+  _globals['_WORKERSTEPSTATS_ACTIONSECONDSENTRY']._serialized_start=1699
+  _globals['_WORKERSTEPSTATS_ACTIONSECONDSENTRY']._serialized_end=1751
+  _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_start=1753
+  _globals['_WORKERSTEPSTATS_KINDPEAKBYTESENTRY']._serialized_end=1805
+  _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_start=1807
+  _globals['_WORKERSTEPSTATS_DEVICEMEMORYBYTESENTRY']._serialized_end=1863
+  _globals['_WORKERSTEPSTATS_LAYERSECONDSENTRY']._serialized_start=1865
+  _globals['_WORKERSTEPSTATS_LAYERSECONDSENTRY']._serialized_end=1916
+  _globals['_WORKERSTEPSTATS_METRICSENTRY']._serialized_start=1918
+  _globals['_WORKERSTEPSTATS_METRICSENTRY']._serialized_end=1964
+  _globals['_WORKERSTEPSTATS_TIEDDIGESTSENTRY']._serialized_start=1966
+  _globals['_WORKERSTEPSTATS_TIEDDIGESTSENTRY']._serialized_end=2016
+  _globals['_GETJOBREQUEST']._serialized_start=2018
+  _globals['_GETJOBREQUEST']._serialized_end=2049
+  _globals['_REPARTITIONREQUEST']._serialized_start=2051
+  _globals['_REPARTITIONREQUEST']._serialized_end=2162
+  _globals['_MIGRATION']._serialized_start=2165
+  _globals['_MIGRATION']._serialized_end=2298
+  _globals['_CHECKPOINTJOBREQUEST']._serialized_start=2300
+  _globals['_CHECKPOINTJOBREQUEST']._serialized_end=2338
+  _globals['_STOPJOBREQUEST']._serialized_start=2340
+  _globals['_STOPJOBREQUEST']._serialized_end=2372
+  _globals['_JOBSTATUS']._serialized_start=2375
+  _globals['_JOBSTATUS']._serialized_end=2722
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2724
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2744
+  _globals['_WORKERINFO']._serialized_start=2747
+  _globals['_WORKERINFO']._serialized_end=2876
+  _globals['_LISTWORKERSREPLY']._serialized_start=2878
+  _globals['_LISTWORKERSREPLY']._serialized_end=2936
+  _globals['_COORDINATOR']._serialized_start=3104
+  _globals['_COORDINATOR']._serialized_end=3790
 # @@protoc_insertion_point(module_scope)

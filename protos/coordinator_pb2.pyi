@@ -109,7 +109,7 @@ class StepReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ..., eval: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., samples_per_second_median: _Optional[float] = ..., seconds_left: _Optional[float] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
-    __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed", "action_seconds", "spans", "versions", "kept_versions", "weight_version", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "group", "weights_digest", "layer_seconds", "metrics")
+    __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed", "action_seconds", "spans", "versions", "kept_versions", "weight_version", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "group", "weights_digest", "layer_seconds", "metrics", "tied_digests")
     class MemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,13 @@ class WorkerStepStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class TiedDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +181,7 @@ class WorkerStepStats(_message.Message):
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    TIED_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     worker_id: int
     role: str
@@ -196,7 +204,8 @@ class WorkerStepStats(_message.Message):
     weights_digest: str
     layer_seconds: _containers.ScalarMap[int, float]
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[_worker_pb2.ActionSpan, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[_worker_pb2.VersionTag, _Mapping]]] = ..., kept_versions: _Optional[_Iterable[int]] = ..., weight_version: _Optional[int] = ..., kind_peak_bytes: _Optional[_Mapping[str, int]] = ..., activation_peak_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[_Mapping[str, int]] = ..., group: _Optional[int] = ..., weights_digest: _Optional[str] = ..., layer_seconds: _Optional[_Mapping[int, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    tied_digests: _containers.ScalarMap[str, str]
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[_worker_pb2.ActionSpan, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[_worker_pb2.VersionTag, _Mapping]]] = ..., kept_versions: _Optional[_Iterable[int]] = ..., weight_version: _Optional[int] = ..., kind_peak_bytes: _Optional[_Mapping[str, int]] = ..., activation_peak_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[_Mapping[str, int]] = ..., group: _Optional[int] = ..., weights_digest: _Optional[str] = ..., layer_seconds: _Optional[_Mapping[int, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tied_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -1,7 +1,8 @@
 """User-style models (tests/plugin_pkg/pipefb_zoo) train exactly on every schedule and
 activation policy: parameter-free layers anywhere, frozen layers, BatchNorm's buffers,
-in-place ops, dropout, float64, embeddings, torch's TransformerEncoderLayer; and a model
-that cannot be trained is refused at submit with one line naming its layers."""
+in-place ops, dropout, float64, embeddings, torch's TransformerEncoderLayer, a head tied
+to the embedding; and a model that cannot be trained is refused at submit with one line
+naming its layers."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ ZOO: dict[str, dict[str, Any]] = {
     "zoo_relus": DIGITS, "zoo_frozen": DIGITS, "zoo_batchnorm": DIGITS, "zoo_convbn": DIGITS,
     "zoo_inplace": DIGITS, "zoo_dropout": DIGITS, "zoo_double": DIGITS, "zoo_embed": TEXT,
     "zoo_transformer": TEXT, "zoo_bfloat16": DIGITS, "zoo_recurrent": TEXT,
+    "zoo_tied": TEXT,  # tests/test_tied.py: its copies, groups, resume, async
 }
 # Models whose split backward runs other kernels than eager autograd: torch's attention
 # backward as AOTAutograd traces it differs from its fused eager kernel in the last bits.
@@ -69,11 +71,11 @@ def test_frozen_parameters_stay_as_they_were_built(client: Any) -> None:
 
 
 def test_a_refused_model_is_invalid_argument_with_that_line(client: Any) -> None:
-    job = make_job("zoo_tied", "1f1b", 2, "adamw", **TEXT)
+    job = make_job("zoo_max_norm", "1f1b", 2, "adamw", **TEXT)
     with pytest.raises(grpc.RpcError) as rpc:
         client.submit(job)
     assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert rpc.value.details() == f"ConfigError: {REFUSED['zoo_tied']}"
+    assert rpc.value.details() == f"ConfigError: {REFUSED['zoo_max_norm']}"
 
 
 def test_batchnorm_statistics_are_exported_and_used_by_the_held_out_evaluation(client: Any
@@ -113,11 +115,9 @@ def test_a_resumed_batchnorm_job_ends_where_the_uninterrupted_one_does(client: A
     assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
 
 
-# model -> the one line `check_job` (and so SubmitJob and the CLI) refuses it with
+# model -> the one line `check_job` (and so SubmitJob and the CLI) refuses it with (the
+# tied model's refusal in async mode: tests/test_tied.py)
 REFUSED = {
-    "zoo_tied": "model 'zoo_tied': layer 0 (Embedding) parameter 'weight' is also layer 3 "
-                "(Linear) parameter 'weight'; parameters shared between layers (tied weights) "
-                "are not supported yet: tie them inside one layer",
     "zoo_max_norm": "model 'zoo_max_norm': layer 0 (Embedding) writes into its parameter "
                     "'weight' in its forward (as nn.Embedding's max_norm does), which a "
                     "pipeline whose weights live on another rank cannot follow: not supported",

@@ -23,7 +23,12 @@ from pipefb.job.config import JobConfig, job_device
 from pipefb.plan.migration import takeover
 from pipefb.plan.plan import Plan
 from pipefb.profile.measure import measure_profile
-from pipefb.runtime.allreduce import GroupAllReduce, norm_rendezvous_key, rendezvous_key
+from pipefb.runtime.allreduce import (
+    GroupAllReduce,
+    norm_rendezvous_key,
+    rendezvous_key,
+    tie_rendezvous_key,
+)
 from pipefb.runtime.checkpoint import rank_file, resolve_under
 from pipefb.runtime.manifest import verified_files
 from pipefb.runtime.stage import StageRuntime
@@ -143,6 +148,7 @@ class Assigned:
     norm_reducer: GroupAllReduce | None = None  # with clipping, on owners ([Note: global norm])
     checkpoints: Path | None = None  # the job's checkpoint directory, when it takes any
     attempt: int = 0  # the job attempt; Step calls and transfers of any other are refused
+    tie_reducer: GroupAllReduce | None = None  # owners of tied copies ([Note: tied parameters])
 
 
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
@@ -209,7 +215,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             job.checkpoint_dir and self.checkpoint_root)  # Checkpoint on request writes there
         checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None
         migrated = 0
+        tie_reducer: GroupAllReduce | None = None
         try:
+            tie_reducer = _join_tie_group(request, runtime)
             if request.HasField("source"):
                 migrated = self._take_over(request, plan, runtime, source)
             elif request.resume_step:
@@ -224,10 +232,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 self._drop("reassigned")
                 self._assigned = Assigned(job.job_id, request.rank, runtime, transport, inbox,
                                           StepGate(request.resume_step), reducer,
-                                          norm_reducer, checkpoints, request.attempt)
+                                          norm_reducer, checkpoints, request.attempt,
+                                          tie_reducer)
         except BaseException:  # nothing of the refused assignment stays open
             transport.close()
-            for group in (reducer, norm_reducer):
+            for group in (reducer, norm_reducer, tie_reducer):
                 if group is not None:
                     group.close()
             raise
@@ -354,7 +363,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             activation_peak_bytes=r.activation_peak_bytes,
             device_memory_bytes=r.device_memory_bytes, weights_digest=r.weights_digest,
             layer_seconds=r.layer_seconds, metrics=r.metrics, checkpoint_file=saved, lr=r.lr,
-            grad_norm=r.grad_norm, skipped=r.skipped,
+            grad_norm=r.grad_norm, skipped=r.skipped, tied_digests=r.tied_digests,
         )
 
     def Checkpoint(self, request: worker_pb2.CheckpointRequest, context: grpc.ServicerContext
@@ -485,7 +494,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 log.warning("a step of job %s still runs after %.0f s", self._assigned.job_id,
                             DRAIN_WAIT_SECONDS)
             self._assigned.transport.close()
-            for group in (self._assigned.reducer, self._assigned.norm_reducer):
+            for group in (self._assigned.reducer, self._assigned.norm_reducer,
+                          self._assigned.tie_reducer):
                 if group is not None:
                     group.close()
             self._assigned = None
@@ -547,3 +557,25 @@ def _join_norm_group(request: worker_pb2.AssignRequest, plan: Plan, job: JobConf
     own_host = request.peers[request.rank].rpartition(":")[0]
     return GroupAllReduce(request.rendezvous, key, mine.stage, stages, job_device(job),
                           bind_host=own_host)
+
+
+def _join_tie_group(request: worker_pb2.AssignRequest, runtime: StageRuntime
+                    ) -> GroupAllReduce | None:
+    """An owner of a tied parameter's use joins its group's exchange of tied gradients
+    with the other stages that own a use ([Note: tied parameters] in
+    pipefb.runtime.tied); None where it owns none, or one stage owns them all. Every
+    member joins it after its stage's group and the norm exchange."""
+    member = runtime.tie_membership()
+    if member is None:
+        return None
+    if not request.rendezvous:
+        raise ConfigError("tied parameters on several stages need a rendezvous address")
+    index, size = member
+    key = tie_rendezvous_key(request.job.job_id, request.attempt, runtime.place.group)
+    own_host = request.peers[request.rank].rpartition(":")[0]
+    # gloo on the host whatever the device: NCCL refuses two ranks on one GPU, and the
+    # workers of a one-GPU machine share it ([Note: tied parameters])
+    reducer = GroupAllReduce(request.rendezvous, key, index, size, torch.device("cpu"),
+                             bind_host=own_host)
+    runtime.set_tie_reducer(reducer)
+    return reducer

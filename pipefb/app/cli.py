@@ -112,7 +112,8 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                    help="checkpoint every K steps and after the last (0: never)")
     p.add_argument("--check-groups-every", type=int, default=d.check_groups_every,
                    help="with several groups: compare each stage's weights across the groups "
-                        "(a digest) every K steps and after the last (0: never)")
+                        "(a digest) every K steps and after the last (0: never); the "
+                        "copies of a tied parameter likewise")
     p.add_argument("--checkpoint-dir", default=None,
                    help="checkpoint directory inside the services' checkpoint root (local "
                         "train: the --out directory); default: the job's own "

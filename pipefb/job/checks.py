@@ -43,7 +43,7 @@ def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float
     limits = limits or SizeLimits()
     layers = meta_layers(config)
     check_parameters(config, layers, limits)
-    check_no_shared_parameters(config.model, layers)
+    check_tied_parameters(config, layers)
     dataset = job_dataset(config, check_all=True)  # paths, windows, token ids
     x, y = dataset.microbatch(0, 0, config.microbatch_size)
     try:  # the model, data and loss fit together
@@ -80,22 +80,27 @@ def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float
     return layer_costs(layers)
 
 
-def check_no_shared_parameters(model: str, layers: list[torch.nn.Module]) -> None:
+def check_tied_parameters(config: JobConfig, layers: list[torch.nn.Module]) -> None:
     """Refuses a parameter that two layers share (tied weights, such as a GPT-2 head that
-    reuses the embedding): each stage trains its own layers' parameters, so a shared one
-    would be updated apart on two stages and train silently wrong.
+    reuses the embedding) where the job cannot train it exactly: in `async` mode, where
+    each use's owner would update its copy from gradients of other weight versions at
+    other times, so the copies would part. In `sync` mode the owners of the copies sum
+    their gradients and step them alike ([Note: tied parameters] in
+    pipefb.runtime.tied).
 
     Raises:
         ConfigError: naming both layers, their classes and the parameter.
     """
+    if config.mode != "async":
+        return
     first: dict[int, tuple[int, str]] = {}
     for i, layer in enumerate(layers):
-        for name, p in layer.named_parameters(remove_duplicate=False):
+        for name, p in layer.named_parameters():
             seen = first.setdefault(id(p), (i, name))
             if seen[0] != i:
                 j, other = seen
                 raise ConfigError(
-                    f"model {model!r}: layer {j} ({type(layers[j]).__name__}) parameter "
-                    f"{other!r} is also layer {i} ({type(layer).__name__}) parameter "
-                    f"{name!r}; parameters shared between layers (tied weights) are not "
-                    "supported yet: tie them inside one layer")
+                    f"model {config.model!r}: layer {j} ({type(layers[j]).__name__}) "
+                    f"parameter {other!r} is also layer {i} ({type(layer).__name__}) "
+                    f"parameter {name!r}; tied parameters train in sync mode only, and "
+                    f"schedule {config.schedule!r} runs in async mode here")

@@ -100,7 +100,8 @@ class JobConfig:
     groups: int = 1  # pipeline groups, data-parallel across groups; 0 with plan auto: it picks
     checkpoint_every: int = 0  # checkpoint after every K steps and the last; 0: never
     check_groups_every: int = 10  # several groups: compare each stage's weight digests
-    # across groups after every K steps and the last; 0: never (see `weights_digest`)
+    # across groups after every K steps and the last; 0: never (see `weights_digest`);
+    # the copies of a tied parameter likewise ([Note: tied parameters])
     checkpoint_dir: str = ""  # where (inside the services' checkpoint root); "": the
     # job's own checkpoints/{job_id}, named by the coordinator at submit
     resume: bool = False  # start from the newest intact checkpoint in checkpoint_dir

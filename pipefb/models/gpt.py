@@ -30,6 +30,9 @@ class GPTConfig:
     n_embd: int = 32  # embedding width C; must be divisible by n_head
     dropout: float = 0.0  # dropout probability in embedding, attention and MLP
     bias: bool = True  # biases in Linear and LayerNorm layers
+    # the head's lm_head uses the token embedding's weight (GPT-2's tied embeddings): one
+    # parameter on the first and the last layer ([Note: tied parameters])
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -126,7 +129,8 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and untied lm_head: (B, T, C) -> logits (B, T, vocab)."""
+    """Final LayerNorm and lm_head (tied to the token embedding with `tie_embeddings`):
+    (B, T, C) -> logits (B, T, vocab)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -139,7 +143,8 @@ class Head(nn.Module):
 
 
 def build(config: dict[str, Any]) -> list[nn.Module]:
-    """Returns [Embedding, Block x n_layer, Head] with nanoGPT's initialisation."""
+    """Returns [Embedding, Block x n_layer, Head] with nanoGPT's initialisation (the head
+    tied to the token embedding with `tie_embeddings`)."""
     cfg = parse_config(GPTConfig, config, "model 'gpt'")
     layers: list[nn.Module] = [Embedding(cfg), *(Block(cfg) for _ in range(cfg.n_layer)), Head(cfg)]
     for layer in layers:
@@ -147,6 +152,10 @@ def build(config: dict[str, Any]) -> list[nn.Module]:
         for name, param in layer.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled residual projections (GPT-2)
                 nn.init.normal_(param, mean=0.0, std=_INIT_STD / math.sqrt(2 * cfg.n_layer))
+    if cfg.tie_embeddings:
+        embedding, head = layers[0], layers[-1]
+        assert isinstance(embedding, Embedding) and isinstance(head, Head)
+        head.lm_head.weight = embedding.wte.weight  # (vocab, C) both ways
     return layers
 
 

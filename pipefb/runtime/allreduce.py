@@ -47,6 +47,12 @@ def norm_rendezvous_key(job_id: str, attempt: int, group: int) -> str:
     return f"pipefb/{job_id}/{attempt}/norm{group}/"
 
 
+def tie_rendezvous_key(job_id: str, attempt: int, group: int) -> str:
+    """The TCPStore prefix of one group's exchange of tied parameters' gradients among the
+    stages that own a use (pipefb.runtime.tied), in one attempt of a job."""
+    return f"pipefb/{job_id}/{attempt}/tied{group}/"
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """Splits `host:port`.
 

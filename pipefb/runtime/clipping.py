@@ -34,7 +34,8 @@ class GlobalNormClip:
         Args:
             max_norm: the largest global norm left unscaled, > 0.
             places: each owned parameter's index in the model's parameter order, in the
-                order the owner passes them to `clip_`.
+                order the owner passes them to `clip_`; -1: a tied parameter's later copy,
+                scaled but not counted ([Note: tied parameters] in pipefb.runtime.tied).
             total: the model's trainable parameter count.
             dtype: the parameters' dtype (that of torch's per-parameter norms).
             device: where the gradients live.
@@ -49,7 +50,9 @@ class GlobalNormClip:
         every other owner's (a collective: every owner of the group calls it)."""
         norms = torch.zeros(2 * self.total, dtype=self.dtype, device=self.device)
         for place, p in zip(self.places, params, strict=True):
-            if p.grad is not None:  # torch's norm leaves out parameters without a gradient
+            # torch's norm leaves out parameters without a gradient; a tied parameter's
+            # later copies (place -1) are counted at its first use
+            if place >= 0 and p.grad is not None:
                 norms[place] = torch.linalg.vector_norm(p.grad, 2.0)
                 norms[self.total + place] = 1.0
         if self.reducer is not None:

@@ -39,6 +39,8 @@ class StepResult:
     lr: float = 0.0  # a weight owner: the learning rate of the step's OPT; else 0
     grad_norm: float | None = None  # with clipping, on an owner: the model's gradient norm
     skipped: bool = False  # the norm was not finite and the OPT updated nothing
+    # an owner of a tied copy: tied parameter name -> digest ([Note: tied parameters])
+    tied_digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

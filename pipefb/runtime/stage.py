@@ -48,6 +48,7 @@ from pipefb.runtime.result import COMPUTE, Iteration, StepResult
 from pipefb.runtime.runner import LayerRunner
 from pipefb.runtime.state import RankState
 from pipefb.runtime.step_metrics import step_metrics
+from pipefb.runtime.tied import TiedGrads, find_ties, secondary_names, tie_stages, untie
 from pipefb.runtime.transport import Transport
 from pipefb.schedule import Action, Kind, iteration
 
@@ -102,6 +103,11 @@ class StageRuntime:
         forwards, its exchange, and what it may receive."""
         all_layers = build_layers(self.job)  # on the cpu until the held ones move
         self.n_layers = len(all_layers)
+        # [Note: tied parameters]: the model's order lists a tied parameter once, at its
+        # first use; this rank's layers each get a copy of their own
+        self.ties = find_ties(all_layers)
+        self.places = parameter_places(all_layers)
+        untie(dict(enumerate(all_layers)), self.ties)
         self.data = MicroBatches(self.job, self.plan.microbatch_size, self.place.mb_offset,
                                  self.device)
         with self.autocast():  # each layer's inputs in the dtypes autocast gives them
@@ -120,6 +126,9 @@ class StageRuntime:
         # fp16: every owner's copy of the loss scale ([Note: loss scaling])
         self.scale = (LossScale(self.device, self.norm_reducer)
                       if self.job.precision == "fp16" and self.role != "forward" else None)
+        self.tied = TiedGrads(self.ties, layers, self.bwd_layers, self.plan.microbatches,
+                              self.device)
+        self.state.summed_apart = {id(p) for p in self.tied.owned_copies()}
         self.exchange = Exchange(
             self.transport, self.place, self.flight, self.state, self.device, self.job.steps,
             self.plan.mode == "sync", self._stored_layers(self.fwd_layers),
@@ -137,12 +146,25 @@ class StageRuntime:
         """With `clip_grad_norm`, a weight owner's share of the global norm."""
         if not self.job.clip_grad_norm or self.role == "forward":
             return None
-        places = parameter_places(all_layers)
+        places, copies = self.places, secondary_names(self.ties)
         dtype = next((p.dtype for layer in all_layers for p in layer.parameters()),
                      torch.get_default_dtype())
-        return GlobalNormClip(self.job.clip_grad_norm,
-                              [places[name] for name in self.state.owned_names()],
+        return GlobalNormClip(self.job.clip_grad_norm,  # a tied copy counts at its first use
+                              [-1 if name in copies else places[name]
+                               for name in self.state.owned_names()],
                               len(places), dtype, self.device, self.norm_reducer)
+
+    def tie_membership(self) -> tuple[int, int] | None:
+        """(this rank's index, member count) in its group's exchange of tied gradients
+        ([Note: tied parameters]); None where it owns no use or one stage owns them all."""
+        stages = tie_stages(self.ties, self.plan.backward_partition)
+        if self.place.bwd_stage not in stages or len(stages) < 2:
+            return None
+        return stages.index(self.place.bwd_stage), len(stages)
+
+    def set_tie_reducer(self, reducer: Reducer) -> None:
+        """The exchange of tied gradients among the stages that own a use."""
+        self.tied.reducer = reducer
 
     @property
     def role(self) -> str:
@@ -236,6 +258,7 @@ class StageRuntime:
             lr=it.lr,
             grad_norm=it.grad_norm,
             skipped=it.skipped,
+            tied_digests=self.tied.digests() if self._check_ties(step) else {},
         )
 
     def _check_groups(self, step: int) -> bool:
@@ -244,12 +267,19 @@ class StageRuntime:
         return self.reducer is not None and due(step, self.job.check_groups_every,
                                                 self.job.steps)
 
+    def _check_ties(self, step: int) -> bool:
+        """Whether this step's reply carries `tied_digests`: on an owner of a tied copy,
+        on the job's `check_groups_every` cadence."""
+        return self.tied.holds_any and due(step, self.job.check_groups_every, self.job.steps)
+
     def _account(self) -> None:
         seen: set[int] = set()
         stashed = storage_bytes(self.flight.held(), exclude=self.state.param_storage, seen=seen)
         if self.device.type == "cpu":  # a local-tier stash is in this process's memory
             stashed += self.transport.held_bytes()
-        self.memory.set({**self.state.memory(), "stashed": stashed,
+        owned = self.state.memory()
+        owned["gradients"] += self.tied.nbytes  # tied copies' gradients kept until OPT
+        self.memory.set({**owned, "stashed": stashed,
                          "activations": tensor_bytes(self.flight.live(), seen=seen)})
 
     # -- compute ---------------------------------------------------------------------------
@@ -346,6 +376,7 @@ class StageRuntime:
                     grads, deferred[i] = execute.backward_input(saved, grad, params)
                 else:
                     grads = execute.backward(saved, grad, params)
+                    self.tied.take(step, m, i)
             grad = grads[0]
         return grad, deferred
 
@@ -367,13 +398,17 @@ class StageRuntime:
     def _run_deferred(self, step: int, keep: int) -> None:
         """Runs the oldest waiting weight-grad halves until `keep` micro-batches' wait."""
         while len(self.flight.deferred) > keep:
+            at, m = next(iter(self.flight.deferred))
             for i, deferred in self.flight.undefer().items():
                 with self.clock.layer(step, i):
                     cast(SplitExec, self.state.execs[i]).backward_weights(deferred)
+                self.tied.take(at, m, i)
         self.state.count_grads()
 
     def _optimizer_step(self, action: Action, step: int, it: Iteration) -> None:
         self._run_deferred(step, keep=0)  # the last B ran them; OPT needs every grad
+        if self.tied.holds_any:  # before the groups' sum and the norm: the whole gradient
+            self.tied.reduce_(step)
         done = self.state.step(step, self._versions_needed_after(step), self.reducer,
                                self.clip, self.scale)
         it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped

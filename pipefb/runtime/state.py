@@ -72,6 +72,9 @@ class RankState:
         # the parameters the optimizer updates: trainable ones (a frozen one keeps no
         # gradient and no optimizer state, as in one process), each once
         self.owned = [p for _, p in self._trainable(owned_layers)]
+        # tied copies ([Note: tied parameters]), each summed across groups in a collective of
+        # its own: a buffer of the same size on every owner of a copy adds alike
+        self.summed_apart: set[int] = set()
         # the largest tensor a migrating peer may send: a parameter or its optimizer state
         self.max_state_bytes = max((p.numel() * p.element_size() for layer in layers.values()
                                     for p in layer.parameters()), default=0) + 8
@@ -157,7 +160,11 @@ class RankState:
         for p in self.owned:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        reducer.sum_([p.grad for p in self.owned if p.grad is not None])
+        reducer.sum_([p.grad for p in self.owned
+                      if p.grad is not None and id(p) not in self.summed_apart])
+        for p in self.owned:
+            if p.grad is not None and id(p) in self.summed_apart:
+                reducer.sum_([p.grad])
 
     def prepare(self) -> None:
         """Derives now what the owned layers' next backwards need from the current weights."""

@@ -113,6 +113,16 @@ def tied(config: dict[str, Any]) -> list[nn.Module]:
     return [embedding, Block(d), Block(d), head]
 
 
+def tied3(config: dict[str, Any]) -> list[nn.Module]:
+    """Byte text through three linear layers (with their own biases) that share one
+    weight, between an embedding and a head: a parameter used on three stages."""
+    d = int(config.get("dim", 16))
+    first, second, third = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+    second.weight = third.weight = first.weight
+    return [nn.Embedding(256, d), first, nn.Tanh(), second, nn.Tanh(), third,
+            nn.Linear(d, 256)]
+
+
 def transformer(config: dict[str, Any]) -> list[nn.Module]:
     """torch's own TransformerEncoderLayer between an embedding and a head."""
     d = int(config.get("dim", 16))
