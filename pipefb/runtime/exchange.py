@@ -5,7 +5,6 @@ backward to forward ranks. Each handler takes (action, training step, iteration)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import islice
 
 import torch
 
@@ -83,15 +82,25 @@ class Exchange:
         self.flight.stashed_here.discard((step, m))
 
     def prefetch_next(self, todo: list[tuple[int, Action]], index: int) -> None:
-        """Starts fetching the next FETCH's tensors while this backward runs, when they
-        are already in the store (a combined rank stashed them itself)."""
-        nxt = next(((t, a) for t, a in islice(todo, index + 1, None) if a.kind is Kind.FETCH),
-                   None)
-        if nxt is not None and (nxt[0], microbatch(nxt[1])) in self.flight.stashed_here:
-            step, action = nxt
-            m = microbatch(action)
-            version = self._version(step, action.stage, m)
-            self.transport.prefetch(step, self.place.mb_offset + m, version, self.fetch_names)
+        """Starts fetching the next FETCH's tensors while this backward runs: at once when
+        this rank stashed them itself (a combined rank), else once the receive before that
+        FETCH arrived (a backward rank: the forward rank's stash is in the store by then,
+        [Note: transport ordering])."""
+        at = next((j for j in range(index + 1, len(todo)) if todo[j][1].kind is Kind.FETCH),
+                  None)
+        if at is None:
+            return
+        step, action = todo[at]
+        m = microbatch(action)
+        after = None
+        if (step, m) not in self.flight.stashed_here:
+            before = todo[at - 1][1]
+            if self.place.role != "backward" or before.kind not in (Kind.RECV_L, Kind.RECV_B):
+                return
+            after = (before.kind, todo[at - 1][0], before.stage, microbatch(before))
+        version = self._version(step, action.stage, m)
+        self.transport.prefetch(step, self.place.mb_offset + m, version, self.fetch_names,
+                                after=after)
 
     def push_weights(self, action: Action, step: int, it: Iteration) -> None:
         if self.state.version + self.place.staleness >= self.steps:

@@ -186,7 +186,7 @@ class StageRuntime:
         if action.kind in COMPUTE:
             self.device_memory.synchronize()  # time the kernels, not their launch
             self.clock.slow_rest(at, time.perf_counter() - started - self.clock.in_layers)
-        if action.kind is Kind.FETCH and self.role == "combined":
+        if action.kind is Kind.FETCH:
             self.exchange.prefetch_next(todo, index)
         elapsed = time.perf_counter() - started
         if action.kind is self._sample_kind:
