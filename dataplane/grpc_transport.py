@@ -243,10 +243,12 @@ class GrpcTransport:
         return {name: self.inbox.take(weight_key(version, name))[name] for name in names}
 
     def held_bytes(self) -> int:
-        """Bytes of stashes this rank holds in its own memory: the local tier's and those
-        handed over to the writer and not yet in the store."""
-        held = self.local.held_bytes if self.local is not None else 0
-        return held + (self.writer.in_flight_bytes if self.writer is not None else 0)
+        """Bytes of stashes this rank holds in its own memory (the local tier)."""
+        return self.local.held_bytes if self.local is not None else 0
+
+    def in_flight_bytes(self) -> int:
+        """Bytes of stashes handed to the writer and not yet in the store."""
+        return self.writer.in_flight_bytes if self.writer is not None else 0
 
     def flush(self) -> int:
         """Waits until every stash of this step is written (raising the first failed

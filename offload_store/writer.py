@@ -15,9 +15,10 @@ is in the store. Three readers rely on that:
   over before it was written (`dataplane.grpc_transport`), so a backward rank that got the
   loss or gradient of a micro-batch finds its stash in the store ([Note: transport
   ordering]);
-- a rank taking back its own stash (`take_pending`): a stash whose write has not started
-  is handed back from the queue without touching the store; one being written is waited
-  for;
+- a rank taking back its own stash (`take_pending`): a stash still handed over is handed
+  back at once: one whose write has not started leaves the queue and never reaches the
+  store; one being written is returned too (the write only reads it), and the I/O thread
+  deletes it from the store once written;
 - the step's end (`drain`): every write of the step is done, and the first failed write
   raises on the compute thread (a full store's `StashFullError` as before), so a failure
   never goes unreported. A failed write also wakes the waiters; its stash is not in the
@@ -58,6 +59,7 @@ class _Pending:
         self.ticket, self.version, self.tensors, self.nbytes = ticket, version, tensors, nbytes
         self.ready, self.done = ready, done  # the host copy's wait, and its buffers' release
         self.started = False
+        self.taken = False  # taken back while being written: delete it once written
 
 
 class StashWriter:
@@ -127,25 +129,28 @@ class StashWriter:
         return blocked
 
     def take_pending(self, step: int, microbatch: int) -> LayerTensors | None:
-        """A stash of (step, micro-batch) whose write has not started, taken back from the
-        queue (it never reaches the store); None after waiting for one being written, or if
-        there is none."""
+        """The stash of (step, micro-batch) if it is still handed over (see [Note:
+        background stash]); None if there is none (written, or never handed over)."""
         with self._cond:
             pending = self._queue.get((step, microbatch))
-            if pending is None:
+            if pending is None or pending.taken:
                 return None
-            if not pending.started:
-                del self._queue[(step, microbatch)]
-                self._in_flight -= pending.nbytes
-                self._finished()
-            else:
-                self._cond.wait_for(lambda: (step, microbatch) not in self._queue)
-                return None
-        pending.ready()
-        out = {i: {n: t.clone() if self._staging is not None else t for n, t in named.items()}
-               for i, named in pending.tensors.items()}
+            if pending.started:  # copied under the lock: the writer releases the buffers
+                pending.taken = True  # only after it, under the lock
+                return self._copy_of(pending)
+            del self._queue[(step, microbatch)]
+            self._in_flight -= pending.nbytes
+            self._finished()
+        out = self._copy_of(pending)
         pending.done()
         return out
+
+    def _copy_of(self, pending: _Pending) -> LayerTensors:
+        """The stash's tensors: the handed-over ones themselves, or copies of the staging
+        buffers (which go back to their pool)."""
+        pending.ready()
+        return {i: {n: t.clone() if self._staging is not None else t for n, t in named.items()}
+                for i, named in pending.tensors.items()}
 
     def wait_written(self, ticket: int) -> None:
         """Returns once every put up to `ticket` was written, failed or dropped."""
@@ -198,12 +203,15 @@ class StashWriter:
             try:
                 pending.ready()
                 self.store.put(step, microbatch, pending.version, pending.tensors)
+                if pending.taken:  # read back from the queue meanwhile: nobody takes it
+                    self.store.release(step, microbatch, pending.version,
+                                       {i: list(named) for i, named in pending.tensors.items()})
             except BaseException as error:  # raised on the compute thread (`check`)
                 with self._cond:
                     self._error = self._error or error
             finally:
-                pending.done()
                 with self._cond:
+                    pending.done()
                     self._queue.pop((step, microbatch), None)
                     self._in_flight -= pending.nbytes
                     self._finished()

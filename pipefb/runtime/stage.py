@@ -235,9 +235,12 @@ class StageRuntime:
     def _account(self) -> None:
         seen: set[int] = set()
         stashed = storage_bytes(self.flight.held(), exclude=self.state.param_storage, seen=seen)
-        if self.device.type == "cpu":  # a local-tier stash is in this process's memory
-            stashed += self.transport.held_bytes()
+        in_flight = 0
+        if self.device.type == "cpu":  # a local-tier stash, and one the store's I/O thread
+            stashed += self.transport.held_bytes()  # has not written, are in this process's
+            in_flight = self.transport.in_flight_bytes()  # memory (on CUDA: pinned host)
         self.memory.set({**self.state.memory(), "stashed": stashed,
+                         "stash_in_flight": in_flight,
                          "activations": tensor_bytes(self.flight.live(), seen=seen)})
 
     # -- compute ---------------------------------------------------------------------------

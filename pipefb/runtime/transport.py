@@ -71,6 +71,10 @@ class Transport(Protocol):
         """Bytes of stashes the host keeps in this process's memory for this rank."""
         ...
 
+    def in_flight_bytes(self) -> int:
+        """Bytes of stashes handed over to the store and not yet written."""
+        ...
+
     def flush(self) -> int:
         """Waits for this step's sends; returns the bytes sent."""
         ...
