@@ -1,7 +1,8 @@
 """The background stash writer ([Note: background stash] in offload_store/writer.py) against a
 real redis-server on 127.0.0.1: writes leave the caller, the bytes in flight stay under the
-cap, a stash still queued comes back without the store, tickets order the writes, and a
-failed write is raised on the caller's thread."""
+cap, a stash still handed over comes back without a take, tickets order the writes, and a
+failed write is raised on the caller's thread; on the session's cluster, a PipeFB forward
+rank reports its stash in flight and the job trains as one process."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
 
 from dataplane.inbox import Inbox
-from offload_store import OffloadStore, RedisServer, connect
+from offload_store import OffloadStore, RedisServer, connect, job_pattern
 from offload_store.api import StashFullError
-from offload_store.writer import StashWriter, stash_nbytes
+from offload_store.writer import STASH_IN_FLIGHT_BYTES, StashWriter, stash_nbytes
+from tests.conftest import store_client
+from tests.test_transparency import assert_same_training, make_job, run_on_cluster
 
 MiB = 1 << 20
 
@@ -163,3 +167,20 @@ def test_the_inbox_says_a_transfer_arrived_taken_or_not() -> None:
     assert inbox.arrived(("RECV_L", 0, 1, 0), 0.0)
     inbox.take(("RECV_L", 0, 1, 0))
     assert inbox.arrived(("RECV_L", 0, 1, 0), 0.0)  # a prefetch that looked late still goes
+
+
+def test_a_pipefb_forward_rank_reports_its_stash_in_flight_and_trains_as_one_process(
+        client: Any, cluster: Any) -> None:
+    """The forward rank's STASH hands the stash over: right after it, the stash is in
+    flight (the memory kind `stash_in_flight`, under the worker's default cap); the
+    backward rank still finds every stash, and training equals one process."""
+    job = make_job("gpt", "pipefb", 2, "adamw")
+    reports, weights = run_on_cluster(client, job)
+    assert_same_training(job, reports, weights)
+    forward = [w for r in reports for w in r.workers if w.role == "forward"]
+    in_flight = max(w.kind_peak_bytes["stash_in_flight"] for w in forward)
+    assert 0 < in_flight <= STASH_IN_FLIGHT_BYTES
+    assert all(w.memory_bytes["stash_in_flight"] <= w.peak_memory_bytes for w in forward)
+    backward = [w for r in reports for w in r.workers if w.role == "backward"]
+    assert max(w.kind_peak_bytes["stash_in_flight"] for w in backward) == 0  # it stashes nothing
+    assert list(store_client(cluster).scan_iter(match=job_pattern(reports[0].job_id))) == []
