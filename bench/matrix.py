@@ -251,6 +251,11 @@ def mib_per_rank(ranks: dict[str, Any], key: str) -> str:
     return " / ".join(f"{ranks[r][key] / 2**20:.2f}" for r in sorted(ranks, key=int))
 
 
+BLOCKED_TEXT = ("Blocked on store: the seconds pipefb's compute threads spent in STASH and "
+                "FETCH over their seconds in F, B and OPT (`store_blocked_seconds`), median "
+                "[min-max] over repeats. ")
+
+
 def blocked_cell(model: dict[str, Any], system: str) -> str:
     """The blocked-on-store share of `system` as a table cell (`-` for the systems without
     a store: single and torch's)."""
@@ -262,6 +267,7 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     """Markdown of the matrix: one table per model, then the plot."""
     a = res["args"]
     device = res["machine"]["gpu"] if a["device"] == "cuda" else res["machine"]["cpu"]
+    blocked = any("store_blocked_share" in r for r in res["models"].values())
     lines = [f"## Every system on every model ({a['device'].upper()}: {device})", "",
              f"`{cmd}`", "",
              f"Batch {a['batch']} in {a['microbatches']} micro-batches "
@@ -273,9 +279,8 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
              "workers x (1 - bubble), the bubble being the simulator's idle share of the "
              "plan on ideal workers (free transfers, a core each). Peak per worker: "
              "parameters + gradients + optimizer state + weight versions + activations "
-             "(saved tensors and, for pipefb, tensors in flight), MiB. Blocked on store: the "
-             "seconds pipefb's compute threads spent in STASH and FETCH over their seconds in "
-             "F, B and OPT (`store_blocked_seconds`). Loss diff: largest "
+             "(saved tensors and, for pipefb, tensors in flight), MiB. "
+             + (BLOCKED_TEXT if blocked else "") + "Loss diff: largest "
              "per-step difference from `single` (async systems differ by design: they "
              "train on older weights). `auto` picks its own micro-batches (`xN` under each "
              "table: N micro-batches) and the data draws samples per micro-batch, so its loss diff "
@@ -288,16 +293,17 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     for m, r in res["models"].items():
         lines += [f"### {m} (`{json.dumps(r['job']['model_config'])}`)", "",
                   "| system | samples/s | " + "".join(f"vs {b} | " for b in bases)
-                  + "efficiency | bubble | blocked on store | peak per worker, MiB | "
-                  "activation peak per worker, MiB | loss diff |",
-                  "| --- " * (8 + len(bases)) + "|"]
+                  + "efficiency | bubble | " + ("blocked on store | " if blocked else "")
+                  + "peak per worker, MiB | activation peak per worker, MiB | loss diff |",
+                  "| --- " * (7 + blocked + len(bases)) + "|"]
         for s in res["systems"]:
             vs = "".join((fmt(r["ratios"][k], digits=2) if k in r["ratios"] else "-") + " | "
                          for k in (f"{s}/{b}" for b in bases))
             lines.append(
                 f"| {s} | {fmt(r['samples_per_second'][s])} | {vs}"
                 f"{fmt(r['efficiency'][s], digits=2)} | {r['bubble'][s]:.2f} | "
-                f"{blocked_cell(r, s)} | {mib_per_rank(r['ranks'][s], 'peak')} | "
+                + (f"{blocked_cell(r, s)} | " if blocked else "")
+                + f"{mib_per_rank(r['ranks'][s], 'peak')} | "
                 f"{mib_per_rank(r['ranks'][s], 'activation')} | "
                 f"{r['max_loss_diff_vs_single'][s]:.1e} |")
         lines += ["", f"`auto` ran: {r['plans'].get('auto', '-')}.", ""]

@@ -116,12 +116,13 @@ def _tcp_peer(listener: socket.socket) -> None:
     """The raw TCP path's far end (in its own process): keeps what a put sends, sends it
     back on a get."""
     conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle wait on the tail
     held = bytearray()
     with conn:
         while head := _recv_exactly(conn, HEADER.size):
             op, n = HEADER.unpack(head)
             if op == b"P":
-                held = bytearray(n)
+                held = held if len(held) == n else bytearray(n)
                 _recv_into(conn, memoryview(held))
                 conn.sendall(b"k")
             else:
@@ -163,13 +164,22 @@ class RoundTrips:
         self.sock = socket.create_connection(listener.getsockname())
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         listener.close()
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _buffer(self, use: str, t: torch.Tensor) -> torch.Tensor:
+        """A buffer like `t` for `use`, allocated once per size (as staging buffers are),
+        so memcpy and TCP time the copy and the socket, not fresh pages."""
+        key = (use, t.nelement())
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty_like(t)
+        return self._buffers[key]
 
     def memcpy(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
-        held, back = torch.empty_like(t), torch.empty_like(t)
+        held, back = self._buffer("held", t), self._buffer("back", t)
         return self._timed(lambda: held.copy_(t), lambda: back.copy_(held))
 
     def tcp(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
-        back = torch.empty_like(t)
+        back = self._buffer("back", t)
 
         def put() -> None:
             self.sock.sendall(HEADER.pack(b"P", t.nbytes))
@@ -216,7 +226,10 @@ def partial_call(fn: Callable[..., object], *args: object) -> Callable[[], objec
 def run_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     """Each path on each size, `--repeats` times, interleaved in each repeat; MiB/s of the
     round trip (and of put and fetch alone), checked against what went in."""
+    from pipefb.allocator import keep_freed_memory
+
     torch.set_num_threads(1)
+    keep_freed_memory()  # the workers' allocator settings (pipefb.allocator)
     sizes = SIZES_MIB[:1] if args.quick else SIZES_MIB
     tensors = {size: torch.randn(size * MiB // 4) for size in sizes}
     seconds: dict[str, dict[str, dict[str, list[float]]]] = {
