@@ -26,6 +26,7 @@ class Exchange:
         self.device, self.steps, self.sync = device, steps, sync
         self.stash_layers = stash_layers  # layers whose saved tensors STASH puts in the store
         self.fetch_names = fetch_names  # layer -> names of the saved tensors FETCH takes
+        self.back_to_back: set[tuple[int, int]] = set()  # [Note: back-to-back stash]
 
     def send_activation(self, action: Action, step: int, it: Iteration) -> None:
         m, stage = microbatch(action), action.stage
@@ -66,8 +67,27 @@ class Exchange:
     def _version(self, step: int, stage: int, m: int) -> int:
         return self.place.forward_version(self.flight.forward_version, step, stage, m)
 
+    def skip_if_back_to_back(self, todo: list[tuple[int, Action]], index: int) -> None:
+        """Marks the STASH at `index` to be skipped with its FETCH when that FETCH comes
+        right after it.
+
+        [Note: back-to-back stash] On a combined rank's last stage the lowering puts the
+        FETCH of a micro-batch's stash right after its STASH (1F1B's and PipeDream's F
+        then B). Nothing runs between them, so the round trip through the store would free
+        no memory at any moment: the saved tensors stay where they are, counted as
+        `stashed` as they always were up to the STASH.
+        """
+        step, action = todo[index]
+        if index + 1 < len(todo):
+            nxt_step, nxt = todo[index + 1]
+            if (nxt.kind is Kind.FETCH and nxt_step == step and nxt.stage == action.stage
+                    and nxt.microbatch == action.microbatch):
+                self.back_to_back.add((step, microbatch(action)))
+
     def stash(self, action: Action, step: int, it: Iteration) -> None:
         m = microbatch(action)
+        if (step, m) in self.back_to_back:
+            return  # [Note: back-to-back stash]
         tensors = {i: self.flight.saved.pop((step, m, i)) for i in self.stash_layers}
         version = self._version(step, action.stage, m)
         it.stashed += self.transport.stash(step, self.place.mb_offset + m, version, tensors)
@@ -75,6 +95,9 @@ class Exchange:
 
     def fetch(self, action: Action, step: int, it: Iteration) -> None:
         m = microbatch(action)
+        if (step, m) in self.back_to_back:
+            self.back_to_back.discard((step, m))
+            return  # the saved tensors never left ([Note: back-to-back stash])
         version = self._version(step, action.stage, m)
         got = self.transport.fetch(step, self.place.mb_offset + m, version, self.fetch_names)
         for i, stash in got.items():

@@ -182,6 +182,8 @@ class StageRuntime:
         at, action = todo[index]
         wall, started, recomputed = time.time(), time.perf_counter(), it.recompute
         self.clock.start_action()
+        if action.kind is Kind.STASH:
+            self.exchange.skip_if_back_to_back(todo, index)
         self._handlers[action.kind](action, at, it)
         if action.kind in COMPUTE:
             self.device_memory.synchronize()  # time the kernels, not their launch
