@@ -7,9 +7,10 @@
 #   --build-context wheels=DIR   wheels pip prefers to any index (e.g. the CPU torch wheel)
 #   --secret id=ca,src=FILE      a CA bundle pip trusts (the proxy's), never stored in a layer
 # Stages: wheels (empty unless --build-context wheels=DIR replaces it), protos (generates
-# the gRPC/protobuf code from protos/*.proto), build (a venv with torch, then the other
-# dependencies, then pipefb: a source change reinstalls pipefb alone), runtime (the venv
-# only, non-root). tests/test_dockerfile.py checks it; scripts/test_container.sh builds it.
+# the gRPC/protobuf code from protos/*.proto), deps (a venv with torch and the other
+# dependencies), build (pipefb itself into /opt/pipefb), runtime (the venv and /opt/pipefb,
+# non-root): a source change rebuilds and copies pipefb alone. tests/test_dockerfile.py
+# checks it; scripts/test_container.sh builds it.
 ARG PYTHON=3.11
 
 FROM scratch AS wheels
@@ -23,7 +24,7 @@ WORKDIR /src
 COPY protos/__init__.py protos/generate.py protos/*.proto protos/
 RUN python -m protos.generate
 
-FROM python:${PYTHON}-slim-bookworm AS build
+FROM python:${PYTHON}-slim-bookworm AS deps
 # cpu or cuda; TORCH_INDEX overrides the wheel index (e.g. .../whl/cu128 for one CUDA version,
 # or https://pypi.org/simple when the CPU wheel comes from --build-context wheels=DIR)
 ARG TORCH=cpu
@@ -31,7 +32,7 @@ ARG TORCH_INDEX=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_FIND_LINKS=/wheels
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first and pinned, so installing pipefb finds it satisfied and pulls no other build;
+# torch first and pinned, so installing the rest finds it satisfied and pulls no other build;
 # a CPU image that got a CUDA build (the CPU wheel missing from DIR) fails here
 RUN --mount=type=bind,from=wheels,target=/wheels --mount=type=secret,id=ca,required=false \
     case "$TORCH" in \
@@ -44,13 +45,23 @@ RUN --mount=type=bind,from=wheels,target=/wheels --mount=type=secret,id=ca,requi
     && python -c "import sys, torch; sys.exit('$TORCH' == 'cpu' and torch.version.cuda \
          and 'TORCH=cpu installed a CUDA build of torch: give the CPU wheel')"
 WORKDIR /src
-# the dependencies alone, from pyproject.toml: this layer stays cached while sources change
+# the dependencies alone, from pyproject.toml: no source is copied into this stage, so its
+# layers (and the runtime's copy of the venv) stay cached while pipefb's code changes
 COPY pyproject.toml ./
 RUN --mount=type=bind,from=wheels,target=/wheels --mount=type=secret,id=ca,required=false \
     python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
 ['project']['dependencies']))" > /tmp/requirements.txt \
     && PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)" \
        pip install -r /tmp/requirements.txt
+# what no role runs: torch's C++ tests and headers (pipefb builds no C++ extension) and its
+# test binaries (torch_shm_manager stays)
+RUN cd /opt/venv/lib/python*/site-packages \
+    && rm -rf torch/test torch/include \
+    && find torch/bin -type f ! -name torch_shm_manager -delete \
+    && python -c "import torch; torch.ones(2).sum()"
+
+FROM deps AS build
+# pipefb's own packages and its `pipefb` command into /opt/pipefb, apart from the venv
 COPY README.md ./
 COPY pipefb pipefb
 COPY protos protos
@@ -61,22 +72,19 @@ COPY dataplane dataplane
 COPY calibration calibration
 COPY --from=protos /src/protos/*_pb2.py /src/protos/*_pb2_grpc.py protos/
 RUN --mount=type=bind,from=wheels,target=/wheels --mount=type=secret,id=ca,required=false \
-    PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)" pip install --no-deps . \
-    && cd / && python -c "import coordinator.service, worker.service, pipefb.app.cli"
-# what no role runs: torch's C++ tests and headers (pipefb builds no C++ extension), its
-# test binaries (torch_shm_manager stays), and pip (the runtime installs nothing)
-RUN cd /opt/venv/lib/python*/site-packages \
-    && rm -rf torch/test torch/include pip pip-*.dist-info \
-    && find torch/bin -type f ! -name torch_shm_manager -delete \
-    && python -c "import torch, coordinator.service, worker.service; torch.ones(2).sum()"
+    PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)" \
+    pip install --no-deps --target /opt/pipefb . \
+    && cd / && PYTHONPATH=/opt/pipefb python -c "import coordinator.service, worker.service, pipefb.app.cli"
 
 FROM python:${PYTHON}-slim-bookworm AS runtime
 RUN groupadd --gid 10001 pipefb \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \
        --shell /usr/sbin/nologin pipefb
-COPY --from=build /opt/venv /opt/venv
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=build /opt/pipefb /opt/pipefb
 # HOME is /tmp: the pods mount an emptyDir there under a read-only root filesystem
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
+ENV PATH=/opt/pipefb/bin:/opt/venv/bin:$PATH PYTHONPATH=/opt/pipefb \
+    PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 WORKDIR /tmp
 USER 10001:10001
 # gRPC (coordinator and workers), Prometheus metrics, the all-reduce rendezvous (coordinator)

@@ -15,7 +15,7 @@ from coordinator.service import CoordinatorServicer
 from pipefb.job.dataroots import add_data_root_flag, configure_from_args
 from pipefb.runtime.checkpoint import add_root_flag
 from pipefb.sim.cluster import Cluster
-from protos import coordinator_pb2_grpc, monitoring, server
+from protos import coordinator_pb2_grpc, monitoring, security, server
 
 DRAIN_SECONDS = 20.0  # on SIGTERM: for running steps to end and a checkpoint to be written
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
     args = parse_args(argv)
     configure_from_args(args)  # the only files a job's dataset may read (submit checks)
+    security.require(security.from_env(), "python -m coordinator", admin=True)
     registry = Registry(timeout_seconds=args.heartbeat_timeout)
     cluster = Cluster.load(args.cluster) if args.cluster else None
     interceptors, url = monitoring.start_from_args(args)

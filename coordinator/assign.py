@@ -77,10 +77,13 @@ def auto_plan(job: Job, ranks: Ranks, profiles: ProfileCache, cluster: Cluster |
 
 
 def assign_all(job: Job, ranks: Ranks, store_address: str, rendezvous: Callable[[], str],
-               fail_ranks: Iterable[int] = ()) -> list[worker_pb2.AssignReply]:
+               fail_ranks: Iterable[int] = (), store_user: tuple[str, str] = ("", "")
+               ) -> list[worker_pb2.AssignReply]:
     """Assigns every rank the job's plan and attempt, from its start step (and from
     the paused attempt, during a migration); `rendezvous` opens the all-reduce
-    rendezvous, asked only for a plan of several groups or a job that clips gradients."""
+    rendezvous, asked only for a plan of several groups or a job that clips gradients;
+    `store_user` is the job's own store user and password ([Note: job store users] in
+    offload_store/acl.py)."""
     assert job.plan is not None
     spec, plan_msg = job_to_proto(job.config), plan_to_proto(job.plan)
     peers = [w.address for w in ranks.workers]
@@ -95,7 +98,8 @@ def assign_all(job: Job, ranks: Ranks, store_address: str, rendezvous: Callable[
     for r, stub in enumerate(ranks.stubs):
         request = worker_pb2.AssignRequest(
             job=spec, plan=plan_msg, rank=r, peers=peers, store_address=store_address,
-            rendezvous=meeting, resume_step=job.start_step, attempt=job.attempt)
+            rendezvous=meeting, resume_step=job.start_step, attempt=job.attempt,
+            store_user=store_user[0], store_password=store_user[1])
         if source is not None:
             request.source.CopyFrom(source)
             request.source.fail = r in failing

@@ -9,16 +9,19 @@ import grpc
 import torch
 
 from pipefb.job.config import JobConfig
-from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, server, wire
+from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, security, server, wire
 from protos.convert import job_to_proto
 
 
 class CoordinatorClient:
     """Wraps the Coordinator stub; every method raises grpc.RpcError from the server."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, settings: security.Security | None = None) -> None:
+        """Connects to the coordinator at `address` with `settings` (default: the
+        environment's, and the user token a local cluster left for `address`:
+        `protos.security.client_settings`)."""
         self.address = address
-        self._channel = server.channel(address)
+        self._channel = server.channel(address, settings)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> CoordinatorClient:

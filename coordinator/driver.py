@@ -41,7 +41,14 @@ from coordinator.results import (
     step_report,
 )
 from coordinator.stepping import IN_FLIGHT, StepPump
-from coordinator.storewatch import STORE_CHECK_SECONDS, StoreWatch, check_store_empty, clear_store
+from coordinator.storewatch import (
+    STORE_CHECK_SECONDS,
+    StoreWatch,
+    check_store_empty,
+    clear_store,
+    drop_store_user,
+    grant_store_user,
+)
 from pipefb.job.config import AUTO
 from pipefb.plan.plan import Plan, schedule_for
 from pipefb.sim.cluster import Cluster
@@ -185,6 +192,7 @@ class Driver:
             ranks.close()
         if state in ("FAILED", "STOPPED"):
             clear_store(self.store_address, job.job_id)
+        drop_store_user(self.store_address, job.job_id)  # [Note: job store users]
         if final:
             job.set_state(*final)
         if job.state in TERMINAL:
@@ -228,8 +236,11 @@ class Driver:
 
     def _assign(self, job: Job, ranks: Ranks, fail_ranks: Iterable[int]
                 ) -> list[worker_pb2.AssignReply]:
-        """Assigns every rank the job's current plan; `fail_ranks` fail a move (tests)."""
-        return assign_all(job, ranks, self.store_address, self.rendezvous, fail_ranks)
+        """Assigns every rank the job's current plan, as the job's own store user made
+        anew for the attempt; `fail_ranks` fail a move (tests)."""
+        store_user = grant_store_user(self.store_address, job.job_id)
+        return assign_all(job, ranks, self.store_address, self.rendezvous, fail_ranks,
+                          store_user)
 
     def _run_steps(self, job: Job, ranks: Ranks) -> None:
         """Runs the attempt's steps until the last, a stop, a drain or a pending move;

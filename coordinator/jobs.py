@@ -23,7 +23,7 @@ from pipefb.plan.plan import Plan
 from pipefb.planner.replan import Replanner
 from pipefb.sim.cluster import Cluster
 from pipefb.sim.costs import Profile
-from protos import coordinator_pb2
+from protos import coordinator_pb2, security
 
 TERMINAL = ("DONE", "FAILED", "STOPPED")
 
@@ -70,6 +70,7 @@ class Job:
     pump: StepPump | None = None  # while steps run: takes checkpoint requests
     refused: list[str] = field(default_factory=list)  # checkpoints passed over, newest first
     cond: threading.Condition = field(default_factory=threading.Condition)
+    owner: str = security.ADMIN  # the identity that submitted it; it and the admin see it
 
     @property
     def job_id(self) -> str:
@@ -85,7 +86,7 @@ class Job:
     def entry(self) -> Entry:
         """What a restarted coordinator needs to resume the job (its journal entry)."""
         return Entry(self.config, self.plan, self.attempt, self.checkpointed,
-                     list(self.restarts))
+                     list(self.restarts), self.owner)
 
 
 def check_interrupted(job: Job, draining: threading.Event, where: str) -> None:

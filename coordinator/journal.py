@@ -34,12 +34,14 @@ class Entry:
     attempt: int = 0
     step: int = 0  # the newest checkpointed step (0: none)
     restarts: list[str] = field(default_factory=list)
+    owner: str = "admin"  # the identity that submitted it (protos/security.py)
 
     def to_dict(self) -> dict[str, Any]:
         """The entry as JSON-ready data."""
         return {"job": self.config.to_dict(),
                 "plan": self.plan.to_dict() if self.plan is not None else None,
-                "attempt": self.attempt, "step": self.step, "restarts": self.restarts}
+                "attempt": self.attempt, "step": self.step, "restarts": self.restarts,
+                "owner": self.owner}
 
     @classmethod
     def from_dict(cls, data: Any) -> Entry:
@@ -56,11 +58,13 @@ class Entry:
                 and all(isinstance(r, str) for r in restarts)):
             raise ConfigError("a journal entry needs attempt >= 0, step >= 0 and a list of "
                               "restart messages")
-        plan = data.get("plan")
+        plan, owner = data.get("plan"), data.get("owner", "admin")
+        if not isinstance(owner, str) or not owner:
+            raise ConfigError("a journal entry's owner is a non-empty string")
         try:
             return cls(JobConfig.from_dict(data["job"]),
                        Plan.from_dict(plan) if isinstance(plan, dict) else None,
-                       attempt, step, list(restarts))
+                       attempt, step, list(restarts), owner)
         except (TypeError, ValueError, KeyError) as error:
             raise ConfigError(f"bad journal entry: {error}") from None
 

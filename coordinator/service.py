@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +20,7 @@ from coordinator.registry import Registry
 from coordinator.reshape import migration_proto
 from pipefb.job.checks import check_job
 from pipefb.schedule.kinds import runs_in_process
-from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, tensor_pb2, wire
+from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, security, tensor_pb2, wire
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
 from protos.server import FailedPrecondition
 
@@ -36,11 +36,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.registry, self.driver = registry, driver
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
-        self._ids = itertools.count()
 
-    def _job(self, job_id: str) -> Job:
+    def _job(self, job_id: str, context: grpc.ServicerContext) -> Job:
+        """The job `job_id` if the caller submitted it or is the admin; another's job is
+        as missing as an unknown id ([Note: access] in protos/security.py)."""
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or not visible(job, security.caller(context)):
             raise KeyError(f"no job {job_id!r}")
         return job
 
@@ -70,15 +71,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise FailedPrecondition(f"job id {job_id!r} is already in use")
             config = own_directory(replace(config, job_id=job_id))
             claim_directory(config, self._jobs.values(), self.driver.checkpoint_root)
-            job = Job(config, layer_costs=costs)
+            job = Job(config, layer_costs=costs, owner=security.caller(context))
             self._forget_old_jobs()
             self._jobs[job_id] = job
         self.driver.start(job)
         return _status(job)
 
     def _fresh_id(self) -> str:
-        """job-N for the lowest N not in use (resumed jobs keep theirs)."""
-        while (job_id := f"job-{next(self._ids)}") in self._jobs:
+        """job-<16 random hex digits>: an id nobody guesses (resumed jobs keep theirs)."""
+        while (job_id := f"job-{secrets.token_hex(8)}") in self._jobs:
             pass
         return job_id
 
@@ -96,7 +97,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             job = Job(entry.config, layer_costs=costs, plan=entry.plan,
                       attempt=entry.attempt + 1, step=step, start_step=step,
                       first_step=step, checkpointed=step,
-                      restarts=[*entry.restarts, "the coordinator restarted"])
+                      restarts=[*entry.restarts, "the coordinator restarted"],
+                      owner=entry.owner)
             with self._lock:
                 self._jobs[job.job_id] = job
             log.info("resuming job %s from step %d (attempt %d)", job.job_id, step,
@@ -113,7 +115,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Train(self, request: coordinator_pb2.TrainRequest, context: grpc.ServicerContext
               ) -> Iterator[coordinator_pb2.StepReport]:
-        job = self._job(request.job_id)
+        job = self._job(request.job_id, context)
         sent = 0
         while context.is_active():
             new, state, error = _wait_reports(job, sent)
@@ -126,7 +128,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def GetJob(self, request: coordinator_pb2.GetJobRequest, context: grpc.ServicerContext
                ) -> coordinator_pb2.JobStatus:
-        return _status(self._job(request.job_id))
+        return _status(self._job(request.job_id, context))
 
     def ListWorkers(self, request: coordinator_pb2.ListWorkersRequest,
                     context: grpc.ServicerContext) -> coordinator_pb2.ListWorkersReply:
@@ -139,21 +141,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def StopJob(self, request: coordinator_pb2.StopJobRequest, context: grpc.ServicerContext
                 ) -> coordinator_pb2.JobStatus:
-        job = self._job(request.job_id)
+        job = self._job(request.job_id, context)
         with job.cond:
             job.stop_requested = True
         return _status(job)
 
     def Repartition(self, request: coordinator_pb2.RepartitionRequest,
                     context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
-        job = self._job(request.job_id)
+        job = self._job(request.job_id, context)
         self.driver.repartition(job, list(request.forward_partition),
                                 list(request.backward_partition), request.fail_ranks)
         return _status(job)
 
     def Checkpoint(self, request: coordinator_pb2.CheckpointJobRequest,
                    context: grpc.ServicerContext) -> coordinator_pb2.JobStatus:
-        job = self._job(request.job_id)
+        job = self._job(request.job_id, context)
         remaining = context.time_remaining()
         timeout = CHECKPOINT_WAIT_SECONDS if remaining is None else min(
             remaining, CHECKPOINT_WAIT_SECONDS)
@@ -162,12 +164,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ExportWeights(self, request: job_pb2.ExportWeightsRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
-        job = self._job(request.job_id)
+        job = self._job(request.job_id, context)
         if job.state != "DONE":
             raise FailedPrecondition(f"job {job.job_id} is {job.state}; weights come when DONE")
         transfer = tensor_pb2.Transfer(job_id=job.job_id, version=job.config.steps,
                                        microbatch=-1, kind="EXPORT")
         yield from wire.encode_stream(transfer, job.weights)
+
+
+def visible(job: Job, who: str) -> bool:
+    """Whether the caller `who` may see and steer `job`: its submitter or the admin."""
+    return who in (job.owner, security.ADMIN)
 
 
 def _wait_reports(job: Job, sent: int) -> tuple[list[coordinator_pb2.StepReport], str, str]:

@@ -42,6 +42,31 @@ def clear_store(address: str, job_id: str) -> None:
         log.warning("could not clear the store of job %s: %s", job_id, error)
 
 
+def grant_store_user(address: str, job_id: str) -> tuple[str, str]:
+    """Makes the job's own store user for its next attempt ([Note: job store users] in
+    offload_store/acl.py); returns its name and password.
+
+    Raises:
+        WorkerFailed: the store does not answer or refuses (a lost store: recoverable).
+    """
+    try:
+        with contextlib.closing(fail_fast_admin(address, retries=2)) as store:
+            return store.grant_job(job_id)
+    except StoreUnavailable as error:
+        raise WorkerFailed(f"could not make the store user of job {job_id} at {address}: "
+                           f"{error.reason}") from None
+
+
+def drop_store_user(address: str, job_id: str) -> None:
+    """Drops the job's store user and its connections; a failure is logged, never
+    raised (a store that restarted has lost it anyway)."""
+    try:
+        with contextlib.closing(fail_fast_admin(address)) as store:
+            store.revoke_job(job_id)
+    except Exception as error:
+        log.warning("could not drop the store user of job %s: %s", job_id, error)
+
+
 def wait_for_store(address: str, wait_seconds: float, interrupted: Callable[[], None]
                    ) -> None:
     """Waits until the offload store answers (a restarted one comes back empty);

@@ -106,14 +106,15 @@ def scrape(url: str) -> str:
 
 def host_phase(podman: Podman, notes: list[str], work: Path) -> None:
     """Redis, the coordinator and 4 workers as containers with host networking."""
-    password, token = secrets.token_hex(16), secrets.token_urlsafe(32)
+    password = secrets.token_hex(16)
     acl, auth = work / "acl", work / "auth"
     for folder in (acl, auth):
         folder.mkdir()
         shutil.chown(folder, 10001, 10001)
-    (auth / "token").write_text(token)
-    shutil.chown(auth / "token", 10001, 10001)
-    (auth / "token").chmod(0o400)
+    for name in ("token", "service-token"):  # the admin's token, the service credential
+        (auth / name).write_text(secrets.token_urlsafe(32))
+        shutil.chown(auth / name, 10001, 10001)
+        (auth / name).chmod(0o400)
     common = ["--network", "host", "--read-only", "--cap-drop", "ALL",
               "--security-opt", "no-new-privileges", "--tmpfs", "/tmp"]
     made = podman.run_once(*common, "-e", f"PIPEFB_STORE_PASSWORD={password}",
@@ -126,20 +127,25 @@ def host_phase(podman: Podman, notes: list[str], work: Path) -> None:
                         "docker.io/library/redis:7.4.2", "redis-server", "--bind", "127.0.0.1",
                         "--port", str(redis_port), "--aclfile", "/acl/users.acl",
                         "--save", "", "--appendonly", "no", "--dir", "/tmp")
-    env = ["-e", "PIPEFB_STORE_USER=pipefb", "-e", f"PIPEFB_STORE_PASSWORD={password}",
-           "-e", "PIPEFB_TOKEN_FILE=/auth/token", "-e", "PIPEFB_THREADS=1",
-           "-v", f"{auth}:/auth:ro"]
+    # [Note: access]: the admin's token for the coordinator and the client, the service
+    # credential for the coordinator and the workers, the store password for the
+    # coordinator only
+    base = ["-e", "PIPEFB_THREADS=1", "-v", f"{auth}:/auth:ro"]
+    user = ["-e", "PIPEFB_TOKEN_FILE=/auth/token"]
+    service = ["-e", "PIPEFB_SERVICE_TOKEN_FILE=/auth/service-token"]
+    store = ["-e", "PIPEFB_STORE_USER=pipefb", "-e", f"PIPEFB_STORE_PASSWORD={password}"]
     coordinator = f"127.0.0.1:{grpc}"
-    podman.run_detached(*common, *env, images.IMAGE, "python", "-m", "coordinator",
+    podman.run_detached(*common, *base, *user, *service, *store, images.IMAGE, "python",
+                        "-m", "coordinator",
                         "--listen", coordinator, "--store", f"127.0.0.1:{redis_port}",
                         "--metrics-port", str(metrics))
     worker_metrics = free_port()
     for i in range(WORKERS):
-        podman.run_detached(*common, *env, images.IMAGE, "python", "-m", "worker",
+        podman.run_detached(*common, *base, *service, images.IMAGE, "python", "-m", "worker",
                             "--name", f"worker-{i}", "--listen", f"127.0.0.1:{free_port()}",
-                            "--coordinator", coordinator,
+                            "--coordinator", coordinator, "--store", f"127.0.0.1:{redis_port}",
                             "--metrics-port", str(worker_metrics) if i == 0 else "")
-    submitted = podman.run_once(*common, *env, images.IMAGE, "pipefb", "submit",
+    submitted = podman.run_once(*common, *base, *user, images.IMAGE, "pipefb", "submit",
                                 "--coordinator", coordinator, "--follow", *JOB,
                                 timeout=JOB_TIMEOUT_S)
     assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-3000:]

@@ -359,12 +359,14 @@ class LocalDeployment:
 
 
 def local_secrets(folder: Path) -> dict[tuple[str, str], str]:
-    """Fresh values of the Secrets the manifests name: the Redis password, the token and
-    a test CA's certificate (`deploy.pki`), what an operator creates in a cluster."""
+    """Fresh values of the Secrets the manifests name: the Redis password, the admin's
+    token, the service credential and a test CA's certificate (`deploy.pki`), what an
+    operator creates in a cluster."""
     from deploy.pki import tls_secret
 
     values = {("pipefb-redis", "password"): secrets.token_hex(16),
-              ("pipefb-auth", "token"): secrets.token_urlsafe(32)}
+              ("pipefb-auth", "token"): secrets.token_urlsafe(32),
+              ("pipefb-service", "token"): secrets.token_urlsafe(32)}
     values.update({("pipefb-tls", key): v for key, v in tls_secret(folder).items()})
     return values
 

@@ -3,6 +3,7 @@ calls, with every Redis failure turned into `StoreUnavailable`."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,6 +12,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from offload_store import acl
 from offload_store.api import AdminLimits, StoreUnavailable
 from offload_store.store import clear_job_keys, connect, count_job_keys
 
@@ -52,6 +54,18 @@ class RedisAdmin:
     def clear_job(self, job: str) -> int:
         """Deletes every key of `job`, any attempt (SCAN + UNLINK); returns how many."""
         return self._call(lambda: clear_job_keys(self._client, job))
+
+    def grant_job(self, job: str) -> tuple[str, str]:
+        """Makes (or resets) `job`'s store user with a fresh password (ACL SETUSER)."""
+        user, password = acl.job_user(job), secrets.token_hex(16)
+        rule = acl.job_rule(job, password)
+        self._call(lambda: self._client.execute_command("ACL", "SETUSER", user, *rule))
+        return user, password
+
+    def revoke_job(self, job: str) -> None:
+        """Drops `job`'s store user (ACL DELUSER), which closes its connections."""
+        user = acl.job_user(job)
+        self._call(lambda: self._client.execute_command("ACL", "DELUSER", user))
 
     def close(self) -> None:
         """Closes the client's connections."""

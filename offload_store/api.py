@@ -231,6 +231,28 @@ class StoreAdmin(Protocol):
         """
         ...
 
+    def grant_job(self, job: str) -> tuple[str, str]:
+        """Makes (or resets) `job`'s own store user, allowed only that job's keys, with
+        a fresh password ([Note: job store users] in `offload_store.acl`).
+
+        Returns:
+            The user's name and password, for the job's ranks.
+
+        Raises:
+            StoreUnavailable: the store does not answer or refuses.
+            ValueError: a bad job id.
+        """
+        ...
+
+    def revoke_job(self, job: str) -> None:
+        """Drops `job`'s store user and its connections (none: nothing happens).
+
+        Raises:
+            StoreUnavailable: the store does not answer or refuses.
+            ValueError: a bad job id.
+        """
+        ...
+
     def close(self) -> None:
         """Releases the connections."""
         ...

@@ -10,9 +10,14 @@ every service, the CLI and the local launcher's children agree without plumbing:
   certificates against it.
 - `PIPEFB_TLS_SERVER_NAME`: the name clients expect in servers' certificates, when it is
   not the host they dial (one certificate for every pod, say).
-- `PIPEFB_TOKEN_FILE`: a file holding the bearer token. Servers refuse any RPC without
-  `authorization: Bearer <token>` (UNAUTHENTICATED), except the health service, which
-  Kubernetes probes call; clients send it on every call.
+- `PIPEFB_TOKEN_FILE`: a file holding a user's bearer token, which clients send as
+  `authorization: Bearer <token>`. On the coordinator it is the admin token.
+- `PIPEFB_SERVICE_TOKEN_FILE`: the service credential the coordinator and the workers
+  hold; a process that has it sends it (not the user token) on every call it makes.
+- `PIPEFB_USERS_FILE`: on the coordinator, more users, one `NAME TOKEN` per line.
+
+Who may call what is [Note: access] below; the health service needs no token (Kubernetes
+probes call it).
 
 Rules, checked when a server binds (`check_listen`) so a misconfiguration stops the
 process at start with one line naming the fix:
@@ -21,6 +26,20 @@ process at start with one line naming the fix:
 - a token is never sent over plaintext beyond loopback;
 - on loopback both are optional (the local cluster, the tests).
 Comparisons of tokens are constant-time (`hmac.compare_digest`).
+
+[Note: access] A server configured with any token refuses a call without a known one
+(UNAUTHENTICATED), then checks the caller's identity against the method (`POLICY`, first
+match wins; PERMISSION_DENIED otherwise):
+- every StageWorker RPC, and the coordinator's RegisterWorker and Heartbeat, take only
+  the service credential: a user token cannot Assign, Drain or feed a rank, nor pose as a
+  worker to be handed a job;
+- the coordinator's other RPCs take only user tokens (the admin's, and the users file's);
+  the servicer scopes jobs to the identity that submitted them (`caller`);
+- anything else (in-process servers of calibration and benchmarks) takes any known token.
+`python -m worker` and `python -m coordinator` refuse to start without their credentials
+(`require`), so on loopback too authentication is always on; a local cluster makes fresh
+ones per cluster (`pipefb.app.local`) and leaves the user token where the CLI finds it
+(`token_path`: a file only its user may read).
 """
 
 from __future__ import annotations
@@ -29,7 +48,7 @@ import hmac
 import ipaddress
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -37,11 +56,25 @@ from typing import Any
 import grpc
 
 from pipefb.errors import ConfigError
+from pipefb.secretfiles import read_private, token_path
 
 ENV = ("PIPEFB_TLS_CERT", "PIPEFB_TLS_KEY", "PIPEFB_TLS_CA", "PIPEFB_MTLS",
-       "PIPEFB_TLS_SERVER_NAME", "PIPEFB_TOKEN_FILE")
+       "PIPEFB_TLS_SERVER_NAME", "PIPEFB_TOKEN_FILE", "PIPEFB_SERVICE_TOKEN_FILE",
+       "PIPEFB_USERS_FILE")
 #: RPCs that need no token: Kubernetes' gRPC probes cannot send one
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
+ADMIN = "admin"  # the identity of PIPEFB_TOKEN_FILE's token on the coordinator
+SERVICE = "service"  # the identity of the service credential
+USERS = "users"  # in POLICY: the admin and every user of the users file
+ANY = "any"  # in POLICY: every known identity
+#: method prefix -> who may call it ([Note: access]); first match wins
+POLICY: tuple[tuple[str, str], ...] = (
+    ("/pipefb.v1.StageWorker/", SERVICE),
+    ("/pipefb.v1.Coordinator/RegisterWorker", SERVICE),
+    ("/pipefb.v1.Coordinator/Heartbeat", SERVICE),
+    ("/pipefb.v1.Coordinator/", USERS),
+    ("", ANY),
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +86,21 @@ class Security:
     ca: bytes | None = None  # PEM root certificates of the peers
     mtls: bool = False  # servers require client certificates signed by `ca`
     server_name: str = ""  # the name clients check in servers' certificates
-    token: str = ""  # bearer token; "" for none
+    token: str = ""  # the user's bearer token; on the coordinator, the admin's; "" for none
+    service_token: str = ""  # the coordinator's and workers' credential; "" for none
+    users: tuple[tuple[str, str], ...] = ()  # (name, token) the coordinator also accepts
+
+    @property
+    def client_token(self) -> str:
+        """The token this process sends: the service credential in a service, else the
+        user's."""
+        return self.service_token or self.token
+
+    @property
+    def identities(self) -> tuple[tuple[str, str], ...]:
+        """(identity, token) of every token a server of this process knows."""
+        known = ((ADMIN, self.token), (SERVICE, self.service_token), *self.users)
+        return tuple((name, token) for name, token in known if token)
 
     @property
     def tls(self) -> bool:
@@ -77,15 +124,45 @@ def from_env(env: Mapping[str, str] | None = None) -> Security:
 
     Raises:
         ConfigError: a named file that cannot be read, a certificate without its key (or
-            the reverse), mTLS without TLS, or an empty token file.
+            the reverse), mTLS without TLS, an empty token file or a bad users file.
     """
     env = os.environ if env is None else env
     return _load(tuple(env.get(name, "") for name in ENV))
 
 
+def client_settings(address: str, env: Mapping[str, str] | None = None) -> Security:
+    """The settings of a client of `address`: the environment's, and without a token
+    there, the user token a local cluster left for that address (`token_path`).
+
+    Raises:
+        ConfigError: as `from_env`, or a token file others may read.
+    """
+    settings = from_env(env)
+    if settings.client_token:
+        return settings
+    path = token_path(address, env)
+    if not path.is_file():
+        return settings
+    return replace(settings, token=read_private(path))
+
+
+def require(settings: Security, service: str, *, admin: bool = False) -> None:
+    """Refuses to run a service without its credentials ([Note: access]).
+
+    Raises:
+        ConfigError: no service credential, or with `admin` no admin token.
+    """
+    missing = [name for name, have in (("PIPEFB_SERVICE_TOKEN_FILE", settings.service_token),
+                                       ("PIPEFB_TOKEN_FILE", settings.token or not admin))
+               if not have]
+    if missing:
+        raise ConfigError(f"{service} needs " + " and ".join(missing)
+                          + " (authentication is always on; `pipefb local` makes them)")
+
+
 @lru_cache(maxsize=8)
 def _load(values: tuple[str, ...]) -> Security:
-    cert, key, ca, mtls, server_name, token_file = values
+    cert, key, ca, mtls, server_name, token_file, service_file, users_file = values
     if bool(cert) != bool(key):
         raise ConfigError("PIPEFB_TLS_CERT and PIPEFB_TLS_KEY go together: set both or neither")
     if mtls not in ("", "0", "1"):
@@ -93,13 +170,34 @@ def _load(values: tuple[str, ...]) -> Security:
     if mtls == "1" and not (cert and ca):
         raise ConfigError("PIPEFB_MTLS=1 needs PIPEFB_TLS_CERT, PIPEFB_TLS_KEY and "
                           "PIPEFB_TLS_CA (the CA that signs client certificates)")
-    token = _read(token_file, "PIPEFB_TOKEN_FILE").decode().strip() if token_file else ""
-    if token_file and not token:
-        raise ConfigError(f"PIPEFB_TOKEN_FILE={token_file!r} is empty")
     return Security(cert=_read(cert, "PIPEFB_TLS_CERT") if cert else None,
                     key=_read(key, "PIPEFB_TLS_KEY") if key else None,
                     ca=_read(ca, "PIPEFB_TLS_CA") if ca else None,
-                    mtls=mtls == "1", server_name=server_name, token=token)
+                    mtls=mtls == "1", server_name=server_name,
+                    token=_token(token_file, "PIPEFB_TOKEN_FILE"),
+                    service_token=_token(service_file, "PIPEFB_SERVICE_TOKEN_FILE"),
+                    users=_users(users_file) if users_file else ())
+
+
+def _token(path: str, name: str) -> str:
+    token = _read(path, name).decode().strip() if path else ""
+    if path and not token:
+        raise ConfigError(f"{name}={path!r} is empty")
+    return token
+
+
+def _users(path: str) -> tuple[tuple[str, str], ...]:
+    """The users file: `NAME TOKEN` per line; blank lines and `#` comments skipped."""
+    users: list[tuple[str, str]] = []
+    for number, line in enumerate(_read(path, "PIPEFB_USERS_FILE").decode().splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2 or fields[0] in (ADMIN, SERVICE, USERS, ANY):
+            raise ConfigError(f"PIPEFB_USERS_FILE={path!r} line {number}: write NAME TOKEN "
+                              f"(names other than {ADMIN}, {SERVICE}, {USERS}, {ANY})")
+        users.append((fields[0], fields[1]))
+    return tuple(users)
 
 
 def _read(path: str, name: str) -> bytes:
@@ -129,7 +227,8 @@ def check_listen(host: str, security: Security) -> None:
     if is_loopback(host):
         return
     missing = [what for what, ok in (("TLS (PIPEFB_TLS_CERT, PIPEFB_TLS_KEY)", security.tls),
-                                     ("a token (PIPEFB_TOKEN_FILE)", bool(security.token)))
+                                     ("a token (PIPEFB_TOKEN_FILE or PIPEFB_SERVICE_TOKEN_FILE)",
+                                      bool(security.identities)))
                if not ok]
     if missing:
         raise ConfigError(f"listening on {host!r}, beyond loopback, needs "
@@ -151,16 +250,17 @@ def secure_channel(address: str, options: list[tuple[str, Any]], security: Secur
         ConfigError: a token to be sent in plaintext beyond loopback.
     """
     options = [*options, *channel_options(security)]
+    token = security.client_token
     if not security.tls:
-        if security.token and not is_loopback(address.rsplit(":", 1)[0]):
+        if token and not is_loopback(address.rsplit(":", 1)[0]):
             raise ConfigError(f"refusing to send the token in plaintext to {address}: "
                               "set PIPEFB_TLS_CA (and the certificate) for TLS")
         ch = grpc.insecure_channel(address, options=options)
-        return grpc.intercept_channel(ch, _TokenClient(security.token)) if security.token else ch
+        return grpc.intercept_channel(ch, _TokenClient(token)) if token else ch
     creds = security.channel_credentials()
-    if security.token:
+    if token:
         creds = grpc.composite_channel_credentials(
-            creds, grpc.access_token_call_credentials(security.token))
+            creds, grpc.access_token_call_credentials(token))
     return grpc.secure_channel(address, creds, options=options)
 
 
@@ -193,26 +293,62 @@ class _TokenClient(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._details(details), requests)
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every RPC but the health service's without the bearer token."""
+class AccessInterceptor(grpc.ServerInterceptor):
+    """Refuses every RPC but the health service's without a known token, and every RPC
+    whose caller `POLICY` does not allow ([Note: access])."""
 
-    def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}".encode()
+    def __init__(self, settings: Security) -> None:
+        self.settings = settings
 
     def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
-        if details.method.startswith(OPEN_METHODS) or self._authorized(details):
+        if details.method.startswith(OPEN_METHODS):
             return continuation(details)
-        return _refusal(continuation(details))
+        who = identify(self.settings, details.invocation_metadata)
+        if who is None:
+            return _refusal(continuation(details), grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong bearer token")
+        if not allowed(details.method, who):
+            return _refusal(continuation(details), grpc.StatusCode.PERMISSION_DENIED,
+                            f"{details.method} is not open to this caller")
+        return continuation(details)
 
-    def _authorized(self, details: Any) -> bool:
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        return hmac.compare_digest(str(sent).encode(), self.expected)
+
+def allowed(method: str, who: str) -> bool:
+    """Whether identity `who` may call `method` (`POLICY`)."""
+    need = next(need for prefix, need in POLICY if method.startswith(prefix))
+    if need == ANY:
+        return True
+    if need == USERS:
+        return who != SERVICE
+    return who == need
 
 
-def _refusal(handler: Any) -> Any:
-    """A handler of the same shape as `handler` that aborts UNAUTHENTICATED."""
+def identify(settings: Security, metadata: Any) -> str | None:
+    """The identity whose token the call's metadata carries; None for none known."""
+    sent = str(dict(metadata or ()).get("authorization", "")).encode()
+    found = None
+    for name, token in settings.identities:  # every one compared: constant time
+        if hmac.compare_digest(sent, f"Bearer {token}".encode()):
+            found = name
+    return found
+
+
+def caller(context: grpc.ServicerContext) -> str:
+    """The identity of the call being served ([Note: access]); ADMIN on a server that
+    knows no tokens (in-process servers on loopback, which check none)."""
+    settings = from_env()
+    if not settings.identities:
+        return ADMIN
+    who = identify(settings, context.invocation_metadata())
+    if who is None:  # the interceptor refused it already; never reached
+        raise PermissionError("unknown caller")
+    return who
+
+
+def _refusal(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of the same shape as `handler` that aborts with `code`."""
     def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        context.abort(code, message)
 
     if handler is None:
         return None

@@ -144,7 +144,7 @@ def create_server(
     """
     settings = security.from_env()
     security.check_listen(address.rsplit(":", 1)[0], settings)
-    guard = (security.TokenInterceptor(settings.token),) if settings.token else ()
+    guard = (security.AccessInterceptor(settings),) if settings.identities else ()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=(*guard, *interceptors, ErrorInterceptor()),
@@ -203,13 +203,14 @@ def _exit_now(seconds: float) -> None:
     os._exit(1)
 
 
-def channel(address: str) -> grpc.Channel:
+def channel(address: str, settings: security.Security | None = None) -> grpc.Channel:
     """A channel to `address` with pipefb's message size limits, over TLS and with the
-    token when the environment configures them ([Note: transport security])."""
+    token when `settings` (default: the environment's, `security.client_settings`)
+    configure them ([Note: transport security])."""
     return security.secure_channel(address, [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ], security.from_env())
+    ], settings or security.client_settings(address))
 
 
 def run_service(main: Callable[[], None], name: str) -> None:

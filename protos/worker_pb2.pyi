@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssignRequest(_message.Message):
-    __slots__ = ("job", "plan", "rank", "peers", "store_address", "attempt", "rendezvous", "resume_step", "source")
+    __slots__ = ("job", "plan", "rank", "peers", "store_address", "attempt", "rendezvous", "resume_step", "source", "store_user", "store_password")
     JOB_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class AssignRequest(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STORE_USER_FIELD_NUMBER: _ClassVar[int]
+    STORE_PASSWORD_FIELD_NUMBER: _ClassVar[int]
     job: _job_pb2.JobSpec
     plan: _job_pb2.Plan
     rank: int
@@ -28,7 +30,9 @@ class AssignRequest(_message.Message):
     rendezvous: str
     resume_step: int
     source: MigrationSource
-    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., attempt: _Optional[int] = ..., rendezvous: _Optional[str] = ..., resume_step: _Optional[int] = ..., source: _Optional[_Union[MigrationSource, _Mapping]] = ...) -> None: ...
+    store_user: str
+    store_password: str
+    def __init__(self, job: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., rank: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., attempt: _Optional[int] = ..., rendezvous: _Optional[str] = ..., resume_step: _Optional[int] = ..., source: _Optional[_Union[MigrationSource, _Mapping]] = ..., store_user: _Optional[str] = ..., store_password: _Optional[str] = ...) -> None: ...
 
 class MigrationSource(_message.Message):
     __slots__ = ("plan", "attempt", "fail")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,31 @@ import torch
 
 PLUGIN_PATH = Path(__file__).parent / "plugin_pkg"  # a distribution with a pipefb.models entry
 WORKER_THREADS = 1  # torch threads per worker; references must use as many to be bit-equal
+# local clusters leave their user tokens here, not in the home folder of whoever runs tests
+os.environ.setdefault("PIPEFB_TOKEN_DIR", tempfile.mkdtemp(prefix="pipefb-test-tokens-"))
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A fresh service credential and admin token, for a test that starts a worker or a
+    coordinator itself: the environment naming their files, and the
+    `protos.security.Security` of a client calling as a service (a coordinator, a peer
+    worker) or as the admin user."""
+
+    env: dict[str, str]
+    service: Any
+    user: Any
+
+
+def credentials(folder: Path) -> Credentials:
+    """Writes a fresh service token and admin token (each 0600) into `folder`."""
+    from pipefb.secretfiles import write_private
+    from protos.security import Security
+
+    service, user = secrets.token_hex(16), secrets.token_hex(16)
+    env = {"PIPEFB_SERVICE_TOKEN_FILE": str(write_private(folder / "service-token", service)),
+           "PIPEFB_TOKEN_FILE": str(write_private(folder / "token", user))}
+    return Credentials(env, Security(service_token=service), Security(token=user))
 
 
 @contextmanager
@@ -52,10 +80,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, plugin_path: Path) -> Iter
 
 @pytest.fixture(scope="session")
 def client(cluster: object) -> Iterator[object]:
-    """A coordinator client with all 4 workers registered."""
+    """A coordinator client with all 4 workers registered, sending the cluster's user
+    token (which `CoordinatorClient` would also find in its `token_path` file)."""
     from coordinator.client import CoordinatorClient
+    from protos.security import Security
 
-    with CoordinatorClient(cluster.coordinator) as c:  # type: ignore[attr-defined]
+    with CoordinatorClient(cluster.coordinator,  # type: ignore[attr-defined]
+                           Security(token=cluster.token)) as c:  # type: ignore[attr-defined]
         c.wait_for_workers(4)
         yield c
 

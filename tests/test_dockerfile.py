@@ -29,6 +29,15 @@ def stages() -> dict[str, list[Any]]:
     return out
 
 
+def stages_of(name: str) -> list[list[Any]]:
+    """The stage `name` and the stages it is built FROM, nearest first (its inherited ENV)."""
+    s, chain = stages(), []
+    while name in s:
+        chain.append(s[name])
+        name = s[name][0].value[0]
+    return chain
+
+
 def instructions(stage: list[Any], cmd: str) -> list[Any]:
     return [c for c in stage if c.cmd == cmd]
 
@@ -47,16 +56,21 @@ def docs() -> dict[str, list[dict[str, Any]]]:
     return {overlay: build(overlay) for overlay in ("cpu", "gpu")}
 
 
-def test_three_stages_and_a_slim_runtime() -> None:
+def test_stages_and_a_slim_runtime() -> None:
     s = stages()
-    assert list(s) == ["wheels", "protos", "build", "runtime"]
+    assert list(s) == ["wheels", "protos", "deps", "build", "runtime"]
     assert s["wheels"] == s["wheels"][:1] and s["wheels"][0].value[0] == "scratch"  # empty
-    bases = {name: stage[0].value[0] for name, stage in s.items() if name != "wheels"}
-    assert set(bases.values()) == {"python:${PYTHON}-slim-bookworm"}  # same Python in each
+    bases = {name: stage[0].value[0] for name, stage in s.items()}
+    assert bases["build"] == "deps"  # pipefb installed on top of the dependencies
+    assert {bases[n] for n in ("protos", "deps", "runtime")} == {
+        "python:${PYTHON}-slim-bookworm"}  # same Python in each
     runtime = s["runtime"]
     copies = [c.original for c in instructions(runtime, "COPY")]
-    assert copies == ["COPY --from=build /opt/venv /opt/venv"]  # no sources, no build tools
+    assert copies == ["COPY --from=deps /opt/venv /opt/venv",  # no sources, no build tools
+                      "COPY --from=build /opt/pipefb /opt/pipefb"]
     assert not any(re.search(r"\bpip\b", c.value[0]) for c in instructions(runtime, "RUN"))
+    env = " ".join(e.original for e in instructions(runtime, "ENV"))
+    assert "PYTHONPATH=/opt/pipefb" in env and "PATH=/opt/pipefb/bin:/opt/venv/bin:$PATH" in env
 
 
 def test_runtime_runs_as_the_manifests_non_root_user(docs: dict[str, list[Any]]) -> None:
@@ -77,7 +91,7 @@ def test_runtime_runs_as_the_manifests_non_root_user(docs: dict[str, list[Any]])
 
 
 def test_torch_build_argument_chooses_the_wheel_index() -> None:
-    build_stage = stages()["build"]
+    build_stage = stages()["deps"]
     args = dict(a.value[0].split("=", 1) for a in instructions(build_stage, "ARG"))
     assert args["TORCH"] == "cpu"
     [install] = [r.value[0] for r in instructions(build_stage, "RUN") if "torch==" in r.value[0]]
@@ -88,8 +102,8 @@ def test_torch_build_argument_chooses_the_wheel_index() -> None:
                      "cuda": "https://pypi.org/simple"}  # PyPI's Linux wheel is the CUDA build
     assert "exit 1" in install  # any other value fails the build
     runs = [r.value[0] for r in instructions(build_stage, "RUN")]
-    pipefb = next(i for i, r in enumerate(runs) if "pip install --no-deps ." in r)
-    assert runs.index(install) < pipefb
+    deps = next(i for i, r in enumerate(runs) if "-r /tmp/requirements.txt" in r)
+    assert runs.index(install) < deps  # torch first: the rest finds it satisfied
     assert "torch.version.cuda" in install  # a CPU image with a CUDA torch fails its build
 
 
@@ -105,20 +119,20 @@ def test_every_pip_install_takes_the_wheels_context_and_the_ca_secret() -> None:
             assert "--mount=type=bind,from=wheels,target=/wheels" in flags, (name, run.original)
             assert "--mount=type=secret,id=ca,required=false" in flags, (name, run.original)
             assert 'PIP_CERT="$(test -f /run/secrets/ca && echo /run/secrets/ca)"' in run.value[0]
-        env = " ".join(e.original for e in instructions(stage, "ENV"))
+        env = " ".join(e.original for s in stages_of(name) for e in instructions(s, "ENV"))
         assert name in ("wheels", "runtime") or "PIP_FIND_LINKS=/wheels" in env, name
 
 
 def test_a_source_change_reinstalls_pipefb_alone() -> None:
-    """The dependencies come from pyproject.toml in a layer before any source is copied,
-    so the layer cache keeps them (and torch) while pipefb's code changes."""
-    build_stage = stages()["build"]
-    steps = [c for c in build_stage if c.cmd in ("COPY", "RUN")]
-    deps = next(i for i, c in enumerate(steps) if "-r /tmp/requirements.txt" in c.value[0])
-    first_source = next(i for i, c in enumerate(steps)
-                        if c.cmd == "COPY" and c.value[0] in ("pipefb", "README.md"))
-    assert [c.original for c in steps[:deps] if c.cmd == "COPY"] == ["COPY pyproject.toml ./"]
-    assert deps < first_source
+    """The dependencies come from pyproject.toml in a stage no source is copied into, so
+    the layer cache keeps them (and torch, and the runtime's copy of the venv) while
+    pipefb's code changes; pipefb itself goes to /opt/pipefb, a small layer of its own."""
+    s = stages()
+    assert [c.original for c in instructions(s["deps"], "COPY")] == ["COPY pyproject.toml ./"]
+    assert any("-r /tmp/requirements.txt" in r.value[0] for r in instructions(s["deps"], "RUN"))
+    [install] = [r.value[0] for r in instructions(s["build"], "RUN")
+                 if "pip install" in r.value[0]]
+    assert "pip install --no-deps --target /opt/pipefb ." in install
 
 
 def test_protobuf_code_is_generated_in_the_image() -> None:
@@ -139,7 +153,7 @@ def test_image_commands_agree_with_the_manifests(docs: dict[str, list[Any]]) -> 
     [cmd] = instructions(runtime, "CMD")
     assert cmd.json
     env = " ".join(e.original for e in instructions(runtime, "ENV"))
-    assert f"PATH={VENV_BIN}:$PATH" in env
+    assert f"PATH=/opt/pipefb/bin:{VENV_BIN}:$PATH" in env
     project = pyproject()
     packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
     commands = {tuple(c["command"]) for overlay in docs.values() for _, c in containers(overlay)

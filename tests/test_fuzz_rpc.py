@@ -28,7 +28,7 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.conftest import rss
+from tests.conftest import credentials, rss
 from tests.fuzz_messages import messages, mutated
 from tests.test_worker_service import activation, second_rank_assignment, serving
 
@@ -58,13 +58,15 @@ class Target:
 
 def serve(folder: Path, module: str, args: list[str], stub: Callable[[Any], Any]
           ) -> Iterator[Target]:
-    """Runs `python -m module` on 127.0.0.1 (one torch thread) for the fixture's life."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "PIPEFB_THREADS": "1"}
+    """Runs `python -m module` on 127.0.0.1 (one torch thread) for the fixture's life,
+    called as the coordinator calls a worker, or as the admin calls the coordinator."""
+    keys = credentials(folder)
+    env = {**os.environ, "PYTHONPATH": ROOT, "PIPEFB_THREADS": "1", **keys.env}
     proc = Process(f"fuzz-{module}", ["-m", module, "--listen", "127.0.0.1:0", *args],
                    folder, env)
     try:
         address = proc.wait_ready()
-        with server.channel(address) as ch:
+        with server.channel(address, keys.service if module == "worker" else keys.user) as ch:
             yield Target(proc, address, stub(ch))
     finally:
         proc.stop()

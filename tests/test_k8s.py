@@ -34,7 +34,12 @@ SECRET = ("pipefb-redis", "password")
 # right in the cluster.
 DEFAULT_IS_RIGHT = {
     "PIPEFB_CACHE_DIR": "read only by `pipefb plan` / local runs (calibration cache)",
+    "PIPEFB_USERS_FILE": "optional: users besides the admin (docs/deploy.md)",
 }
+# Env vars a worker must not get: the user's token and the store's service user; it takes
+# calls of the service credential only and stashes as each job's own store user
+NOT_FOR_WORKERS = {"PIPEFB_TOKEN_FILE", "PIPEFB_USERS_FILE", "PIPEFB_STORE_USER",
+                   "PIPEFB_STORE_PASSWORD"}
 SERVICE_DIRS = ("coordinator", "worker", "offload_store", "dataplane", "protos")
 PIPEFB_CONTAINERS = {"pipefb-coordinator": "coordinator", "pipefb-worker": "worker"}
 
@@ -180,8 +185,9 @@ def test_every_env_var_the_services_read_is_set(built: dict[str, list[Doc]]) -> 
             needed = {var for var, where in read.items()
                       if where & {role, "offload_store", "protos"} and var not in
                       DEFAULT_IS_RIGHT}
-            if role == "worker":  # the worker gets the store address with its assignment
-                needed.discard("PIPEFB_STORE")
+            if role == "worker":
+                needed -= NOT_FOR_WORKERS
+                assert sorted(env & NOT_FOR_WORKERS) == [], name
             assert sorted(needed - env) == [], name
 
 
@@ -189,8 +195,9 @@ def test_secrets_come_from_the_redis_secret(built: dict[str, list[Doc]]) -> None
     refs = [(e["name"], e["valueFrom"]["secretKeyRef"])
             for _, c in containers(built["cpu"]) for e in c.get("env", [])
             if "secretKeyRef" in e.get("valueFrom", {})]
+    # the coordinator's and the ACL file's writer: workers hold no store password
     assert sorted(n for n, _ in refs) == ["PIPEFB_STORE_PASSWORD", "PIPEFB_STORE_PASSWORD",
-                                         "PIPEFB_STORE_PASSWORD", "REDISCLI_AUTH"]
+                                         "REDISCLI_AUTH"]
     assert {(r["name"], r["key"]) for _, r in refs} == {SECRET}
     assert all(d["kind"] != "Secret" for d in built["cpu"])  # created out of band, not committed
 
@@ -332,28 +339,40 @@ def test_monitoring_values_pick_up_the_dashboard_and_the_podmonitor(
     assert prometheus["podMonitorNamespaceSelector"] == prometheus["podMonitorSelector"] == {}
 
 
+# [Note: access]: which token files each gRPC process gets, from which Secret
+TOKENS = {"coordinator": {"PIPEFB_TOKEN_FILE": ("/etc/pipefb-auth", "pipefb-auth"),
+                          "PIPEFB_SERVICE_TOKEN_FILE": ("/etc/pipefb-service", "pipefb-service")},
+          "worker": {"PIPEFB_SERVICE_TOKEN_FILE": ("/etc/pipefb-service", "pipefb-service")},
+          "submit": {"PIPEFB_TOKEN_FILE": ("/etc/pipefb-auth", "pipefb-auth")}}
+
+
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
-def test_every_grpc_process_gets_mtls_and_the_token_from_secrets(
+def test_every_grpc_process_gets_mtls_and_only_its_own_tokens_from_secrets(
         built: dict[str, list[Doc]], overlay: str) -> None:
-    """Coordinator, workers and the submit Job: certificate, key, CA and token files from
-    the Secrets pipefb-tls and pipefb-auth, mounted read-only, named by the env."""
+    """Coordinator, workers and the submit Job: certificate, key and CA from the Secret
+    pipefb-tls; the admin's token (pipefb-auth) for the coordinator and the submit Job,
+    the service credential (pipefb-service) for the coordinator and the workers; each
+    mounted read-only and named by the env, and nothing else."""
     want = {"PIPEFB_TLS_CERT": "/etc/pipefb-tls/tls.crt", "PIPEFB_TLS_KEY":
             "/etc/pipefb-tls/tls.key", "PIPEFB_TLS_CA": "/etc/pipefb-tls/ca.crt",
-            "PIPEFB_MTLS": "1", "PIPEFB_TLS_SERVER_NAME": "pipefb",
-            "PIPEFB_TOKEN_FILE": "/etc/pipefb-auth/token"}
+            "PIPEFB_MTLS": "1", "PIPEFB_TLS_SERVER_NAME": "pipefb"}
     seen = []
     for workload, container in containers(built[overlay]):
-        if container["name"] not in ("coordinator", "worker", "submit"):
+        name = container["name"]
+        if name not in TOKENS:
             continue
-        seen.append(container["name"])
+        seen.append(name)
         env = {e["name"]: e.get("value") for e in container["env"]}
-        assert {k: env.get(k) for k in want} == want, container["name"]
+        assert {k: env.get(k) for k in want} == want, name
+        tokens = {k: v for k, v in env.items() if k.endswith("TOKEN_FILE")}
+        assert tokens == {k: f"{folder}/token" for k, (folder, _) in TOKENS[name].items()}
         volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-        for path, secret in (("/etc/pipefb-tls", "pipefb-tls"), ("/etc/pipefb-auth",
-                                                                 "pipefb-auth")):
-            assert mounts[path]["readOnly"] is True
-            assert volumes[mounts[path]["name"]]["secret"]["secretName"] == secret
+        secrets = {volumes[m["name"]]["secret"]["secretName"]: path
+                   for path, m in mounts.items() if "secret" in volumes[m["name"]]}
+        assert secrets == {"pipefb-tls": "/etc/pipefb-tls",
+                           **{s: f for f, s in TOKENS[name].values()}}, name
+        assert all(mounts[path]["readOnly"] is True for path in secrets.values())
     assert sorted(seen) == ["coordinator", "submit", "worker"]
 
 

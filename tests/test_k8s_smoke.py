@@ -80,7 +80,8 @@ def test_the_submit_job_trains_to_the_end(deployment: tuple[LocalDeployment, str
 
     assert trained.returncode == 0, trained.stderr[-3000:]
     job_id, *lines = trained.stdout.splitlines()
-    steps = [re.fullmatch(r"step (\d+) loss (\S+) (\S+) samples/s", line) for line in lines]
+    steps = [re.fullmatch(r"step (\d+) loss (\S+) lr (\S+) (\S+) samples/s", line)
+             for line in lines]
     assert None not in steps, lines
     assert [int(m[1]) for m in steps if m] == list(range(STEPS))
     losses = [float(m[2]) for m in steps if m]

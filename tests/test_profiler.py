@@ -33,7 +33,7 @@ from pipefb.runtime.execs import needs_grad as _needs_grad
 from pipefb.sim.costs import Profile, uniform_profile
 from protos import server, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, profile_from_proto, profile_to_proto
-from tests.conftest import worker_threads
+from tests.conftest import Credentials, credentials, worker_threads
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 F32, I64 = 4, 8  # bytes per element
@@ -318,9 +318,16 @@ def test_profile_message_round_trips(mlp_profile: Profile) -> None:
 # -- the Profile RPC on real worker processes -------------------------------------------------
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
+    """The workers' service credential; this module calls them as the coordinator does."""
+    return credentials(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory, keys: Credentials
+            ) -> Iterator[list[str]]:
     """Two worker processes with one torch thread each, on loopback."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": ROOT, **keys.env}
     log_dir = tmp_path_factory.mktemp("profile-workers")
     procs = [Process(f"worker{k}", ["-m", "worker", "--listen", "127.0.0.1:0", "--threads", "1"],
                      log_dir, env) for k in range(2)]
@@ -332,8 +339,9 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def stubs(workers: list[str]) -> Iterator[list[worker_pb2_grpc.StageWorkerStub]]:
-    channels = [server.channel(a) for a in workers]
+def stubs(workers: list[str], keys: Credentials
+          ) -> Iterator[list[worker_pb2_grpc.StageWorkerStub]]:
+    channels = [server.channel(a, keys.service) for a in workers]
     yield [worker_pb2_grpc.StageWorkerStub(ch) for ch in channels]
     for ch in channels:
         ch.close()

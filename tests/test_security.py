@@ -24,6 +24,7 @@ from tests.test_transparency import assert_same_training, make_job, run_on_clust
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-token-for-tests"
+SERVICE_TOKEN = "s3cret-service-credential-for-tests"
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
 
@@ -36,14 +37,17 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     rogue, rogue_key = make_signed(d, "rogue", make_ca(d, "rogue-ca"))
     token = d / "token"
     token.write_text(TOKEN + "\n")
+    service = d / "service-token"
+    service.write_text(SERVICE_TOKEN + "\n")
     return {"ca": ca[0], "cert": cert, "key": key, "rogue": rogue, "rogue_key": rogue_key,
-            "token": token}
+            "token": token, "service": service}
 
 
 def _env(pki: dict[str, Path], mtls: bool) -> dict[str, str]:
     return {"PIPEFB_TLS_CERT": str(pki["cert"]), "PIPEFB_TLS_KEY": str(pki["key"]),
             "PIPEFB_TLS_CA": str(pki["ca"]), "PIPEFB_MTLS": "1" if mtls else "0",
-            "PIPEFB_TOKEN_FILE": str(pki["token"])}
+            "PIPEFB_TOKEN_FILE": str(pki["token"]),
+            "PIPEFB_SERVICE_TOKEN_FILE": str(pki["service"])}
 
 
 @contextmanager
@@ -75,7 +79,9 @@ def coordinator(pki: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 def test_on_loopback_the_token_works_without_tls(pki: dict[str, Path], tmp_path: Path) -> None:
     """Plaintext on 127.0.0.1 with a token: the token rides in the metadata (gRPC allows no
     call credentials there), and a call without it is refused."""
-    with _coordinator({"PIPEFB_TOKEN_FILE": str(pki["token"])}, tmp_path / "log") as address:
+    with _coordinator({"PIPEFB_TOKEN_FILE": str(pki["token"]),
+                       "PIPEFB_SERVICE_TOKEN_FILE": str(pki["service"])},
+                      tmp_path / "log") as address:
         assert list(_call(address, security.Security(token=TOKEN)).workers) == []
         with pytest.raises(grpc.RpcError) as error:
             _call(address, security.Security())
@@ -138,14 +144,15 @@ def test_a_server_beyond_loopback_without_tls_or_token_refuses_to_start(
     env = {**os.environ, **_env(pki, mtls=False), "PYTHONPATH": str(ROOT)}
     if missing == "tls":
         del env["PIPEFB_TLS_CERT"], env["PIPEFB_TLS_KEY"]
-    else:
-        del env["PIPEFB_TOKEN_FILE"]
+    else:  # on loopback as well: authentication is always on ([Note: access])
+        del env["PIPEFB_TOKEN_FILE"], env["PIPEFB_SERVICE_TOKEN_FILE"]
     proc = subprocess.run([sys.executable, "-m", "worker", "--listen", "0.0.0.0:0"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "beyond loopback" in lines[0], proc.stderr
-    assert ("TLS" if missing == "tls" else "token") in lines[0]
+    assert len(lines) == 1, proc.stderr
+    assert ("beyond loopback" if missing == "tls" else "needs PIPEFB_SERVICE_TOKEN_FILE"
+            ) in lines[0]
 
 
 def test_settings_are_checked_and_a_token_never_goes_out_in_plaintext(
@@ -176,10 +183,12 @@ def test_a_job_trains_over_mtls_with_the_token_as_one_process_does(
     from coordinator.client import CoordinatorClient
     from pipefb.app.local import LocalServices
 
-    for name, value in _env(pki, mtls=True).items():
+    env = _env(pki, mtls=True)
+    service = {"PIPEFB_SERVICE_TOKEN_FILE": env.pop("PIPEFB_SERVICE_TOKEN_FILE")}
+    for name, value in env.items():  # this process is a user: it holds no service credential
         monkeypatch.setenv(name, value)
     job = make_job("mlp", "pipefb", 2, "adamw")
-    with LocalServices(2, tmp_path, threads=WORKER_THREADS) as cluster, \
+    with LocalServices(2, tmp_path, threads=WORKER_THREADS, extra_env=service) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(2)
         reports, weights = run_on_cluster(client, job)

@@ -14,13 +14,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipefb.processes import Process
 from protos import job_pb2, server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
+from tests.conftest import Credentials, credentials
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
+    """The worker's service credential; this module calls it as its coordinator does."""
+    return credentials(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, keys: Credentials) -> Iterator[str]:
+    env = {**os.environ, "PYTHONPATH": ROOT, **keys.env}
     proc = Process("worker", ["-m", "worker", "--listen", "127.0.0.1:0"],
                    tmp_path_factory.mktemp("worker"), env)
     try:
@@ -30,8 +37,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def stub(worker: str) -> Iterator[worker_pb2_grpc.StageWorkerStub]:
-    with server.channel(worker) as ch:
+def stub(worker: str, keys: Credentials) -> Iterator[worker_pb2_grpc.StageWorkerStub]:
+    with server.channel(worker, keys.service) as ch:
         yield worker_pb2_grpc.StageWorkerStub(ch)
 
 

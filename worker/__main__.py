@@ -17,7 +17,14 @@ from offload_store.writer import STASH_IN_FLIGHT_BYTES
 from pipefb.allocator import keep_freed_memory
 from pipefb.job.dataroots import add_data_root_flag, configure_from_args
 from pipefb.runtime.checkpoint import add_root_flag
-from protos import coordinator_pb2, coordinator_pb2_grpc, monitoring, server, worker_pb2_grpc
+from protos import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    monitoring,
+    security,
+    server,
+    worker_pb2_grpc,
+)
 from worker.metrics import WorkerMetrics
 from worker.service import StageWorkerServicer
 
@@ -37,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--coordinator", default=os.environ.get("PIPEFB_COORDINATOR", ""),
                    help="host:port of the coordinator to register with")
     p.add_argument("--name", default=os.environ.get("PIPEFB_NAME", f"worker-{os.getpid()}"))
+    p.add_argument("--store", default=os.environ.get("PIPEFB_STORE", ""),
+                   help="host:port of the offload store; the worker stashes only there, "
+                        "as the job's store user its Assign names (default: no store)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("PIPEFB_THREADS", "0")),
                    help="torch intra-op threads (0: torch's default)")
     p.add_argument("--local-stash-bytes", type=int,
@@ -95,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = parse_args(argv)
     configure_from_args(args)  # the only files a job's dataset may read
+    security.require(security.from_env(), "python -m worker")  # [Note: access]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     # gRPC's threads hand received tensors to the compute thread; with Python's default
@@ -105,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     servicer = StageWorkerServicer(WorkerMetrics(args.name) if url else None,
                                    checkpoint_root=args.checkpoint_root,
                                    local_stash_bytes=args.local_stash_bytes,
-                                   stash_in_flight_bytes=args.stash_in_flight_bytes)
+                                   stash_in_flight_bytes=args.stash_in_flight_bytes,
+                                   store_address=args.store)
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen,
         interceptors=interceptors)

@@ -153,8 +153,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     """One process, one job rank at a time; `metrics` (if any) sees every step."""
 
     def __init__(self, metrics: WorkerMetrics | None = None, checkpoint_root: str = "",
-                 local_stash_bytes: int = -1,
+                 local_stash_bytes: int = -1, store_address: str = "",
                  stash_in_flight_bytes: int = STASH_IN_FLIGHT_BYTES) -> None:
+        self.store_address = store_address  # the one store this worker stashes in (--store)
         self.local_stash_bytes = local_stash_bytes  # a combined rank's local tier cap; -1:
         # the device's default (`offload_store.local.local_tier_cap`)
         # the cap of stash bytes handed to the store's I/O thread and not yet written; 0:
@@ -198,8 +199,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         source = (self._keep_source(job.job_id, request.source.attempt, request.resume_step)
                   if request.HasField("source") else None)
         inbox = Inbox()
-        store = (open_store(request.store_address, job.job_id, request.attempt)
-                 if request.store_address else None)
+        store = self._open_store(request, job.job_id)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
         try:
@@ -248,6 +248,26 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         return worker_pb2.AssignReply(role=runtime.role, actions=[str(a) for a in runtime.actions],
                                       parameter_bytes=runtime.param_bytes,
                                       migrated_bytes=migrated)
+
+    def _open_store(self, request: worker_pb2.AssignRequest, job_id: str) -> StashStore | None:
+        """The job's stash in this worker's own store, as the job's store user; None for
+        a job without a store ([Note: access] in protos/security.py).
+
+        Raises:
+            PermissionError: the Assign names another store (nothing is sent there).
+            FailedPrecondition: the job has a store and this worker none configured.
+        """
+        if not request.store_address:
+            return None
+        if request.store_address != self.store_address:
+            if not self.store_address:
+                raise FailedPrecondition(f"the job stashes in {request.store_address}; this "
+                                         "worker has no store (--store, PIPEFB_STORE)")
+            raise PermissionError(f"Assign names the store {request.store_address!r}; this "
+                                  f"worker uses only its own, {self.store_address!r}")
+        return open_store(self.store_address, job_id, request.attempt,
+                          username=request.store_user or None,
+                          password=request.store_password or None)
 
     def _check_not_stale(self, job_id: str, attempt: int) -> None:
         """Refuses an Assign of an attempt older than the one this worker runs (hold the

@@ -7,6 +7,13 @@ With `restart`, a process that dies is relaunched, as Kubernetes restarts a pod:
 and the coordinator on the address they had (Redis comes back empty), a worker under
 its name on a new port (it registers again). Jobs with `max_restarts` then replay.
 
+Authentication is always on ([Note: access] in protos/security.py): each cluster makes
+its own service credential (the coordinator's and workers') and, unless the environment
+names one in PIPEFB_TOKEN_FILE, its own user token, both in files only this user may
+read; the user token is also left where clients of the coordinator's address find it
+(`pipefb.secretfiles.token_path`) until the cluster stops. Workers get neither the user
+token nor a store password: their stash runs as each job's own store user.
+
 Only subprocesses: the core stays free of grpc and redis. Every process is stopped on
 exit, on Ctrl-C and on failure; children also get SIGTERM if this process dies
 (PR_SET_PDEATHSIG on Linux). `kill_running` is the last resort of an interrupted CLI
@@ -27,9 +34,13 @@ from types import TracebackType
 from pipefb.job.dataroots import ENV as DATA_ROOT_ENV
 from pipefb.job.dataroots import local_default
 from pipefb.processes import Process, default_threads, project_env
+from pipefb.secretfiles import token_path, write_private
 
 SUPERVISE_SECONDS = 0.2  # with restart: how often dead processes are looked for
 STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no redis code)
+# what the workers' environment leaves out: the user's credentials and the store's password
+NOT_FOR_WORKERS = ("PIPEFB_TOKEN_FILE", "PIPEFB_USERS_FILE", "PIPEFB_STORE_USER",
+                   "PIPEFB_STORE_PASSWORD")
 _RUNNING: weakref.WeakSet[LocalServices] = weakref.WeakSet()  # started, not yet stopped
 
 
@@ -56,6 +67,15 @@ class LocalServices:
         self.store_user, self.store_password = STORE_USER, secrets.token_hex(16)
         self.env.update(PIPEFB_STORE_USER=self.store_user,
                         PIPEFB_STORE_PASSWORD=self.store_password)
+        # the cluster's credentials ([Note: access]): written at start, under log_dir
+        self.secrets = log_dir / "secrets"
+        self.own_token = not self.env.get("PIPEFB_TOKEN_FILE")  # else the given one
+        self.token_file = Path(self.env.get("PIPEFB_TOKEN_FILE") or self.secrets / "token")
+        self.service_token_file = Path(self.env.get("PIPEFB_SERVICE_TOKEN_FILE")
+                                       or self.secrets / "service-token")
+        self.env.update(PIPEFB_TOKEN_FILE=str(self.token_file),
+                        PIPEFB_SERVICE_TOKEN_FILE=str(self.service_token_file))
+        self.worker_env = {k: v for k, v in self.env.items() if k not in NOT_FOR_WORKERS}
         self.processes: list[Process] = []
         self.store = self.coordinator = ""
 
@@ -71,12 +91,15 @@ class LocalServices:
                  tb: TracebackType | None) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: list[str], *, service: bool = False) -> Process:
-        """Starts a process; a service (coordinator, worker) gets `--metrics-port` 0 with
-        metrics, else empty, which overrides a PIPEFB_METRICS_PORT in the environment."""
+    def _spawn(self, name: str, args: list[str], *, service: bool = False,
+               env: dict[str, str] | None = None) -> Process:
+        """Starts a process (with `env`, default the cluster's); a service (coordinator,
+        worker) gets `--metrics-port` 0 with metrics, else empty, which overrides a
+        PIPEFB_METRICS_PORT in the environment."""
         if service:
             args = [*args, "--metrics-port", "0" if self.metrics else ""]
-        proc = Process(name, args, self.log_dir, self.env, metrics=service and self.metrics)
+        proc = Process(name, args, self.log_dir, env or self.env,
+                       metrics=service and self.metrics)
         with self._lock:
             self.processes.append(proc)
         return proc
@@ -85,6 +108,7 @@ class LocalServices:
         """Starts every process and waits until each serves."""
         _RUNNING.add(self)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._write_secrets()
         self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0", "--acl",
                                            "--maxmemory", self.store_maxmemory]).wait_ready()
         extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
@@ -92,6 +116,8 @@ class LocalServices:
             "-m", "coordinator", "--listen", "127.0.0.1:0", "--store", self.store,
             "--journal", str(self.log_dir / "journal"), *extra],
             service=True).wait_ready()
+        if self.own_token:  # clients of this address find it ([Note: access])
+            write_private(token_path(self.coordinator), self.token)
         workers = [self.add_worker(i) for i in range(self.n_workers)]
         for proc in workers:
             proc.wait_ready()
@@ -99,6 +125,18 @@ class LocalServices:
         if self.restart:
             threading.Thread(target=self._supervise, name="local-supervisor",
                              daemon=True).start()
+
+    def _write_secrets(self) -> None:
+        """Writes the cluster's fresh credentials, each readable by this user only."""
+        if self.own_token:
+            write_private(self.token_file, secrets.token_hex(32))
+        if not self.service_token_file.exists():
+            write_private(self.service_token_file, secrets.token_hex(32))
+
+    @property
+    def token(self) -> str:
+        """The user token clients of this cluster send (the coordinator's admin)."""
+        return self.token_file.read_text().strip()
 
     def _supervise(self) -> None:
         """Relaunches every process that exits, until `stop`."""
@@ -155,7 +193,8 @@ class LocalServices:
         """Starts one more worker registering with the coordinator (not waited for)."""
         return self._spawn(f"worker-{index}", [
             "-m", "worker", "--listen", "127.0.0.1:0", "--coordinator", self.coordinator,
-            "--name", f"worker-{index}"], service=True)
+            "--store", self.store, "--name", f"worker-{index}"], service=True,
+            env=self.worker_env)
 
     def workers(self) -> list[Process]:
         """The worker processes, in start order."""
@@ -170,7 +209,13 @@ class LocalServices:
             proc.stop()
         with self._lock:  # listed until stopped, so that `kill` still finds them
             self.processes = []
+        self._forget_token()
         _RUNNING.discard(self)
+
+    def _forget_token(self) -> None:
+        """Removes the user token this cluster left for clients of its address."""
+        if self.own_token and self.coordinator:
+            token_path(self.coordinator).unlink(missing_ok=True)
 
     def kill(self) -> int:
         """SIGKILLs every process still running, and reaps it (Redis's server follows
@@ -178,6 +223,7 @@ class LocalServices:
         self._stopping.set()
         with self._lock:
             procs = list(self.processes)
+        self._forget_token()
         return sum(proc.kill() for proc in procs)
 
 
