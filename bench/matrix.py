@@ -102,12 +102,23 @@ def run_single(job: JobConfig) -> dict[str, Any]:
 
 
 def run_pipefb(client: Any, job: JobConfig) -> dict[str, Any]:
-    """One job on the local cluster: step gaps, losses, rank peaks and the plan it ran."""
+    """One job on the local cluster: step gaps, losses, rank peaks, the plan it ran and
+    the share of its ranks' compute time they spent blocked on the store."""
     job_id = client.submit(job).job_id
     reports = list(client.train(job_id))
     status = client.status(job_id)
     return {"seconds": [r.seconds for r in reports], "losses": [r.loss for r in reports],
-            "ranks": rank_peaks(reports), "plan": plan_from_proto(status.plan)}
+            "ranks": rank_peaks(reports), "plan": plan_from_proto(status.plan),
+            "store_blocked_share": store_blocked_share(reports)}
+
+
+def store_blocked_share(reports: list[Any]) -> float:
+    """Seconds every rank's compute thread spent in STASH and FETCH (`store_blocked_seconds`)
+    over its seconds in F, B and OPT, summed over the job's steps and ranks."""
+    workers = [w for r in reports for w in r.workers]
+    compute = sum(w.compute_seconds for w in workers)
+    blocked = sum(w.metrics.get("store_blocked_seconds", 0.0) for w in workers)
+    return blocked / compute if compute else 0.0
 
 
 def bubble(plan: Any, profile: Any) -> float:
@@ -167,6 +178,8 @@ def summarise(job: JobConfig, runs: dict[str, list[dict[str, Any]]], profile: An
         "job": job.to_dict(), "samples_per_second": {s: summary(v) for s, v in sps.items()},
         "ratios": ratios, "efficiency": efficiency,
         "bubble": {s: statistics.median(v) for s, v in bubbles.items()},
+        "store_blocked_share": {s: summary([r["store_blocked_share"] for r in reps])
+                                for s, reps in runs.items() if "store_blocked_share" in reps[0]},
         "ranks": {s: reps[0]["ranks"] for s, reps in runs.items()},
         "plans": {s: describe(reps[0]["plan"]) for s, reps in runs.items()
                   if "plan" in reps[0]},
@@ -238,10 +251,23 @@ def mib_per_rank(ranks: dict[str, Any], key: str) -> str:
     return " / ".join(f"{ranks[r][key] / 2**20:.2f}" for r in sorted(ranks, key=int))
 
 
+BLOCKED_TEXT = ("Blocked on store: the seconds pipefb's compute threads spent in STASH and "
+                "FETCH over their seconds in F, B and OPT (`store_blocked_seconds`), median "
+                "[min-max] over repeats. ")
+
+
+def blocked_cell(model: dict[str, Any], system: str) -> str:
+    """The blocked-on-store share of `system` as a table cell (`-` for the systems without
+    a store: single and torch's)."""
+    share = model.get("store_blocked_share", {}).get(system)
+    return fmt(share, digits=3) if share is not None else "-"
+
+
 def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     """Markdown of the matrix: one table per model, then the plot."""
     a = res["args"]
     device = res["machine"]["gpu"] if a["device"] == "cuda" else res["machine"]["cpu"]
+    blocked = any("store_blocked_share" in r for r in res["models"].values())
     lines = [f"## Every system on every model ({a['device'].upper()}: {device})", "",
              f"`{cmd}`", "",
              f"Batch {a['batch']} in {a['microbatches']} micro-batches "
@@ -253,7 +279,8 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
              "workers x (1 - bubble), the bubble being the simulator's idle share of the "
              "plan on ideal workers (free transfers, a core each). Peak per worker: "
              "parameters + gradients + optimizer state + weight versions + activations "
-             "(saved tensors and, for pipefb, tensors in flight), MiB. Loss diff: largest "
+             "(saved tensors and, for pipefb, tensors in flight), MiB. "
+             + (BLOCKED_TEXT if blocked else "") + "Loss diff: largest "
              "per-step difference from `single` (async systems differ by design: they "
              "train on older weights). `auto` picks its own micro-batches (`xN` under each "
              "table: N micro-batches) and the data draws samples per micro-batch, so its loss diff "
@@ -266,16 +293,17 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     for m, r in res["models"].items():
         lines += [f"### {m} (`{json.dumps(r['job']['model_config'])}`)", "",
                   "| system | samples/s | " + "".join(f"vs {b} | " for b in bases)
-                  + "efficiency | bubble | peak per worker, MiB | "
-                  "activation peak per worker, MiB | loss diff |",
-                  "| --- " * (7 + len(bases)) + "|"]
+                  + "efficiency | bubble | " + ("blocked on store | " if blocked else "")
+                  + "peak per worker, MiB | activation peak per worker, MiB | loss diff |",
+                  "| --- " * (7 + blocked + len(bases)) + "|"]
         for s in res["systems"]:
             vs = "".join((fmt(r["ratios"][k], digits=2) if k in r["ratios"] else "-") + " | "
                          for k in (f"{s}/{b}" for b in bases))
             lines.append(
                 f"| {s} | {fmt(r['samples_per_second'][s])} | {vs}"
                 f"{fmt(r['efficiency'][s], digits=2)} | {r['bubble'][s]:.2f} | "
-                f"{mib_per_rank(r['ranks'][s], 'peak')} | "
+                + (f"{blocked_cell(r, s)} | " if blocked else "")
+                + f"{mib_per_rank(r['ranks'][s], 'peak')} | "
                 f"{mib_per_rank(r['ranks'][s], 'activation')} | "
                 f"{r['max_loss_diff_vs_single'][s]:.1e} |")
         lines += ["", f"`auto` ran: {r['plans'].get('auto', '-')}.", ""]
@@ -288,7 +316,8 @@ def print_results(results: dict[str, Any]) -> None:
         print(f"{m}:")
         for s in results["systems"]:
             print(f"  {s:18s} {fmt(r['samples_per_second'][s])} samples/s  efficiency "
-                  f"{fmt(r['efficiency'][s], digits=2)}  bubble {r['bubble'][s]:.2f}  peak "
+                  f"{fmt(r['efficiency'][s], digits=2)}  bubble {r['bubble'][s]:.2f}  "
+                  f"blocked on store {blocked_cell(r, s)}  peak "
                   f"{mib_per_rank(r['ranks'][s], 'peak')} MiB  loss diff "
                   f"{r['max_loss_diff_vs_single'][s]:.1e}")
 

@@ -1,4 +1,4 @@
-"""The offload store against plain redis-py: MB/s of putting and taking one stash.
+"""The offload store against plain redis-py, and its round trip beside memcpy and raw TCP.
 
 One micro-batch's stash of a small GPT stage (56 float32 tensors, 21 MiB by default) goes
 through the store the workers use (`OffloadStore.put`: zero-copy frames in one pipeline,
@@ -6,15 +6,27 @@ through the store the workers use (`OffloadStore.put`: zero-copy frames in one p
 validated and decoded into a tensor) and, alternately in the same rounds, through a plain
 redis-py client on the same server: SET of the same bytes (`pipefb.codec.pack`, hiredis
 packing) and GETDEL of them, returned as bytes with nothing decoded. Ratios are the
-store's MB/s over plain redis-py's, paired by round. Run:
-`python bench/store.py [--quick] [--out DIR]`.
+store's MB/s over plain redis-py's, paired by round.
+
+The `bandwidth` part puts and fetches one stash of 1, 16 and 64 MiB (one float32 tensor)
+through four paths on this host, interleaved in each repeat: `memcpy` (a copy into a
+buffer and one back, torch, one thread), `raw TCP` (a loopback socket to a peer process
+that keeps the bytes and sends them back: length-prefixed, no framing beyond that),
+`redis-py` (SET of a view of the tensor's bytes, GETDEL returned as bytes, nothing
+decoded) and `store` (`OffloadStore.put` and `take`, validated and decoded into a
+tensor). A round trip's MiB/s is the stash's MiB over put + fetch seconds. Run:
+`python bench/store.py [--quick] [--part measured|bandwidth] [--out DIR]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import socket
+import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +42,10 @@ from offload_store.server import RedisServer
 from pipefb.codec import pack
 
 PATHS = ("plain put", "store put", "plain get", "store take")
+ROUND_TRIP = ("memcpy", "raw TCP", "redis-py", "store")  # the bandwidth part's paths
+SIZES_MIB = (1, 16, 64)
 MiB = 1 << 20
+HEADER = struct.Struct("<cQ")  # raw TCP: op (b"P" put, b"G" get) and byte count
 
 
 def stash(count: int, scale: int) -> list[torch.Tensor]:
@@ -97,6 +112,161 @@ def run_measured(args: argparse.Namespace) -> dict[str, Any]:
                     rates["store take"], rates["plain get"], strict=True)])}}
 
 
+def _tcp_peer(listener: socket.socket) -> None:
+    """The raw TCP path's far end (in its own process): keeps what a put sends, sends it
+    back on a get."""
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle wait on the tail
+    held = bytearray()
+    with conn:
+        while head := _recv_exactly(conn, HEADER.size):
+            op, n = HEADER.unpack(head)
+            if op == b"P":
+                held = held if len(held) == n else bytearray(n)
+                _recv_into(conn, memoryview(held))
+                conn.sendall(b"k")
+            else:
+                conn.sendall(held)
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    """`n` bytes, or b"" when the peer closed first."""
+    buf = bytearray(n)
+    return bytes(buf) if _recv_into(conn, memoryview(buf)) else b""
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> bool:
+    """Fills `view` from the socket; False when the peer closed first."""
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+class RoundTrips:
+    """The four paths of the bandwidth part, each a (put, fetch) of one tensor."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.plain = redis.Redis(host=host, port=int(port))
+        self.store = OffloadStore(connect(address), "bench-bw")
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.peer = multiprocessing.get_context("fork").Process(
+            target=_tcp_peer, args=(listener,), daemon=True)
+        self.peer.start()
+        self.sock = socket.create_connection(listener.getsockname())
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        listener.close()
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _buffer(self, use: str, t: torch.Tensor) -> torch.Tensor:
+        """A buffer like `t` for `use`, allocated once per size (as staging buffers are),
+        so memcpy and TCP time the copy and the socket, not fresh pages."""
+        key = (use, t.nelement())
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty_like(t)
+        return self._buffers[key]
+
+    def memcpy(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+        held, back = self._buffer("held", t), self._buffer("back", t)
+        return self._timed(lambda: held.copy_(t), lambda: back.copy_(held))
+
+    def tcp(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+        back = self._buffer("back", t)
+
+        def put() -> None:
+            self.sock.sendall(HEADER.pack(b"P", t.nbytes))
+            self.sock.sendall(_bytes_of(t))
+            _recv_exactly(self.sock, 1)
+
+        def fetch() -> torch.Tensor:
+            self.sock.sendall(HEADER.pack(b"G", t.nbytes))
+            _recv_into(self.sock, _bytes_of(back))
+            return back
+        return self._timed(put, fetch)
+
+    def redis_py(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+        put = partial_call(self.plain.set, "pipefb:bench:bw", _bytes_of(t))
+        got = self._timed(put, lambda: self.plain.getdel("pipefb:bench:bw"))
+        return got[0], got[1], torch.frombuffer(bytearray(got[2]), dtype=t.dtype)
+
+    def offload_store(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+        got = self._timed(lambda: self.store.put(0, 0, 0, {0: {"x": t}}),
+                          lambda: self.store.take(0, 0, 0, {0: ["x"]}))
+        return got[0], got[1], got[2][0]["x"]
+
+    @staticmethod
+    def _timed(put: Callable[[], object], fetch: Callable[[], Any]
+               ) -> tuple[float, float, Any]:
+        started = time.perf_counter()
+        put()
+        middle = time.perf_counter()
+        out = fetch()
+        return middle - started, time.perf_counter() - middle, out
+
+    def close(self) -> None:
+        self.sock.close()
+        self.peer.join(5)
+        self.store.close()
+        self.plain.close()
+
+
+def partial_call(fn: Callable[..., object], *args: object) -> Callable[[], object]:
+    """`fn(*args)` as a call of no arguments."""
+    return lambda: fn(*args)
+
+
+def run_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
+    """Each path on each size, `--repeats` times, interleaved in each repeat; MiB/s of the
+    round trip (and of put and fetch alone), checked against what went in."""
+    from pipefb.allocator import keep_freed_memory
+
+    torch.set_num_threads(1)
+    keep_freed_memory()  # the workers' allocator settings (pipefb.allocator)
+    sizes = SIZES_MIB[:1] if args.quick else SIZES_MIB
+    tensors = {size: torch.randn(size * MiB // 4) for size in sizes}
+    seconds: dict[str, dict[str, dict[str, list[float]]]] = {
+        str(size): {p: {"put": [], "fetch": []} for p in ROUND_TRIP} for size in sizes}
+    with RedisServer(maxmemory="2gb") as server:
+        paths = RoundTrips(server.address)
+        run = dict(zip(ROUND_TRIP, (paths.memcpy, paths.tcp, paths.redis_py,
+                                    paths.offload_store), strict=True))
+        try:
+            for t in tensors.values():  # one untimed trip each: connections, pages
+                for trip in run.values():
+                    trip(t)
+            for _ in range(args.repeats):
+                for size, t in tensors.items():
+                    for path, trip in run.items():
+                        put, fetch, back = trip(t)
+                        assert torch.equal(back, t), path
+                        seconds[str(size)][path]["put"].append(put)
+                        seconds[str(size)][path]["fetch"].append(fetch)
+        finally:
+            paths.close()
+    out: dict[str, Any] = {"repeats": args.repeats, "sizes_mib": list(sizes), "sizes": {}}
+    for size in sizes:
+        by_path = seconds[str(size)]
+        trips = {p: [size / (a + b) for a, b in zip(s["put"], s["fetch"], strict=True)]
+                 for p, s in by_path.items()}
+        out["sizes"][str(size)] = {
+            "round_trip_mib_per_second": {p: summary(v) for p, v in trips.items()},
+            "put_mib_per_second": {p: summary([size / x for x in s["put"]])
+                                   for p, s in by_path.items()},
+            "fetch_mib_per_second": {p: summary([size / x for x in s["fetch"]])
+                                     for p, s in by_path.items()},
+            "vs_memcpy": {p: summary([x / m for x, m in zip(v, trips["memcpy"], strict=True)])
+                          for p, v in trips.items() if p != "memcpy"}}
+    return out
+
+
 def chart(results: dict[str, Any], path: Path) -> None:
     """MB/s of each path: median bars with min-max whiskers."""
     import matplotlib
@@ -104,16 +274,56 @@ def chart(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = results["measured"]["mb_per_second"]
-    medians, errors = error_bars(rates, PATHS)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(PATHS, medians, yerr=errors, capsize=4,
-           color=["tab:gray", "tab:blue", "tab:gray", "tab:blue"])
-    ax.set_ylabel("MB/s (median, min-max)")
-    ax.set_title(f"one stash of {results['measured']['bytes'] / MiB:.0f} MiB, loopback Redis")
+    parts = [p for p in ("measured", "bandwidth") if p in results]
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 3.5), squeeze=False)
+    for ax, part in zip(axes[0], parts, strict=True):
+        if part == "measured":
+            rates = results["measured"]["mb_per_second"]
+            medians, errors = error_bars(rates, PATHS)
+            ax.bar(PATHS, medians, yerr=errors, capsize=4,
+                   color=["tab:gray", "tab:blue", "tab:gray", "tab:blue"])
+            ax.set_ylabel("MB/s (median, min-max)")
+            ax.set_title(f"one stash of {results['measured']['bytes'] / MiB:.0f} MiB, "
+                         "loopback Redis")
+            continue
+        bw = results["bandwidth"]
+        width = 0.8 / len(ROUND_TRIP)
+        for j, p in enumerate(ROUND_TRIP):
+            stats = {s: bw["sizes"][s]["round_trip_mib_per_second"][p] for s in bw["sizes"]}
+            medians, errors = error_bars(stats, list(stats))
+            ax.bar([k + j * width for k in range(len(stats))], medians, width, yerr=errors,
+                   capsize=3, label=p)
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(bw["sizes"]))],
+                      [f"{s} MiB" for s in bw["sizes"]])
+        ax.set_yscale("log")
+        ax.set_ylabel("round trip MiB/s (median, min-max)")
+        ax.set_title("put + fetch of one stash, this host")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def bandwidth_lines(bw: dict[str, Any]) -> list[str]:
+    """Markdown of the bandwidth part: round-trip MiB/s per size and path, and each path
+    over memcpy."""
+    lines = ["### Put + fetch of one stash beside memcpy, raw TCP and redis-py", "",
+             "One float32 tensor per stash, every path once per size in each of "
+             f"{bw['repeats']} repeats, interleaved. `memcpy`: a torch copy into a buffer "
+             "and one back (one thread); `raw TCP`: a loopback socket to a peer process "
+             "that keeps the bytes and sends them back; `redis-py`: SET of the tensor's "
+             "bytes and GETDEL, returned as bytes; `store`: `OffloadStore.put` and `take` "
+             "(validated, decoded into a tensor). MiB/s of the round trip (stash MiB over "
+             "put + fetch seconds), median [min-max]; `/ memcpy` paired by repeat.", "",
+             "| stash | " + " | ".join(ROUND_TRIP) + " | "
+             + " | ".join(f"{p} / memcpy" for p in ROUND_TRIP[1:]) + " |",
+             "| --- " * (2 * len(ROUND_TRIP)) + "|"]
+    for size, r in bw["sizes"].items():
+        trips = r["round_trip_mib_per_second"]
+        lines.append(f"| {size} MiB | " + " | ".join(fmt(trips[p], digits=0) for p in ROUND_TRIP)
+                     + " | " + " | ".join(fmt(r["vs_memcpy"][p], digits=3)
+                                          for p in ROUND_TRIP[1:]) + " |")
+    return [*lines, ""]
 
 
 def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
@@ -130,10 +340,16 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     lines += [f"| {p} | {fmt(meas['mb_per_second'][p], digits=0)} |" for p in PATHS]
     lines += ["", "| ratio | median [min-max] |", "| --- | --- |"]
     lines += [f"| {name} | {fmt(r, digits=2)} |" for name, r in meas["ratios"].items()]
-    return [*lines, "", f"![store]({png})", ""]
+    lines.append("")
+    if "bandwidth" in res:
+        lines += bandwidth_lines(res["bandwidth"])
+    return [*lines, f"![store]({png})", ""]
 
 
 def print_results(results: dict[str, Any]) -> None:
+    for size, r in results.get("bandwidth", {}).get("sizes", {}).items():
+        print(f"{size} MiB round trip, MiB/s: " + ", ".join(
+            f"{p} {fmt(r['round_trip_mib_per_second'][p], digits=0)}" for p in ROUND_TRIP))
     meas = results.get("measured")
     if not meas:
         return
@@ -147,14 +363,17 @@ def print_results(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_part_flags(p, "a tiny run for CI", ("measured",))
+    add_part_flags(p, "a tiny run for CI", ("measured", "bandwidth"))
     p.add_argument("--rounds", type=int, default=15, help="paired rounds of every path")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="bandwidth: interleaved repeats of every path and size")
     p.add_argument("--out", type=Path, default=None, help="write results.json and a PNG here")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds = 3
-    return run_parts("store", args, {"measured": lambda: run_measured(args)}, print_results,
-                     chart, "store.png")
+        args.rounds, args.repeats = 3, 2
+    return run_parts("store", args, {"measured": lambda: run_measured(args),
+                                     "bandwidth": lambda: run_bandwidth(args)},
+                     print_results, chart, "store.png")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,10 @@ class _NoPeers:
         """No stash."""
         return 0
 
+    def in_flight_bytes(self) -> int:
+        """No stash."""
+        return 0
+
 
 def runtime_overheads(steps: int) -> tuple[float, float]:
     """(per action, per step) seconds a real StageRuntime spends outside its actions,

@@ -13,12 +13,15 @@ import torch
 from dataplane.inbox import Inbox
 from offload_store import StashStore
 from offload_store.local import LocalTier
+from offload_store.staging import Arrival, HostStaging
+from offload_store.writer import StashWriter, stash_nbytes
 from pipefb.errors import Aborted, WorkerFailed
 from pipefb.runtime.transport import LayerTensors, Tensors
 from pipefb.schedule import Kind
 from protos import server, tensor_pb2, wire, worker_pb2_grpc
 
 SEND_TIMEOUT_SECONDS = 300.0  # a peer that takes no data for this long has failed
+POLL_SECONDS = 0.1  # how often a prefetch waiting for a transfer looks whether it should stop
 
 
 def inbox_key(kind: str, step: int, stage: int, microbatch: int) -> tuple[str, int, int, int]:
@@ -109,9 +112,18 @@ class GrpcTransport:
         self._sent = 0
         self._lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
-        self._prefetched: dict[tuple[int, int], Future[LayerTensors]] = {}
+        self._prefetched: dict[tuple[int, int], Future[tuple[LayerTensors,
+                                                             Arrival | None]]] = {}
+        self._closing = threading.Event()
         # stashes this rank takes back itself stay in its memory ([Note: local tier])
         self.local: LocalTier | None = None
+        # stashes go to the store on an I/O thread ([Note: background stash]); None: on
+        # the compute thread
+        self.writer: StashWriter | None = None
+        # a forward rank's transfers leave after its earlier stashes are in the store, so
+        # the backward rank that receives them finds those stashes there
+        self.fence_sends = False
+        self.staging: HostStaging | None = None  # CUDA: host <-> device copies of stashes
 
     def _stub(self, rank: int) -> worker_pb2_grpc.StageWorkerStub:
         if rank not in self._stubs:
@@ -135,7 +147,10 @@ class GrpcTransport:
                                     f"rank {rank} at {self.peers[rank]}")
                 self._streams[(rank, method)] = stream
             self._sent += nbytes(tensors)
-        stream.put(wire.encode_stream(transfer, tensors))
+        messages = wire.encode_stream(transfer, tensors)
+        if self.fence_sends and self.writer is not None and self.writer.ticket:
+            messages = _after_writes(self.writer, self.writer.ticket, messages)
+        stream.put(messages)
 
     def send(self, kind: Kind, rank: int, step: int, stage: int, microbatch: int, version: int,
              tensors: Tensors) -> None:
@@ -158,26 +173,37 @@ class GrpcTransport:
             kept = self.local.put(step, microbatch, tensors)
             if kept is not None:
                 return kept
+        if self.writer is not None:
+            self.writer.put(step, microbatch, version, tensors)  # waits for room only
+            return stash_nbytes(tensors)
         return self._store().put(step, microbatch, version, tensors)
 
     def fetch(self, step: int, microbatch: int, version: int,
               names: Mapping[int, Sequence[str]]) -> LayerTensors:
         """Takes saved tensors from the offload store (delete on consume), or the result of
-        the `prefetch` of the same micro-batch."""
+        the `prefetch` of the same micro-batch, or this rank's own stash still waiting for
+        its write ([Note: background stash])."""
         self._check_open()
         if self.local is not None:
             kept = self.local.take(step, microbatch, names)
             if kept is not None:
                 return kept
+        if self.writer is not None:
+            queued = self.writer.take_pending(step, microbatch)
+            if queued is not None:
+                return {i: {n: queued[i][n] for n in names[i]} for i in names}
         pending = self._prefetched.pop((step, microbatch), None)
         if pending is not None:
-            return pending.result()
+            got, arrival = pending.result()
+            return arrival.wait(got) if arrival is not None else got
         return self._store().take(step, microbatch, version, names)
 
     def prefetch(self, step: int, microbatch: int, version: int,
-                 names: Mapping[int, Sequence[str]]) -> None:
-        """Tells the store, then starts taking saved tensors on a background thread (see
-        `fetch`)."""
+                 names: Mapping[int, Sequence[str]],
+                 after: tuple[Kind, int, int, int] | None = None) -> None:
+        """Tells the store, then starts taking saved tensors on a background thread, once
+        the transfer `after` names arrived (see `fetch`); on CUDA the thread also starts
+        their copy to the device ([Note: staging])."""
         self._check_open()
         if (step, microbatch) in self._prefetched or (
                 self.local is not None and self.local.holds(step, microbatch)):
@@ -186,8 +212,24 @@ class GrpcTransport:
             self.store.prefetch(step, microbatch, version, names)
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        wait = None if after is None else inbox_key(str(after[0]), *after[1:])
         self._prefetched[(step, microbatch)] = self._prefetcher.submit(
-            self._store().take, step, microbatch, version, names)
+            self._take_when, wait, step, microbatch, version, names)
+
+    def _take_when(self, wait: tuple[str, int, int, int] | None, step: int, microbatch: int,
+                   version: int, names: Mapping[int, Sequence[str]]
+                   ) -> tuple[LayerTensors, Arrival | None]:
+        """A prefetch on its thread: waits for the transfer `wait` names, then takes the
+        stash (this rank's own one still queued for its write: from the queue)."""
+        while wait is not None and not self.inbox.arrived(wait, POLL_SECONDS):
+            if self._closing.is_set():
+                raise Aborted("the transport closed")
+        got = self.writer.take_pending(step, microbatch) if self.writer is not None else None
+        if got is None:
+            got = self._store().take(step, microbatch, version, names)
+        if self.staging is None:
+            return got, None
+        return self.staging.to_device(got)
 
     def push_weights(self, rank: int, version: int, tensors: Tensors) -> None:
         """Streams a weight version of some layers to forward peer `rank`."""
@@ -204,8 +246,15 @@ class GrpcTransport:
         """Bytes of stashes this rank holds in its own memory (the local tier)."""
         return self.local.held_bytes if self.local is not None else 0
 
+    def in_flight_bytes(self) -> int:
+        """Bytes of stashes handed to the writer and not yet in the store."""
+        return self.writer.in_flight_bytes if self.writer is not None else 0
+
     def flush(self) -> int:
-        """Waits until every transfer of this step left; a failed peer raises WorkerFailed."""
+        """Waits until every stash of this step is written (raising the first failed
+        write's error) and every transfer left; a failed peer raises WorkerFailed."""
+        if self.writer is not None:
+            self.writer.drain()
         with self._lock:
             streams = list(self._streams.values())
             sent, self._sent = self._sent, 0
@@ -226,12 +275,24 @@ class GrpcTransport:
             stream.close()
         for ch in self._channels:
             ch.close()
+        self._closing.set()
+        if self.writer is not None:
+            self.writer.close()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
         if self.local is not None:
             self.local.clear()
         if self.store is not None:
             self.store.close()
+
+
+def _after_writes(writer: StashWriter, ticket: int,
+                  messages: Iterator[tensor_pb2.TensorChunk]
+                  ) -> Iterator[tensor_pb2.TensorChunk]:
+    """A transfer's messages, held back (on gRPC's sending thread) until the stashes
+    handed over before it, up to `ticket`, are written."""
+    writer.wait_written(ticket)
+    yield from messages
 
 
 def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:

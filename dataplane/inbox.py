@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Hashable
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from pipefb.errors import Aborted
 
 Tensors = dict[str, torch.Tensor]
+RECENT = 1024  # taken keys remembered for `arrived` (a prefetch waits a few actions ahead)
 
 
 class Inbox:
@@ -21,6 +23,7 @@ class Inbox:
 
     def __init__(self, timeout_seconds: float = 300.0) -> None:
         self._items: dict[Hashable, Tensors] = {}
+        self._taken: OrderedDict[Hashable, None] = OrderedDict()  # the last RECENT taken
         self._cond = threading.Condition()
         self._aborted: str | None = None
         self.timeout_seconds = timeout_seconds
@@ -46,7 +49,24 @@ class Inbox:
                 raise Aborted(self._aborted)
             if not ok:
                 raise Aborted(f"nothing arrived for {key} in {self.timeout_seconds:.0f} s")
+            self._taken[key] = None
+            if len(self._taken) > RECENT:
+                self._taken.popitem(last=False)
             return self._items.pop(key)
+
+    def arrived(self, key: Hashable, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for `key` without taking it; whether it is there
+        or was taken already (among the last `RECENT` keys taken).
+
+        Raises:
+            Aborted: the inbox was aborted.
+        """
+        with self._cond:
+            ok = self._cond.wait_for(lambda: key in self._items or key in self._taken
+                                     or self._aborted is not None, timeout=timeout)
+            if self._aborted is not None:
+                raise Aborted(self._aborted)
+            return ok
 
     def abort(self, reason: str) -> None:
         """Wakes every waiter with `Aborted(reason)` and drops pending items."""

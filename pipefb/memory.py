@@ -10,9 +10,10 @@ import torch
 #: What a rank's memory is made of. `activations`: tensors in flight between actions (stage
 #: inputs and outputs, gradients); `stashed`: saved tensors held in the worker for a later
 #: backward (policy keep, and the inputs of recomputed runs); `weight_versions`: old
-#: weight versions kept for weight stashing.
+#: weight versions kept for weight stashing; `stash_in_flight`: stashes handed to the
+#: store's I/O thread and not yet written ([Note: background stash] in offload_store/writer.py).
 KINDS = ("parameters", "gradients", "optimizer_state", "weight_versions", "activations",
-         "stashed")
+         "stashed", "stash_in_flight")
 
 
 #: (data pointer, bytes) of one storage: what the counting below dedupes and sums

@@ -207,7 +207,7 @@ def test_replan_quick(suite: Path) -> None:
 
 
 def test_store_quick(suite: Path) -> None:
-    from bench.store import PATHS, doc_section
+    from bench.store import PATHS, ROUND_TRIP, doc_section
 
     res = load(suite, "store")
     assert (suite / "store" / "store.png").stat().st_size > 0
@@ -217,8 +217,16 @@ def test_store_quick(suite: Path) -> None:
         assert_summary(meas["mb_per_second"][p])
     for r in meas["ratios"].values():
         assert_summary(r)
-    assert "## Offload store against plain redis-py" in "\n".join(
-        doc_section("cmd", res, "store.png"))
+    bw = res["bandwidth"]
+    assert bw["sizes_mib"] == [1] and bw["repeats"] == 2
+    for r in bw["sizes"].values():
+        assert set(r["round_trip_mib_per_second"]) == set(ROUND_TRIP)
+        for p in ROUND_TRIP:
+            assert_summary(r["round_trip_mib_per_second"][p])
+        assert set(r["vs_memcpy"]) == set(ROUND_TRIP) - {"memcpy"}
+    page = "\n".join(doc_section("cmd", res, "store.png"))
+    assert "## Offload store against plain redis-py" in page
+    assert "| 1 MiB |" in page
 
 
 def test_scaling_quick(suite: Path) -> None:
@@ -262,7 +270,10 @@ def test_matrix_quick(suite: Path) -> None:
             if s not in ASYNC and s != "auto":
                 bound = 1e-4 if s in TORCH else 0.0  # torch scales gradients its own way
                 assert m["max_loss_diff_vs_single"][s] <= bound, (name, s)
-        assert set(m["plans"]) == set(PIPEFB)
+        assert set(m["plans"]) == set(PIPEFB) == set(m["store_blocked_share"])
+        # a system that never stashes never waits on the store
+        assert m["store_blocked_share"]["pipedream-keep"]["max"] == 0.0
+        assert m["store_blocked_share"]["pipefb-sync"]["min"] > 0.0
         assert set(m["ratios"]) == {f"{a}/{b}" for a, b in RATIOS}
         assert all(r["median"] > 0 for r in m["ratios"].values())
 

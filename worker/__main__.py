@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS
+from offload_store.writer import STASH_IN_FLIGHT_BYTES
 from pipefb.allocator import keep_freed_memory
 from pipefb.job.dataroots import add_data_root_flag, configure_from_args
 from pipefb.runtime.checkpoint import add_root_flag
@@ -53,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stash bytes a combined rank keeps in host memory for its own "
                         "backwards before it uses the offload store (0: always the store; "
                         "-1: 1 GiB on CUDA, 0 on the CPU)")
+    p.add_argument("--stash-in-flight-bytes", type=int,
+                   default=int(os.environ.get("PIPEFB_STASH_IN_FLIGHT_BYTES",
+                                              str(STASH_IN_FLIGHT_BYTES))),
+                   help="stash bytes handed to the store's I/O thread and not yet written, "
+                        "at most; the compute thread waits past it (0: it writes itself)")
     monitoring.add_metrics_flags(p)
     add_root_flag(p)
     add_data_root_flag(p)  # PIPEFB_DATA_ROOT: where datasets may read
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     servicer = StageWorkerServicer(WorkerMetrics(args.name) if url else None,
                                    checkpoint_root=args.checkpoint_root,
                                    local_stash_bytes=args.local_stash_bytes,
+                                   stash_in_flight_bytes=args.stash_in_flight_bytes,
                                    store_address=args.store)
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen,

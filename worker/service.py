@@ -16,6 +16,8 @@ from dataplane.grpc_transport import GrpcTransport, inbox_key, nbytes, weight_ke
 from dataplane.inbox import Inbox
 from offload_store import StashStore, open_store
 from offload_store.local import LocalTier, local_tier_cap
+from offload_store.staging import HostStaging
+from offload_store.writer import STASH_IN_FLIGHT_BYTES, StashWriter
 from pipefb import codec
 from pipefb.allocator import release_freed_memory
 from pipefb.errors import Aborted, CodecError, ConfigError, WorkerFailed
@@ -134,6 +136,18 @@ class StepGate:
             self._cond.notify_all()
 
 
+def _write_in_background(transport: GrpcTransport, store: StashStore, device: torch.device,
+                         role: str, cap: int) -> None:
+    """Gives the transport its stash writer ([Note: background stash]), and on CUDA its
+    staging copies ([Note: staging]). A job with a memory cap writes on the compute
+    thread (cap 0): the planner's memory model does not count bytes in flight."""
+    if device.type == "cuda":
+        transport.staging = HostStaging(device)
+    transport.writer = StashWriter(store, cap, transport.staging.to_host
+                                   if transport.staging is not None else None)
+    transport.fence_sends = role == "forward"
+
+
 @dataclass
 class Assigned:
     """The job rank this worker serves now."""
@@ -155,10 +169,14 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     """One process, one job rank at a time; `metrics` (if any) sees every step."""
 
     def __init__(self, metrics: WorkerMetrics | None = None, checkpoint_root: str = "",
-                 local_stash_bytes: int = -1, store_address: str = "") -> None:
+                 local_stash_bytes: int = -1, store_address: str = "",
+                 stash_in_flight_bytes: int = STASH_IN_FLIGHT_BYTES) -> None:
         self.store_address = store_address  # the one store this worker stashes in (--store)
         self.local_stash_bytes = local_stash_bytes  # a combined rank's local tier cap; -1:
         # the device's default (`offload_store.local.local_tier_cap`)
+        # the cap of stash bytes handed to the store's I/O thread and not yet written; 0:
+        # the compute thread writes ([Note: background stash] in offload_store/writer.py)
+        self.stash_in_flight_bytes = stash_in_flight_bytes
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # SIGTERM: long calls (Profile) end now
         self._assigned: Assigned | None = None
@@ -211,6 +229,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         cap = local_tier_cap(self.local_stash_bytes, runtime.device)
         if runtime.role == "combined" and cap:  # [Note: local tier]
             transport.local = LocalTier(runtime.device, cap)
+        if store is not None:
+            _write_in_background(transport, store, runtime.device, runtime.role,
+                                 self.stash_in_flight_bytes if not job.memory_cap else 0)
         takes = job.checkpoint_every or (request.resume_step and source is None) or (
             job.checkpoint_dir and self.checkpoint_root)  # Checkpoint on request writes there
         checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None

@@ -5,7 +5,6 @@ backward to forward ranks. Each handler takes (action, training step, iteration)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import islice
 
 import torch
 
@@ -27,6 +26,7 @@ class Exchange:
         self.device, self.steps, self.sync = device, steps, sync
         self.stash_layers = stash_layers  # layers whose saved tensors STASH puts in the store
         self.fetch_names = fetch_names  # layer -> names of the saved tensors FETCH takes
+        self.back_to_back: set[tuple[int, int]] = set()  # [Note: back-to-back stash]
 
     def send_activation(self, action: Action, step: int, it: Iteration) -> None:
         m, stage = microbatch(action), action.stage
@@ -67,8 +67,27 @@ class Exchange:
     def _version(self, step: int, stage: int, m: int) -> int:
         return self.place.forward_version(self.flight.forward_version, step, stage, m)
 
+    def skip_if_back_to_back(self, todo: list[tuple[int, Action]], index: int) -> None:
+        """Marks the STASH at `index` to be skipped with its FETCH when that FETCH comes
+        right after it.
+
+        [Note: back-to-back stash] On a combined rank's last stage the lowering puts the
+        FETCH of a micro-batch's stash right after its STASH (1F1B's and PipeDream's F
+        then B). Nothing runs between them, so the round trip through the store would free
+        no memory at any moment: the saved tensors stay where they are, counted as
+        `stashed` as they always were up to the STASH.
+        """
+        step, action = todo[index]
+        if index + 1 < len(todo):
+            nxt_step, nxt = todo[index + 1]
+            if (nxt.kind is Kind.FETCH and nxt_step == step and nxt.stage == action.stage
+                    and nxt.microbatch == action.microbatch):
+                self.back_to_back.add((step, microbatch(action)))
+
     def stash(self, action: Action, step: int, it: Iteration) -> None:
         m = microbatch(action)
+        if (step, m) in self.back_to_back:
+            return  # [Note: back-to-back stash]
         tensors = {i: self.flight.saved.pop((step, m, i)) for i in self.stash_layers}
         version = self._version(step, action.stage, m)
         it.stashed += self.transport.stash(step, self.place.mb_offset + m, version, tensors)
@@ -76,6 +95,9 @@ class Exchange:
 
     def fetch(self, action: Action, step: int, it: Iteration) -> None:
         m = microbatch(action)
+        if (step, m) in self.back_to_back:
+            self.back_to_back.discard((step, m))
+            return  # the saved tensors never left ([Note: back-to-back stash])
         version = self._version(step, action.stage, m)
         got = self.transport.fetch(step, self.place.mb_offset + m, version, self.fetch_names)
         for i, stash in got.items():
@@ -83,15 +105,25 @@ class Exchange:
         self.flight.stashed_here.discard((step, m))
 
     def prefetch_next(self, todo: list[tuple[int, Action]], index: int) -> None:
-        """Starts fetching the next FETCH's tensors while this backward runs, when they
-        are already in the store (a combined rank stashed them itself)."""
-        nxt = next(((t, a) for t, a in islice(todo, index + 1, None) if a.kind is Kind.FETCH),
-                   None)
-        if nxt is not None and (nxt[0], microbatch(nxt[1])) in self.flight.stashed_here:
-            step, action = nxt
-            m = microbatch(action)
-            version = self._version(step, action.stage, m)
-            self.transport.prefetch(step, self.place.mb_offset + m, version, self.fetch_names)
+        """Starts fetching the next FETCH's tensors while this backward runs: at once when
+        this rank stashed them itself (a combined rank), else once the receive before that
+        FETCH arrived (a backward rank: the forward rank's stash is in the store by then,
+        [Note: transport ordering])."""
+        at = next((j for j in range(index + 1, len(todo)) if todo[j][1].kind is Kind.FETCH),
+                  None)
+        if at is None:
+            return
+        step, action = todo[at]
+        m = microbatch(action)
+        after = None
+        if (step, m) not in self.flight.stashed_here:
+            before = todo[at - 1][1]
+            if self.place.role != "backward" or before.kind not in (Kind.RECV_L, Kind.RECV_B):
+                return
+            after = (before.kind, todo[at - 1][0], before.stage, microbatch(before))
+        version = self._version(step, action.stage, m)
+        self.transport.prefetch(step, self.place.mb_offset + m, version, self.fetch_names,
+                                after=after)
 
     def push_weights(self, action: Action, step: int, it: Iteration) -> None:
         if self.state.version + self.place.staleness >= self.steps:

@@ -216,11 +216,13 @@ class StageRuntime:
         at, action = todo[index]
         wall, started, recomputed = time.time(), time.perf_counter(), it.recompute
         self.clock.start_action()
+        if action.kind is Kind.STASH:
+            self.exchange.skip_if_back_to_back(todo, index)
         self._handlers[action.kind](action, at, it)
         if action.kind in COMPUTE:
             self.device_memory.synchronize()  # time the kernels, not their launch
             self.clock.slow_rest(at, time.perf_counter() - started - self.clock.in_layers)
-        if action.kind is Kind.FETCH and self.role == "combined":
+        if action.kind is Kind.FETCH:
             self.exchange.prefetch_next(todo, index)
         elapsed = time.perf_counter() - started
         if action.kind is self._sample_kind:
@@ -275,11 +277,14 @@ class StageRuntime:
     def _account(self) -> None:
         seen: set[int] = set()
         stashed = storage_bytes(self.flight.held(), exclude=self.state.param_storage, seen=seen)
-        if self.device.type == "cpu":  # a local-tier stash is in this process's memory
-            stashed += self.transport.held_bytes()
+        in_flight = 0
+        if self.device.type == "cpu":  # a local-tier stash, and one the store's I/O thread
+            stashed += self.transport.held_bytes()  # has not written, are in this process's
+            in_flight = self.transport.in_flight_bytes()  # memory (on CUDA: pinned host)
         owned = self.state.memory()
         owned["gradients"] += self.tied.nbytes  # tied copies' gradients kept until OPT
         self.memory.set({**owned, "stashed": stashed,
+                         "stash_in_flight": in_flight,
                          "activations": tensor_bytes(self.flight.live(), seen=seen)})
 
     # -- compute ---------------------------------------------------------------------------

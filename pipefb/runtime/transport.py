@@ -21,7 +21,9 @@ class Transport(Protocol):
     in the order they were called per destination; `recv` and `wait_weights` block until
     the data is there or the step is aborted (raising `Aborted`). `fetch` does not wait:
     the schedule only fetches after the loss hand-off, which follows every stash of that
-    micro-batch, and a missing key raises `KeyError`. `flush`
+    micro-batch, and a missing key raises `KeyError`; a host that writes stashes in the
+    background sends a transfer only after every stash handed over before it is in the
+    store ([Note: background stash] in `offload_store.writer`). `flush`
     waits for every send of the step and raises `WorkerFailed` naming a peer that failed.
     """
 
@@ -47,10 +49,14 @@ class Transport(Protocol):
         ...
 
     def prefetch(
-        self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
+        self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]],
+        after: tuple[Kind, int, int, int] | None = None,
     ) -> None:
         """Starts the `fetch` of these tensors in the background; the next `fetch` of the
-        same (step, microbatch) returns its result."""
+        same (step, microbatch) returns its result. With `after` (a receive action's kind,
+        step, stage and micro-batch), the background fetch first waits until that transfer
+        arrived: the stash of another rank is in the store once the transfer that follows
+        it is ([Note: transport ordering])."""
         ...
 
     def push_weights(self, rank: int, version: int, tensors: Tensors) -> None:
@@ -63,6 +69,10 @@ class Transport(Protocol):
 
     def held_bytes(self) -> int:
         """Bytes of stashes the host keeps in this process's memory for this rank."""
+        ...
+
+    def in_flight_bytes(self) -> int:
+        """Bytes of stashes handed over to the store and not yet written."""
         ...
 
     def flush(self) -> int:
