@@ -175,10 +175,14 @@ def test_with_max_restarts_the_cli_relaunches_a_killed_worker_and_finishes(
 
 
 STUCK_STOP = """
-import threading, time
+import signal, threading, time
 from protos import server
 srv, port, health = server.create_server(lambda s: None, "127.0.0.1:0")
-print("serving", flush=True)
+def announce():  # once serve_until_signal has its SIGTERM handler, so none is lost
+    while signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        time.sleep(0.01)
+    print("serving", flush=True)
+threading.Thread(target=announce, daemon=True).start()
 server.serve_until_signal(srv, health, on_stop=lambda: time.sleep(3600), exit_within=1.0)
 """
 

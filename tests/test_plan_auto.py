@@ -17,8 +17,9 @@ from pipefb.planner.insitu import STEPS
 from pipefb.planner.job import job_cluster, plan_job
 from pipefb.sim.cluster import Cluster
 from pipefb.sim.costs import Profile
-from protos import coordinator_pb2
+from protos import coordinator_pb2, coordinator_pb2_grpc, server
 from protos.convert import plan_from_proto
+from protos.security import Security
 from tests.test_transparency import assert_same_training
 
 
@@ -45,7 +46,7 @@ def test_auto_plan_trains_like_one_process_within_its_cap(client):
                                  microbatches=plan.microbatches), reports, weights)
 
 
-def test_a_second_auto_job_reuses_the_workers_profiles(client):
+def test_a_second_auto_job_reuses_the_workers_profiles(client, cluster):
     """[Note: profile reuse]: the same model, data and sizes planned otherwise are not
     profiled again; the job's planner summary says how many workers' replies it reused."""
     job = JobConfig(model="mlp", dataset="digits", schedule="auto", plan="auto", workers=2,
@@ -57,10 +58,14 @@ def test_a_second_auto_job_reuses_the_workers_profiles(client):
         planners.append(json.loads(client.status(job_id).planner_json))
     assert planners[1]["profiles_reused"] == 2
     assert planners[1]["profile"] == planners[0]["profile"]
-    # a worker that registers again (a restarted process at the same address) is asked anew
-    for w in client.workers():
-        client.stub.RegisterWorker(coordinator_pb2.RegisterWorkerRequest(
-            address=w.address, name=w.name), timeout=10)
+    # a worker that registers again (a restarted process at the same address) is asked
+    # anew; registering takes the service credential, as a worker has it
+    service = Security(service_token=cluster.service_token_file.read_text().strip())
+    with server.channel(cluster.coordinator, service) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for w in client.workers():
+            stub.RegisterWorker(coordinator_pb2.RegisterWorkerRequest(
+                address=w.address, name=w.name), timeout=10)
     job_id = client.submit(replace(job, steps=3)).job_id
     list(client.train(job_id))
     assert json.loads(client.status(job_id).planner_json)["profiles_reused"] == 0
