@@ -22,7 +22,7 @@ from pipefb.job.config import JobConfig
 from pipefb.processes import Process
 from protos import coordinator_pb2, server, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery
-from tests.conftest import WORKER_THREADS
+from tests.conftest import WORKER_THREADS, Credentials, credentials
 
 HEARTBEAT_TIMEOUT = 3.0  # short, so a stall past it keeps the test short
 
@@ -126,9 +126,17 @@ def cpu_seconds(pid: int) -> float:
 
 
 @pytest.fixture()
-def worker(tmp_path: Path) -> Iterator[Process]:
+def keys(tmp_path: Path) -> Credentials:
+    """The lone worker's service credential; the tests call it as its coordinator does."""
+    (tmp_path / "keys").mkdir()
+    return credentials(tmp_path / "keys")
+
+
+@pytest.fixture()
+def worker(tmp_path: Path, keys: Credentials) -> Iterator[Process]:
     """A worker process of its own (registered nowhere)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           **keys.env}
     proc = Process("lone-worker", ["-m", "worker", "--listen", "127.0.0.1:0", "--threads", "1"],
                    tmp_path, env)
     proc.wait_ready()
@@ -139,8 +147,8 @@ def worker(tmp_path: Path) -> Iterator[Process]:
 
 
 def test_a_profile_stops_when_its_deadline_passes_and_sigterm_ends_the_worker(
-        worker: Process) -> None:
-    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address))
+        worker: Process, keys: Credentials) -> None:
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.service))
     with pytest.raises(grpc.RpcError) as caught:
         stub.Profile(profile_request(100), timeout=3.0)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -163,13 +171,14 @@ def test_a_profile_stops_when_its_deadline_passes_and_sigterm_ends_the_worker(
     assert call.exception() is not None
 
 
-def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process) -> None:
+def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process,
+                                                                keys: Credentials) -> None:
     """40 Step calls for a step far ahead, each with a 1 s deadline: they wait for their
     turn only until then, so the worker's 32 threads come back and it keeps answering;
     one without a deadline waits until the job is drained."""
     from tests.test_worker_service import second_rank_assignment
 
-    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address))
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.service))
     stub.Assign(second_rank_assignment(), timeout=60)
     calls = [stub.Step.future(worker_pb2.StepRequest(job_id="win", step=5), timeout=1.0)
              for _ in range(40)]
