@@ -23,7 +23,8 @@ MAX_TOP_MODULES = 12  # modules directly in pipefb/ (packages excluded)
 # only core package that reaches the services.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipefb.errors", "pipefb.configparse", "pipefb.seeding", "pipefb.codec",
-     "pipefb.allocator", "pipefb.memory", "pipefb.processes", "pipefb.secretfiles"),
+     "pipefb.allocator", "pipefb.memory", "pipefb.processes", "pipefb.secretfiles",
+     "pipefb.plugins"),
     ("pipefb.models", "pipefb.schedule"),
     ("pipefb.job",),
     ("pipefb.plan",),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -18,6 +17,7 @@ from pipefb.job.sampling import DataContext, Dataset, KnowsSpecs, sampler
 from pipefb.job.sampling import check_request as _check_request
 from pipefb.job.shapes import TensorSpec, spec_of
 from pipefb.job.tokens import TokensDataset
+from pipefb.plugins import find_builder, plugin_names
 from pipefb.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -251,7 +251,8 @@ def build_dataset(name: str, config: dict[str, Any] | None, seed: int,
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"dataset seed {seed!r} is not an int")
-    builder = _find_builder(name)
+    builder: Builder = find_builder("dataset", name, _DATASETS, ENTRY_POINT_GROUP,
+                                    known_datasets())
     try:
         dataset = builder(dict(config or {}), seed, context or DataContext())
     except ConfigError:
@@ -264,30 +265,9 @@ def build_dataset(name: str, config: dict[str, Any] | None, seed: int,
     return dataset
 
 
-def _find_builder(name: str) -> Builder:
-    if name in _DATASETS:
-        return _DATASETS[name]
-    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    if not found:
-        raise ConfigError(f"unknown dataset {name!r}; known datasets: {list(known_datasets())}")
-    return _load_plugin(found[0])
-
-
-def _load_plugin(entry: EntryPoint) -> Builder:
-    try:
-        builder = entry.load()
-    except Exception as exc:
-        raise ConfigError(f"dataset plugin {entry.name!r} ({entry.value}) failed to load: "
-                          f"{exc!r}") from exc
-    if not callable(builder):
-        raise ConfigError(f"dataset plugin {entry.name!r} ({entry.value}) is not callable")
-    return builder  # type: ignore[no-any-return]
-
-
 def known_datasets() -> tuple[str, ...]:
     """The built-in dataset names followed by the installed plugins' names."""
-    plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} - set(_DATASETS))
-    return DATASETS + tuple(plugins)
+    return DATASETS + tuple(plugin_names(ENTRY_POINT_GROUP, _DATASETS))
 
 
 def job_context(job: JobConfig, check_all: bool = False) -> DataContext:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from torch.nn import functional as F
 
 from pipefb.configparse import parse_config, require
 from pipefb.errors import ConfigError
+from pipefb.plugins import find_builder, plugin_names
 
 ENTRY_POINT_GROUP = "pipefb.losses"
 
@@ -89,7 +89,8 @@ def build_loss(name: str, config: dict[str, Any] | None = None) -> nn.Module:
         ConfigError: an unknown name, a bad option, or a plugin that fails to load or
             returns something other than a module.
     """
-    builder = _find_builder(name)
+    builder: Builder = find_builder("loss", name, _LOSSES, ENTRY_POINT_GROUP,
+                                    known_losses(), "losses")
     try:
         loss = builder(dict(config or {}))
     except ConfigError:
@@ -101,27 +102,6 @@ def build_loss(name: str, config: dict[str, Any] | None = None) -> nn.Module:
     return loss
 
 
-def _find_builder(name: str) -> Builder:
-    if name in _LOSSES:
-        return _LOSSES[name]
-    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    if not found:
-        raise ConfigError(f"unknown loss {name!r}; known losses: {list(known_losses())}")
-    return _load_plugin(found[0])
-
-
-def _load_plugin(entry: EntryPoint) -> Builder:
-    try:
-        builder = entry.load()
-    except Exception as exc:
-        raise ConfigError(f"loss plugin {entry.name!r} ({entry.value}) failed to load: "
-                          f"{exc!r}") from exc
-    if not callable(builder):
-        raise ConfigError(f"loss plugin {entry.name!r} ({entry.value}) is not callable")
-    return builder  # type: ignore[no-any-return]
-
-
 def known_losses() -> tuple[str, ...]:
     """The built-in loss names followed by the installed plugins' names."""
-    plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} - set(_LOSSES))
-    return LOSSES + tuple(plugins)
+    return LOSSES + tuple(plugin_names(ENTRY_POINT_GROUP, _LOSSES))

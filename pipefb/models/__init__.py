@@ -7,7 +7,6 @@ Built-in models come first; user models are found through the entry-point group
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 from pipefb.configparse import parse_config
 from pipefb.errors import ConfigError
 from pipefb.models import convnet, gpt, mlp
+from pipefb.plugins import find_builder, plugin_names
 
 Builder = Callable[[dict[str, Any]], list[nn.Module]]
 
@@ -41,7 +41,8 @@ def build_model(name: str, config: dict[str, Any] | None = None, seed: int = 0) 
         ConfigError: an unknown name, a bad config, or a plugin that fails to load or
             returns something other than a list of modules.
     """
-    builder = _find_builder(name)
+    builder: Builder = find_builder("model", name, _BUILTINS, ENTRY_POINT_GROUP,
+                                    sorted(known_models()))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -51,27 +52,6 @@ def build_model(name: str, config: dict[str, Any] | None = None, seed: int = 0) 
         except Exception as exc:
             raise ConfigError(f"model {name!r} failed to build: {exc!r}") from exc
     return _check_layers(name, layers)
-
-
-def _find_builder(name: str) -> Builder:
-    if name in _BUILTINS:
-        return _BUILTINS[name]
-    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    if not found:
-        raise ConfigError(f"unknown model {name!r}; known models: {sorted(known_models())}")
-    return _load_plugin(found[0])
-
-
-def _load_plugin(entry: EntryPoint) -> Builder:
-    try:
-        builder = entry.load()
-    except Exception as exc:
-        raise ConfigError(
-            f"model plugin {entry.name!r} ({entry.value}) failed to load: {exc!r}"
-        ) from exc
-    if not callable(builder):
-        raise ConfigError(f"model plugin {entry.name!r} ({entry.value}) is not callable")
-    return builder  # type: ignore[no-any-return]
 
 
 def _check_layers(name: str, layers: object) -> list[nn.Module]:
@@ -99,8 +79,7 @@ def sequence_sizes(name: str, config: dict[str, Any] | None) -> tuple[int | None
 
 def known_models() -> tuple[str, ...]:
     """Returns the built-in model names followed by the installed plugin names."""
-    plugins = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} - set(_BUILTINS))
-    return MODELS + tuple(plugins)
+    return MODELS + tuple(plugin_names(ENTRY_POINT_GROUP, _BUILTINS))
 
 
 __all__ = ["ENTRY_POINT_GROUP", "MODELS", "Builder", "build_model", "known_models",
