@@ -95,13 +95,15 @@ def test_the_async_reference_is_the_published_rule(model: str, staleness: int) -
     assert losses[staleness + 1] != fresh[staleness + 1]  # the rule is not sync training
 
 
-@pytest.mark.parametrize(("model", "workers"), [("mlp", 2), ("gpt", 4)])
-def test_async_pipefb_follows_the_published_rule(client: Any, model: str, workers: int
-                                                 ) -> None:
-    """A 2-stage (4 workers) and a 1-stage split run: the weights a pipeline ends with are
-    the rule's, so every backward used its forward's version and every update hit the newest
+@pytest.mark.parametrize(("model", "workers", "policy"),
+                         [("mlp", 2, ""), ("gpt", 4, ""), ("gpt", 4, "recompute")])
+def test_async_pipefb_follows_the_published_rule(client: Any, model: str, workers: int,
+                                                 policy: str) -> None:
+    """1-stage and 2-stage (4 workers) split runs, stashes offloaded or recomputed on the
+    backward rank: the weights a pipeline ends with are the rule's, so every backward (and
+    every recomputed forward) used its forward's version and every update hit the newest
     weights with one step's mean gradient, once."""
-    job = async_job(model, workers, 1, steps=6)
+    job = replace(async_job(model, workers, 1, steps=6), policy=policy)
     reports, weights = run_on_cluster(client, job)
     with worker_threads():
         want_losses, want_weights = rule(job, 1)
