@@ -40,7 +40,8 @@ class CoordinatorMetrics:
         self.grad_norm = gauge("pipefb_job_grad_norm", "The whole model's gradient norm "
                                "before clipping, last step (jobs with clip_grad_norm)")
         self.skipped = Counter("pipefb_job_skipped_steps_total", "Steps whose gradient norm "
-                               "was not finite, so no weight owner updated", ["job"],
+                               "was not finite, or whose fp16 gradients overflowed, so no "
+                               "weight owner updated", ["job"],
                                registry=registry)
         self.step_seconds = Histogram("pipefb_job_step_seconds", "Seconds of each step",
                                       ["job"], buckets=STEP_BUCKETS, registry=registry)
