@@ -18,13 +18,17 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.registry import Registry
 from pipefb.app.cli import main
 from pipefb.job.config import JobConfig
 from pipefb.runtime.checkpoint import load_rank, rank_file
 from pipefb.runtime.lossscale import METADATA_KEY
 from pipefb.runtime.reference import SingleProcess
-from protos.convert import job_to_proto
+from protos import coordinator_pb2
+from protos.convert import job_from_proto, job_to_proto
 from tests.conftest import worker_threads
 from tests.test_migration import other, wait_running
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
@@ -174,3 +178,28 @@ def test_local_single_fp16_reports_the_skipped_steps_and_the_scale(
     assert [s["loss_scale"] for s in steps] == [s.loss_scale for s in want]
     assert steps[0]["skipped"]
     assert "step 1: the fp16 gradients overflowed" in capsys.readouterr().err
+
+
+def test_the_loss_scaling_fields_travel_in_the_job_spec() -> None:
+    job = JobConfig(precision="fp16", initial_loss_scale=1024.0, loss_scale_window=7)
+    assert job_from_proto(job_to_proto(job)) == job
+    assert JobConfig.from_dict(job.to_dict()) == job
+    spec = job_to_proto(JobConfig(precision="fp16"))
+    spec.ClearField("initial_loss_scale")
+    spec.ClearField("loss_scale_window")  # unset: GradScaler's defaults
+    got = job_from_proto(spec)
+    assert (got.initial_loss_scale, got.loss_scale_window) == (2.0**16, 2000)
+
+
+def test_the_coordinator_exports_the_loss_scale_and_counts_skipped_steps() -> None:
+    """`pipefb_job_loss_scale` is the last fp16 step's; `pipefb_job_skipped_steps_total`
+    counts its overflowed steps (the store is not read here: no address)."""
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(Registry(), "", registry)
+    metrics.job_started("j")
+    for step, (skipped, scale) in enumerate([(True, 512.0), (False, 512.0), (True, 256.0)]):
+        metrics.step_done(coordinator_pb2.StepReport(job_id="j", step=step, skipped=skipped,
+                                                     loss_scale=scale), 0.0)
+    labels = {"job": "j"}
+    assert registry.get_sample_value("pipefb_job_loss_scale", labels) == 256.0
+    assert registry.get_sample_value("pipefb_job_skipped_steps_total", labels) == 2.0
