@@ -105,10 +105,12 @@ class SingleProcess:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
                                                              self.job.clip_grad_norm))
         skipped = grad_norm is not None and not math.isfinite(grad_norm)
-        if self.scaler is not None:  # it skips a step whose gradients overflowed: its
-            # update halves the scale (a step it leaves to the optimizer: torch's fused SGD,
-            # handed GradScaler's overflow on its first step, leaves its momentum buffers
-            # uninitialised, where an owner that skips the step creates none)
+        if self.scaler is not None:
+            # GradScaler decides: after an overflow its update halves the scale and the
+            # step is skipped. The optimizer steps only when it is not, rather than through
+            # GradScaler.step: torch's fused SGD, handed an overflow on its first step,
+            # leaves its momentum buffers uninitialised, where a skipped step must leave the
+            # optimizer as it was (as every pipeline owner does)
             before = self.scaler.get_scale()
             self.scaler.update()
             skipped = self.scaler.get_scale() < before
