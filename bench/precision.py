@@ -1,8 +1,9 @@
-"""bf16 against float32 on the demo's gpt (PipeFB, 2 workers, batch 16 in 4 micro-batches,
-CPU): throughput and stash bytes per step, precisions interleaved, `--repeats` runs each
-(`PYTHONPATH=. python bench/precision.py [--steps 8] [--repeats 3] [--out DIR]`). Each
-run's throughput is the median of its steps after the first two; the line gives the
-median and range over the repeats, and the bf16 / fp32 ratios."""
+"""bf16 and fp16 against float32 on the demo's gpt (PipeFB, 2 workers, batch 16 in 4
+micro-batches, CPU): throughput and stash bytes per step, precisions interleaved,
+`--repeats` runs each (`PYTHONPATH=. python bench/precision.py [--steps 8] [--repeats 3]
+[--out DIR]`). Each run's throughput is the median of its steps after the first two; the
+line gives the median and range over the repeats, and the bf16 / fp32 and fp16 / fp32
+ratios."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pipefb.job.config import JobConfig
 GPT = {"model": "gpt", "dataset": "text", "loss": "cross_entropy",
        "model_config": {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64},
        "dataset_config": {"block_size": 64}}
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 WARMUP = 2  # untimed steps of each run
 
 
@@ -66,10 +67,14 @@ def main() -> None:
         print(f"{precision}: samples/s {fmt(summary(rates[precision]))} "
               f"(runs {[round(r, 1) for r in rates[precision]]}), stash "
               f"{stashed / 2**20:.2f} MiB per step", flush=True)
-    speed = ratio(rates["bf16"], rates["fp32"])
-    bytes_ratio = results["bf16"]["stash_bytes_per_step"] / results["fp32"]["stash_bytes_per_step"]
-    results["ratios"] = {"throughput": speed, "stash_bytes": bytes_ratio}
-    print(f"bf16 / fp32: throughput {fmt(speed, digits=3)}, stash bytes {bytes_ratio:.3f}")
+    results["ratios"] = {}
+    for low in PRECISIONS[1:]:
+        speed = ratio(rates[low], rates["fp32"])
+        bytes_ratio = (results[low]["stash_bytes_per_step"]
+                       / results["fp32"]["stash_bytes_per_step"])
+        results["ratios"][low] = {"throughput": speed, "stash_bytes": bytes_ratio}
+        print(f"{low} / fp32: throughput {fmt(speed, digits=3)}, stash bytes "
+              f"{bytes_ratio:.3f}")
     write_results(args.out, results)
 
 

@@ -40,8 +40,11 @@ class CoordinatorMetrics:
         self.grad_norm = gauge("pipefb_job_grad_norm", "The whole model's gradient norm "
                                "before clipping, last step (jobs with clip_grad_norm)")
         self.skipped = Counter("pipefb_job_skipped_steps_total", "Steps whose gradient norm "
-                               "was not finite, so no weight owner updated", ["job"],
+                               "was not finite, or whose fp16 gradients overflowed, so no "
+                               "weight owner updated", ["job"],
                                registry=registry)
+        self.loss_scale = gauge("pipefb_job_loss_scale", "fp16: the loss scale of the next "
+                                "step (halved after an overflow; jobs with precision fp16)")
         self.step_seconds = Histogram("pipefb_job_step_seconds", "Seconds of each step",
                                       ["job"], buckets=STEP_BUCKETS, registry=registry)
         self.predicted = gauge("pipefb_job_predicted_step_seconds",
@@ -75,7 +78,7 @@ class CoordinatorMetrics:
                                           "rank", ["job"], registry=registry)
                           for m in STEP_METRICS}  # [Note: step metrics]
         self._per_job = (self.step, self.loss, self.samples_per_second, self.lr,
-                         self.grad_norm, self.skipped, self.step_seconds,
+                         self.grad_norm, self.skipped, self.loss_scale, self.step_seconds,
                          self.predicted, self.bubble, self.version_lag, self.migrations,
                          self.migrated_bytes_total, self.migration_seconds, self.restarts,
                          *self.catalogue.values())
@@ -117,6 +120,8 @@ class CoordinatorMetrics:
             self.grad_norm.labels(job).set(report.grad_norm)
         if report.skipped:
             self.skipped.labels(job).inc()
+        if report.loss_scale:  # fp16 only
+            self.loss_scale.labels(job).set(report.loss_scale)
         self.step_seconds.labels(job).observe(report.seconds)
         self.predicted.labels(job).set(predicted_seconds)
         self.bubble.labels(job).set(bubble_fraction(report))

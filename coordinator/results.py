@@ -72,15 +72,16 @@ def check_finite_loss(step: int, replies: list[worker_pb2.StepReply]) -> None:
                                     "on it")
 def optimizer_step(report: coordinator_pb2.StepReport, owners: list[worker_pb2.StepReply]
                    ) -> None:
-    """Sets the step's learning rate, gradient norm and whether it was skipped from the
-    weight owners' replies (every owner takes the same ones: [Note: learning-rate
-    schedules], [Note: global norm])."""
+    """Sets the step's learning rate, gradient norm, fp16 loss scale and whether it was
+    skipped from the weight owners' replies (every owner takes the same ones: [Note:
+    learning-rate schedules], [Note: global norm], [Note: loss scaling])."""
     if owners:
         report.lr = owners[0].lr
     norms = [rep.grad_norm for rep in owners if rep.HasField("grad_norm")]
     if norms:
         report.grad_norm = norms[0]
     report.skipped = any(rep.skipped for rep in owners)
+    report.loss_scale = owners[0].loss_scale if owners else 0.0
 
 
 def check_groups_agree(report: coordinator_pb2.StepReport) -> None:

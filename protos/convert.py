@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig, parse_json_object
+from pipefb.job.precision import INITIAL_LOSS_SCALE, LOSS_SCALE_WINDOW
 from pipefb.plan.plan import Plan, WorkerAssignment
 from pipefb.profile.measure import REPEATS, WARMUP
 from pipefb.sim.costs import LayerProfile, Profile
@@ -32,6 +33,7 @@ def job_to_proto(job: JobConfig) -> job_pb2.JobSpec:
         lr_schedule=job.lr_schedule, warmup_steps=job.warmup_steps, min_lr=job.min_lr,
         clip_grad_norm=job.clip_grad_norm,
         precision=job.precision,
+        initial_loss_scale=job.initial_loss_scale, loss_scale_window=job.loss_scale_window,
     )
 
 
@@ -56,6 +58,8 @@ def job_from_proto(spec: job_pb2.JobSpec) -> JobConfig:
         lr_schedule=spec.lr_schedule or "constant", warmup_steps=spec.warmup_steps,
         min_lr=spec.min_lr, clip_grad_norm=spec.clip_grad_norm,
         precision=spec.precision or "fp32",
+        initial_loss_scale=spec.initial_loss_scale or INITIAL_LOSS_SCALE,
+        loss_scale_window=spec.loss_scale_window or LOSS_SCALE_WINDOW,
     )
 
 

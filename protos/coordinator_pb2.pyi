@@ -70,7 +70,7 @@ class TrainRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("job_id", "step", "loss", "seconds", "samples_per_second", "workers", "eval", "attempt", "migration", "lr", "grad_norm", "skipped", "samples_per_second_median", "seconds_left")
+    __slots__ = ("job_id", "step", "loss", "seconds", "samples_per_second", "workers", "eval", "attempt", "migration", "lr", "grad_norm", "skipped", "samples_per_second_median", "seconds_left", "loss_scale")
     class EvalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class StepReport(_message.Message):
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_MEDIAN_FIELD_NUMBER: _ClassVar[int]
     SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     loss: float
@@ -106,7 +107,8 @@ class StepReport(_message.Message):
     skipped: bool
     samples_per_second_median: float
     seconds_left: float
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ..., eval: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., samples_per_second_median: _Optional[float] = ..., seconds_left: _Optional[float] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStepStats, _Mapping]]] = ..., eval: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[int] = ..., migration: _Optional[_Union[Migration, _Mapping]] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., samples_per_second_median: _Optional[float] = ..., seconds_left: _Optional[float] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class WorkerStepStats(_message.Message):
     __slots__ = ("rank", "worker_id", "role", "stage", "compute_seconds", "idle_seconds", "peak_memory_bytes", "memory_bytes", "bytes_sent", "bytes_stashed", "action_seconds", "spans", "versions", "kept_versions", "weight_version", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "group", "weights_digest", "layer_seconds", "metrics", "tied_digests")

@@ -83,7 +83,7 @@ class StepRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "losses", "compute_seconds", "idle_seconds", "memory_bytes", "peak_memory_bytes", "bytes_sent", "bytes_stashed", "weight_version", "action_seconds", "spans", "versions", "kept_versions", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "weights_digest", "layer_seconds", "metrics", "lr", "grad_norm", "skipped", "checkpoint_file", "tied_digests")
+    __slots__ = ("step", "losses", "compute_seconds", "idle_seconds", "memory_bytes", "peak_memory_bytes", "bytes_sent", "bytes_stashed", "weight_version", "action_seconds", "spans", "versions", "kept_versions", "kind_peak_bytes", "activation_peak_bytes", "device_memory_bytes", "weights_digest", "layer_seconds", "metrics", "lr", "grad_norm", "skipped", "loss_scale", "checkpoint_file", "tied_digests")
     class MemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class StepReply(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FILE_FIELD_NUMBER: _ClassVar[int]
     TIED_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     step: int
@@ -179,9 +180,10 @@ class StepReply(_message.Message):
     lr: float
     grad_norm: float
     skipped: bool
+    loss_scale: float
     checkpoint_file: CheckpointFile
     tied_digests: _containers.ScalarMap[str, str]
-    def __init__(self, step: _Optional[int] = ..., losses: _Optional[_Iterable[float]] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., peak_memory_bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., weight_version: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[ActionSpan, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionTag, _Mapping]]] = ..., kept_versions: _Optional[_Iterable[int]] = ..., kind_peak_bytes: _Optional[_Mapping[str, int]] = ..., activation_peak_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[_Mapping[str, int]] = ..., weights_digest: _Optional[str] = ..., layer_seconds: _Optional[_Mapping[int, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., checkpoint_file: _Optional[_Union[CheckpointFile, _Mapping]] = ..., tied_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., losses: _Optional[_Iterable[float]] = ..., compute_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., peak_memory_bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_stashed: _Optional[int] = ..., weight_version: _Optional[int] = ..., action_seconds: _Optional[_Mapping[str, float]] = ..., spans: _Optional[_Iterable[_Union[ActionSpan, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionTag, _Mapping]]] = ..., kept_versions: _Optional[_Iterable[int]] = ..., kind_peak_bytes: _Optional[_Mapping[str, int]] = ..., activation_peak_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[_Mapping[str, int]] = ..., weights_digest: _Optional[str] = ..., layer_seconds: _Optional[_Mapping[int, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., checkpoint_file: _Optional[_Union[CheckpointFile, _Mapping]] = ..., tied_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CheckpointFile(_message.Message):
     __slots__ = ("name", "sha256", "bytes")

@@ -31,6 +31,7 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "pipefb_job_learning_rate": ("gauge", ("job",)),
     "pipefb_job_grad_norm": ("gauge", ("job",)),
     "pipefb_job_skipped_steps_total": ("counter", ("job",)),
+    "pipefb_job_loss_scale": ("gauge", ("job",)),
     "pipefb_job_step_seconds": ("histogram", ("job",)),
     "pipefb_job_predicted_step_seconds": ("gauge", ("job",)),
     "pipefb_job_bubble_fraction": ("gauge", ("job",)),

@@ -53,6 +53,11 @@ BAD = [
     ("--lr-schedule", "step", "unknown lr schedule 'step'"),
     ("--clip-grad-norm", "-2", "clip_grad_norm -2.0 must be a finite number > 0"),
     ("--clip-grad-norm", "nan", "clip_grad_norm nan"),
+    ("--precision", "fp8", "unknown precision 'fp8'"),
+    ("--initial-loss-scale", "0", "initial_loss_scale 0.0 must be a finite number > 0"),
+    ("--loss-scale-window", "0", "loss_scale_window 0 must be an integer >= 1"),
+    ("--initial-loss-scale", "128", "initial_loss_scale 128.0 applies to precision 'fp16' "
+                                    "only; this job's is 'fp32'"),
 ]
 
 

@@ -1,22 +1,26 @@
 """fp16 loss scaling ([Note: loss scaling]), checked on the cpu: one owner's scale follows
 torch.amp.GradScaler step for step, and an overflow on one owner of a real gloo group is
-seen by every owner. (An fp16 job itself runs on CUDA only.)"""
+seen by every owner; its checkpoint entry round-trips and a malformed one is refused.
+Whole fp16 jobs are in tests/test_fp16.py."""
 
 from __future__ import annotations
 
 import math
+import re
 import threading
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig
 from pipefb.job.optim import build_optimizer
 from pipefb.runtime.allreduce import GroupAllReduce
 from pipefb.runtime.clipping import GlobalNormClip
 from pipefb.runtime.execs import AutogradExec
-from pipefb.runtime.lossscale import LossScale
+from pipefb.runtime.lossscale import METADATA_KEY, LossScale
 from pipefb.runtime.state import RankState
 
 # each step's true gradients of two parameters; None: the first one overflows
@@ -89,11 +93,11 @@ def test_an_owners_optimizer_step_unscales_clips_and_skips_as_torch_does() -> No
     layer = torch.nn.Linear(3, 2)
     theirs = torch.nn.Linear(3, 2)
     theirs.load_state_dict(layer.state_dict())
+    scale = LossScale(torch.device("cpu"), None, init_scale=2.0**10, growth_interval=2)
     state = RankState(job, 0, {0: layer}, {0: AutogradExec(layer, [False])}, range(1),
-                      range(1))
+                      range(1), scale)
     params = list(layer.parameters())
     clip = GlobalNormClip(0.5, [0, 1], 2, torch.float32, torch.device("cpu"), None)
-    scale = LossScale(torch.device("cpu"), None, init_scale=2.0**10, growth_interval=2)
     optimizer = build_optimizer("adamw", list(theirs.parameters()), 0.01, {})  # the job's
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     for step, values in enumerate(STEPS):
@@ -103,7 +107,7 @@ def test_an_owners_optimizer_step_unscales_clips_and_skips_as_torch_does() -> No
         s = float(scaler.scale(torch.ones(())))
         for p, q, g in zip(params, theirs.parameters(), grads, strict=True):
             p.grad, q.grad = g * scale.scale, g * s
-        done = state.step(step, set(), None, clip, scale)
+        done = state.step(step, set(), None, clip)
         scaler.unscale_(optimizer)
         norm = float(torch.nn.utils.clip_grad_norm_(list(theirs.parameters()), 0.5))
         before = scaler.get_scale()
@@ -114,3 +118,25 @@ def test_an_owners_optimizer_step_unscales_clips_and_skips_as_torch_does() -> No
         assert done.grad_norm == norm or not math.isfinite(norm)
         for p, q in zip(params, theirs.parameters(), strict=True):
             assert torch.equal(p, q)
+
+
+def test_the_scale_round_trips_through_a_rank_files_metadata() -> None:
+    saved = LossScale(torch.device("cpu"), None, init_scale=2.0**10, growth_interval=3)
+    saved.update(True)
+    saved.update(False)
+    restored = LossScale(torch.device("cpu"), None, growth_interval=3)
+    restored.load(saved.metadata(), "checkpoint of step 2")
+    assert (restored.scale, restored.growth_tracker) == (2.0**9, 1)
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({}, "checkpoint of step 2 holds no fp16 loss scale"),
+    ({METADATA_KEY: "[1, 2]"}, "checkpoint of step 2 holds no fp16 loss scale"),
+    ({METADATA_KEY: '{"scale": -1.0, "growth_tracker": 0}'}, "the loss scale -1.0"),
+    ({METADATA_KEY: '{"scale": 8.0, "growth_tracker": 3}'}, "growth tracker 3, not an "
+                                                            "integer in 0..2")])
+def test_a_missing_or_malformed_saved_scale_is_refused(metadata: dict[str, str],
+                                                       message: str) -> None:
+    scale = LossScale(torch.device("cpu"), None, growth_interval=3)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        scale.load(metadata, "checkpoint of step 2")

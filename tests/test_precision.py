@@ -136,8 +136,7 @@ def test_the_split_traced_under_autocast_equals_eager_autocast() -> None:
 
 
 BAD = [({"precision": "fp8"}, "unknown precision 'fp8'"),
-       ({"precision": "fp16"}, "precision 'fp16' needs --device cuda"),
-       ({"precision": "fp16", "device": "cuda", "schedule": "pipefb", "mode": "async"},
+       ({"precision": "fp16", "schedule": "pipefb", "mode": "async"},
         "precision 'fp16' runs sync jobs only; this one is 'async'")]
 
 
@@ -153,6 +152,14 @@ def test_submit_refuses_bad_precisions_naming_the_value(
     assert message in info.value.details() and "\n" not in info.value.details()
 
 
+def test_submit_takes_fp16_on_the_cpu(client: Any) -> None:
+    """fp16 runs on the cpu as on CUDA (tests/test_fp16.py trains it)."""
+    spec = job_to_proto(make_job("mlp", "1f1b", 2, "sgd", precision="fp16", steps=1))
+    job_id = client.stub.SubmitJob(spec, timeout=30).job_id
+    reports = list(client.train(job_id))
+    assert len(reports) == 1 and reports[0].loss_scale == 2.0**16  # GradScaler's default
+
+
 def test_local_train_refuses_a_bad_precision_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["local", "train", "--precision", "half", "--out", str(tmp_path)])
@@ -161,7 +168,8 @@ def test_local_train_refuses_a_bad_precision_in_one_line(
 
 
 # -- on a GPU ------------------------------------------------------------------------------
-# CUDA autocast and fp16's loss scaling: these run only where a CUDA device is.
+# CUDA autocast and fp16's loss scaling (their cpu runs are above and in tests/test_fp16.py):
+# these run only where a CUDA device is.
 
 
 @needs_cuda

@@ -286,3 +286,25 @@ def test_a_clipped_scheduled_job_replays_with_the_lr_and_norm_of_each_step(
     reports = list(client.train(job.job_id))
     assert [r.lr for r in reports] == [s.lr for s in want]
     assert [r.grad_norm for r in reports] == [s.grad_norm for s in want]
+
+
+def test_a_recovered_fp16_job_replays_with_the_loss_scale_of_its_checkpoint(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """worker-3 owns backward stage 0; killed mid-run, the replay takes the loss scale and
+    its growth tracker from the checkpoint's rank files ([Note: loss scaling] in
+    pipefb/runtime/lossscale.py): the same steps overflow and are skipped as in one
+    process with torch's GradScaler, and the weights are the uninterrupted run's."""
+    job = recoverable_job("kill-fp16", precision="fp16", initial_loss_scale=2.0**20,
+                          loss_scale_window=2)
+    client.submit(job)
+    running_at(client, job.job_id, 8)
+    os.kill(restarting.process("worker-3").pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert_equals_uninterrupted(client, restarting, job, status)
+    with worker_threads():
+        want = list(SingleProcess(replace(job, schedule="single", checkpoint_every=0,
+                                          checkpoint_dir="", max_restarts=0)).run())
+    reports = list(client.train(job.job_id))
+    assert any(s.skipped for s in want[10:]) and not all(s.skipped for s in want)
+    assert [r.skipped for r in reports] == [s.skipped for s in want]
+    assert [r.loss_scale for r in reports] == [s.loss_scale for s in want]

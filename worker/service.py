@@ -299,6 +299,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             device_memory_bytes=r.device_memory_bytes, weights_digest=r.weights_digest,
             layer_seconds=r.layer_seconds, metrics=r.metrics, checkpoint_file=saved, lr=r.lr,
             grad_norm=r.grad_norm, skipped=r.skipped, tied_digests=r.tied_digests,
+            loss_scale=r.loss_scale,
         )
 
     def Checkpoint(self, request: worker_pb2.CheckpointRequest, context: grpc.ServicerContext

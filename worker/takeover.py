@@ -53,19 +53,21 @@ class Source:
 
 def local_part(source: Source | None, plan: Takeover) -> Part:
     """What the rank keeps of its own paused attempt: owned layers' weights and optimizer
-    state, and kept forward layers' weights.
+    state, kept forward layers' weights, and an fp16 owner's loss scale (every owner's is
+    the same, and an owner stays one: roles do not move).
 
     Raises:
         CodecError: the plan keeps layers but this worker has no paused attempt (it was
             restarted since).
     """
+    scale = source.runtime.loss_scale_metadata() if source is not None else {}
     if not plan.owned and not plan.kept:
-        return {}, {}, {}
+        return {}, {}, scale
     if source is None:
         raise CodecError("this worker holds no state of the paused attempt (restarted?)")
     weights, optim, _ = as_part(source.runtime.layer_state(plan.owned, plan.owned))
     weights.update({k: v for k, v in source.forward.items() if layer_of(k)[0] in plan.kept})
-    return weights, optim, {}
+    return weights, optim, scale
 
 
 def pull(peers: Sequence[str], job_id: str, attempt: int, step: int, plan: Takeover,

@@ -86,8 +86,13 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                    help="clip the whole model's gradient norm (every stage) to this; 0: off")
     p.add_argument("--precision", default=d.precision,
                    help="fp32, bf16 (autocast per stage, float32 master weights and "
-                        "optimizer state; cpu and cuda) or fp16 (cuda: autocast and loss "
-                        "scaling agreed across stages)")
+                        "optimizer state) or fp16 (autocast and loss scaling agreed across "
+                        "stages); each on cpu and cuda")
+    p.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale,
+                   help="fp16: the first step's loss scale (halved after a step whose "
+                        "gradients overflow)")
+    p.add_argument("--loss-scale-window", type=int, default=d.loss_scale_window,
+                   help="fp16: finite steps in a row before the loss scale doubles")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds weights, data, dropout")
     p.add_argument("--mode", default="",
                    help="sync (equal to one process) or async (pipedream, pipefb); "
@@ -229,6 +234,8 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
                  "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm"):
         values.setdefault(name, getattr(args, name))
     values.setdefault("precision", args.precision)
+    values.setdefault("initial_loss_scale", args.initial_loss_scale)
+    values.setdefault("loss_scale_window", args.loss_scale_window)
     if args.checkpoint_dir is not None or "checkpoint_dir" not in values:
         values["checkpoint_dir"] = args.checkpoint_dir or ""  # "": the job's own directory
     if args.groups is not None or "groups" not in values:  # default: auto with --plan auto

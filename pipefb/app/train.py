@@ -59,7 +59,10 @@ class StepProgress:
         else:
             self.line(f"step {step['step'] + 1}/{total} loss {step['loss']:.4f} "
                       f"{sps:.1f} samples/s, {clock(left)} left{optimizer_note(step)}")
-        if step.get("skipped"):
+        if step.get("skipped") and step.get("grad_norm") is None:  # fp16 without clipping
+            self.line(f"step {step['step'] + 1}: the fp16 gradients overflowed: no weights "
+                      f"were updated (loss scale now {step.get('loss_scale', 0.0):g})")
+        elif step.get("skipped"):
             self.line(f"step {step['step'] + 1}: gradient norm {step['grad_norm']} is not "
                       "finite: no weights were updated")
         if step.get("eval"):
@@ -182,7 +185,7 @@ def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
                     "samples_per_second_median": rate.samples_per_second(),
                     "seconds_left": rate.seconds_left(job.steps - s.step - 1),
                     "lr": s.lr, "grad_norm": s.grad_norm, "skipped": s.skipped,
-                    "device_memory_bytes": s.device_memory_bytes}
+                    "loss_scale": s.loss_scale, "device_memory_bytes": s.device_memory_bytes}
             report["steps"].append(step)
             peak = max(peak, s.peak_memory_bytes)
             bar.update(step, job.steps)
@@ -264,7 +267,7 @@ def step_dict(msg: Any) -> dict[str, Any]:
         "samples_per_second_median": msg.samples_per_second_median,
         "seconds_left": msg.seconds_left, "lr": msg.lr,
         "grad_norm": msg.grad_norm if msg.HasField("grad_norm") else None,
-        "skipped": msg.skipped, "eval": dict(msg.eval),
+        "skipped": msg.skipped, "loss_scale": msg.loss_scale, "eval": dict(msg.eval),
         "workers": [{"rank": w.rank, "worker_id": w.worker_id, "role": w.role, "stage": w.stage,
                      "group": w.group,
                      "compute_seconds": w.compute_seconds, "idle_seconds": w.idle_seconds,

@@ -13,7 +13,12 @@ import torch
 
 from pipefb.errors import ConfigError
 from pipefb.job.lr import LR_SCHEDULES
-from pipefb.job.precision import check_precision
+from pipefb.job.precision import (
+    INITIAL_LOSS_SCALE,
+    LOSS_SCALE_WINDOW,
+    check_loss_scaling,
+    check_precision,
+)
 from pipefb.schedule.kinds import REGISTRY, runs_in_process
 from pipefb.schedule.kinds import SCHEDULES as SCHEDULES  # the names a job may run
 
@@ -119,8 +124,11 @@ class JobConfig:
     warmup_steps: int = 0  # steps of linear warm-up before the schedule's decay
     min_lr: float = 0.0  # the floor cosine and linear decay to, reached after the last step
     clip_grad_norm: float = 0.0  # clip the whole model's gradient norm to this; 0: off
-    precision: str = "fp32"  # fp32, bf16 (autocast, float32 master weights) or fp16 (cuda:
+    precision: str = "fp32"  # fp32, bf16 (autocast, float32 master weights) or fp16 (also
     # autocast and loss scaling); [Note: mixed precision] in pipefb.job.precision
+    initial_loss_scale: float = INITIAL_LOSS_SCALE  # fp16: the first step's loss scale
+    loss_scale_window: int = LOSS_SCALE_WINDOW  # fp16: finite steps in a row before the
+    # scale doubles ([Note: loss scaling] in pipefb.runtime.lossscale)
 
     def __post_init__(self) -> None:
         _check_positive(self, ("workers", "batch_size", "microbatches", "steps"))
@@ -157,7 +165,8 @@ class JobConfig:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"learning rate {self.lr!r} must be a finite number > 0")
         self._check_lr_schedule()
-        check_precision(self.precision, self.device)
+        check_precision(self.precision)
+        check_loss_scaling(self.precision, self.initial_loss_scale, self.loss_scale_window)
         if self.precision == "fp16" and self.mode != "sync":
             raise ConfigError(f"precision 'fp16' runs sync jobs only; this one is "
                               f"{self.mode!r} (each backward must take the scale its "

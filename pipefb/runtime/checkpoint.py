@@ -8,7 +8,9 @@ Layout of a checkpoint directory (one per job; by default `checkpoints/{job id}`
 
 A rank file holds `layers.{i}.{param}` (the weights of the layers the rank owns) and
 `optimizer.{layer}.{param}.{key}` (each parameter's optimizer state tensors); its metadata
-holds the optimizer's param groups as JSON, with parameters named instead of numbered.
+holds the optimizer's param groups as JSON, with parameters named instead of numbered,
+and an fp16 owner's loss scale and growth tracker (`loss_scale`, JSON; [Note: loss
+scaling] in pipefb.runtime.lossscale).
 The manifest (`pipefb.runtime.manifest`, [Note: manifests]) holds the job, its identity,
 the plan, the step to resume at (every step before it is in the weights) and each rank
 file's SHA-256. Every file is written to a temporary name in the same directory, fsynced,
@@ -201,14 +203,17 @@ def optimizer_share(files: Sequence[tuple[dict[str, torch.Tensor], dict[str, str
 
 
 def save_rank(path: Path, weights: Mapping[str, torch.Tensor],
-              optimizer: torch.optim.Optimizer | None, names: list[str]) -> Digest:
-    """Writes one owner rank's weights and optimizer state atomically; returns the
-    file's digest, hashed before the rename (what the checkpoint's manifest records)."""
+              optimizer: torch.optim.Optimizer | None, names: list[str],
+              extra_metadata: Mapping[str, str] | None = None) -> Digest:
+    """Writes one owner rank's weights and optimizer state (and `extra_metadata`: fp16's
+    loss scale) atomically; returns the file's digest, hashed before the rename (what the
+    checkpoint's manifest records)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    metadata: dict[str, str] = {}
+    metadata: dict[str, str] = dict(extra_metadata or {})
     if optimizer is not None:
-        extra, metadata = optimizer_tensors(optimizer, names)
+        extra, groups = optimizer_tensors(optimizer, names)
         tensors.update(extra)
+        metadata.update(groups)
     digest: list[Digest] = []
 
     def write(tmp: Path) -> None:

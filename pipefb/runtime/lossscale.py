@@ -11,22 +11,30 @@ counts the non-finite ones, and one sum over the owners of its group (the same `
 as [Note: global norm] in pipefb.runtime.clipping: one number, after the groups'
 all-reduce, which gives every group the same gradients) tells every owner whether the
 step overflowed. Every owner then takes the same decision and keeps the same S without
-sending it: S starts equal and changes only by that shared decision.
+sending it: S starts equal and changes only by that shared decision. S and its growth
+tracker are part of the job's state: a checkpoint's rank file holds them in its metadata
+(`metadata`), and a resumed, recovered or migrated owner takes them from there or from
+its paused attempt (`load`), so it goes on with the S the uninterrupted job would have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from pipefb.errors import ConfigError
+from pipefb.job.precision import INITIAL_LOSS_SCALE, LOSS_SCALE_WINDOW
 from pipefb.runtime.allreduce import Reducer
 
 # torch.amp.GradScaler's defaults
-INIT_SCALE = 2.0**16  # the first step's scale
+INIT_SCALE = INITIAL_LOSS_SCALE  # the first step's scale
 GROWTH_FACTOR = 2.0  # the scale's factor after growth_interval finite steps in a row
 BACKOFF_FACTOR = 0.5  # the scale's factor after a step that overflowed
-GROWTH_INTERVAL = 2000  # finite steps in a row before the scale grows
+GROWTH_INTERVAL = LOSS_SCALE_WINDOW  # finite steps in a row before the scale grows
+METADATA_KEY = "loss_scale"  # a rank file's metadata: {"scale": S, "growth_tracker": n}
 
 
 class LossScale:
@@ -74,3 +82,29 @@ class LossScale:
         if self.growth_tracker == self.growth_interval:
             self.scale *= self.growth_factor
             self.growth_tracker = 0
+
+    def metadata(self) -> dict[str, str]:
+        """The scale and its growth tracker as a rank file's metadata entry (JSON)."""
+        return {METADATA_KEY: json.dumps({"scale": self.scale,
+                                          "growth_tracker": self.growth_tracker})}
+
+    def load(self, metadata: Mapping[str, str], source: str) -> None:
+        """Takes the scale and growth tracker from a `metadata` entry.
+
+        Raises:
+            ConfigError: the entry is missing or malformed (the message names `source`).
+        """
+        try:
+            saved = json.loads(metadata[METADATA_KEY])
+            scale, tracker = saved["scale"], saved["growth_tracker"]
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{source} holds no fp16 loss scale") from None
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not (
+                math.isfinite(scale) and scale > 0):
+            raise ConfigError(f"{source} holds the loss scale {scale!r}, not a finite "
+                              "number > 0")
+        if isinstance(tracker, bool) or not isinstance(tracker, int) or not (
+                0 <= tracker < self.growth_interval):
+            raise ConfigError(f"{source} holds the loss scale's growth tracker {tracker!r}, "
+                              f"not an integer in 0..{self.growth_interval - 1}")
+        self.scale, self.growth_tracker = float(scale), tracker

@@ -41,7 +41,8 @@ class SingleStep:
     device_memory_bytes: dict[str, int]  # CUDA allocator statistics of the step; {} on cpu
     lr: float = 0.0  # the learning rate of the step's update
     grad_norm: float | None = None  # with clipping: the gradient norm clip_grad_norm_ took
-    skipped: bool = False  # the norm was not finite and the optimizer did not step
+    skipped: bool = False  # the norm was not finite (or fp16 overflowed): no update
+    loss_scale: float = 0.0  # fp16: GradScaler's scale for the next step; else 0
 
 
 class SingleProcess:
@@ -61,7 +62,8 @@ class SingleProcess:
         self.scheduler = lr_scheduler(self.optimizer, job.lr_schedule, job.lr, job.steps,
                                       job.warmup_steps, job.min_lr)
         # fp16: torch's own loss scaler ([Note: loss scaling] in pipefb.runtime.lossscale)
-        self.scaler = (torch.amp.GradScaler(self.device.type)
+        self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=job.initial_loss_scale,
+                                            growth_interval=job.loss_scale_window)
                        if job.precision == "fp16" else None)
         # the last `staleness` versions before the newest, oldest first
         self.history: list[list[torch.Tensor]] = []
@@ -103,12 +105,16 @@ class SingleProcess:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
                                                              self.job.clip_grad_norm))
         skipped = grad_norm is not None and not math.isfinite(grad_norm)
-        if self.scaler is not None:  # it skips a step whose gradients overflowed
+        if self.scaler is not None:
+            # GradScaler decides: after an overflow its update halves the scale and the
+            # step is skipped. The optimizer steps only when it is not, rather than through
+            # GradScaler.step: torch's fused SGD, handed an overflow on its first step,
+            # leaves its momentum buffers uninitialised, where a skipped step must leave the
+            # optimizer as it was (as every pipeline owner does)
             before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
             self.scaler.update()
             skipped = self.scaler.get_scale() < before
-        elif not skipped:
+        if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped step still advances the schedule: the
@@ -121,7 +127,8 @@ class SingleProcess:
         seconds = time.perf_counter() - started
         return SingleStep(step, sum(losses) / len(losses), seconds,
                           self.job.batch_size / seconds, memory, self.device_memory.snapshot(),
-                          lr, grad_norm, skipped)
+                          lr, grad_norm, skipped,
+                          self.scaler.get_scale() if self.scaler is not None else 0.0)
 
     def _swap_in(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """Puts `values` into the parameters; returns what they held."""

@@ -38,7 +38,8 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)  # [Note: step metrics]
     lr: float = 0.0  # a weight owner: the learning rate of the step's OPT; else 0
     grad_norm: float | None = None  # with clipping, on an owner: the model's gradient norm
-    skipped: bool = False  # the norm was not finite and the OPT updated nothing
+    skipped: bool = False  # the norm was not finite (or fp16 overflowed): OPT updated nothing
+    loss_scale: float = 0.0  # fp16, on an owner: the next step's loss scale; else 0
     # an owner of a tied copy: tied parameter name -> digest ([Note: tied parameters])
     tied_digests: dict[str, str] = field(default_factory=dict)
 
@@ -61,6 +62,7 @@ class Iteration:
     lr: float = 0.0  # what the OPT did (StepResult's fields of the same names)
     grad_norm: float | None = None
     skipped: bool = False
+    loss_scale: float = 0.0
 
     def count(self, metric: str, amount: float) -> None:
         """Adds `amount` to a catalogue metric of this step ([Note: step metrics])."""

@@ -120,12 +120,13 @@ class StageRuntime:
         self.runner = LayerRunner(self.plan, self.job.seed, execs,
                                   {i: len(specs[i]) for i in held}, self.n_layers, self.data,
                                   self.clock)
-        self.state = RankState(self.job, self.rank, layers, execs, self.fwd_layers,
-                               self.bwd_layers)
-        self.clip = self._clip(all_layers)
         # fp16: every owner's copy of the loss scale ([Note: loss scaling])
-        self.scale = (LossScale(self.device, self.norm_reducer)
-                      if self.job.precision == "fp16" and self.role != "forward" else None)
+        scale = (LossScale(self.device, self.norm_reducer, self.job.initial_loss_scale,
+                           growth_interval=self.job.loss_scale_window)
+                 if self.job.precision == "fp16" and self.role != "forward" else None)
+        self.state = RankState(self.job, self.rank, layers, execs, self.fwd_layers,
+                               self.bwd_layers, scale)
+        self.clip = self._clip(all_layers)
         self.tied = TiedGrads(self.ties, layers, self.bwd_layers, self.plan.microbatches,
                               self.device)
         self.state.summed_apart = {id(p) for p in self.tied.owned_copies()}
@@ -260,6 +261,7 @@ class StageRuntime:
             lr=it.lr,
             grad_norm=it.grad_norm,
             skipped=it.skipped,
+            loss_scale=it.loss_scale,
             tied_digests=self.tied.digests() if self._check_ties(step) else {},
         )
 
@@ -358,7 +360,7 @@ class StageRuntime:
         if action.stage == len(self.topology.backward_workers) - 1:
             # d(mean over the step's micro-batches, every group's), in the loss's dtype,
             # times the loss scale with fp16 ([Note: loss scaling])
-            scale = self.scale.scale if self.scale is not None else 1.0
+            scale = self.state.scale.scale if self.state.scale is not None else 1.0
             return torch.full((), scale / (self.plan.microbatches * self.plan.groups),
                               dtype=self.loss_dtype, device=self.device)
         return self.flight.grads.pop((step, action.stage, m))
@@ -415,8 +417,9 @@ class StageRuntime:
         if self.tied.holds_any:  # before the groups' sum and the norm: the whole gradient
             self.tied.reduce_(step)
         done = self.state.step(step, self._versions_needed_after(step), self.reducer,
-                               self.clip, self.scale)
+                               self.clip)
         it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped
+        it.loss_scale = self.state.scale.scale if self.state.scale is not None else 0.0
 
     def _versions_needed_after(self, step: int) -> set[int]:
         """Weight versions some backward after step `step`'s OPT will still use."""
@@ -462,6 +465,10 @@ class StageRuntime:
                     ) -> dict[str, torch.Tensor]:
         """What a migration moves off this rank (`RankState.layer_state`)."""
         return self.state.layer_state(layers, optimizer_layers)
+
+    def loss_scale_metadata(self) -> dict[str, str]:
+        """The fp16 loss scale as a rank file's metadata entry; {} without one."""
+        return self.state.loss_scale_metadata()
 
     def pending_weights(self, step: int) -> dict[str, torch.Tensor]:
         """A forward rank's weights of step `step`'s version (`Exchange.pending_weights`)."""

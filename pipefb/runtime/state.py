@@ -30,7 +30,7 @@ from pipefb.runtime.checkpoint import (
 )
 from pipefb.runtime.clipping import GlobalNormClip
 from pipefb.runtime.execs import LayerExec
-from pipefb.runtime.lossscale import LossScale
+from pipefb.runtime.lossscale import METADATA_KEY, LossScale
 from pipefb.runtime.versions import WeightVersions
 
 
@@ -64,9 +64,12 @@ class RankState:
     """
 
     def __init__(self, job: JobConfig, rank: int, layers: dict[int, torch.nn.Module],
-                 execs: Mapping[int, LayerExec], forward_layers: range, owned_layers: range
-                 ) -> None:
+                 execs: Mapping[int, LayerExec], forward_layers: range, owned_layers: range,
+                 scale: LossScale | None = None) -> None:
+        """`scale`: an fp16 owner's copy of the loss scale ([Note: loss scaling]); None
+        otherwise."""
         self.job, self.rank = job, rank
+        self.scale = scale
         self.layers, self.execs = layers, execs
         self.fwd_layers, self.bwd_layers = forward_layers, owned_layers
         # the parameters the optimizer updates: trainable ones (a frozen one keeps no
@@ -113,21 +116,22 @@ class RankState:
         self.grad_bytes = tensor_bytes(p.grad for p in self.owned if p.grad is not None)
 
     def step(self, step: int, needed: set[int], reducer: Reducer | None,
-             clip: GlobalNormClip | None = None, scale: LossScale | None = None) -> OptStep:
+             clip: GlobalNormClip | None = None) -> OptStep:
         """The optimizer step (OPT) of training step `step`: keeps the current version if a
         later backward needs it (`needed`), sums the gradients across groups (`reducer`),
         clips them by the whole model's gradient norm (`clip`, a collective of the
         group's owners), sets the step's learning rate ([Note: learning-rate schedules]),
         updates the owned weights to the next version, unless the norm is not finite,
         and drops the kept versions not `needed`; on the job's `eval_every` cadence keeps
-        a copy of the new version for evaluation. With `scale` (fp16), the gradients are
-        unscaled first and a step whose gradients overflowed on any owner is skipped
+        a copy of the new version for evaluation. With a loss scale (fp16), the gradients
+        are unscaled first and a step whose gradients overflowed on any owner is skipped
         ([Note: loss scaling])."""
         if self.version in needed:
             self.versions.keep(self.version, {i: self.layers[i] for i in self.bwd_layers})
         done = OptStep(lr=self.rates.at(step))
         if self.optimizer is not None and reducer is not None:
             self._sum_gradients_across_groups(reducer)
+        scale = self.scale
         overflowed = scale is not None and scale.unscale_(self.owned)  # a collective too
         if clip is not None:  # every owner takes part, one without parameters too
             done.grad_norm = clip.clip_(self.owned)
@@ -226,9 +230,14 @@ class RankState:
     # -- checkpoints, migration, evaluation ------------------------------------------------
 
     def save_checkpoint(self, path: Path) -> Digest:
-        """Writes the owned weights and optimizer state; returns the file's digest
-        (`pipefb.runtime.checkpoint.save_rank`)."""
-        return save_rank(path, self.owned_weights(), self.optimizer, self.owned_names())
+        """Writes the owned weights, optimizer state and loss scale; returns the file's
+        digest (`pipefb.runtime.checkpoint.save_rank`)."""
+        return save_rank(path, self.owned_weights(), self.optimizer, self.owned_names(),
+                         self.loss_scale_metadata())
+
+    def loss_scale_metadata(self) -> dict[str, str]:
+        """The fp16 loss scale as a rank file's metadata entry; {} without one."""
+        return self.scale.metadata() if self.scale is not None else {}
 
     def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
                     ) -> dict[str, torch.Tensor]:
@@ -264,13 +273,14 @@ class RankState:
 
     def restore_parts(self, parts: Sequence[Part], step: int, source: str) -> None:
         """Resumes at `step` from parts of the job's state, each (weights `layers.i.p`,
-        optimizer tensors `optimizer.i.p.key`, metadata with the param groups) as a rank
-        file or a migrating peer gives them; the first part with param groups gives the
-        optimizer's hyper-parameters, else this rank's own optimizer does.
+        optimizer tensors `optimizer.i.p.key`, metadata with the param groups and the fp16
+        loss scale) as a rank file or a migrating peer gives them; the first part with
+        param groups gives the optimizer's hyper-parameters, else this rank's own
+        optimizer does; the first with a loss scale gives an fp16 owner its scale.
 
         Raises:
             ConfigError: a held weight is missing from every part, or has another shape
-                or dtype (the message names `source`).
+                or dtype; an fp16 owner finds no loss scale (the message names `source`).
         """
         weights: dict[str, torch.Tensor] = {}
         states: list[tuple[dict[str, torch.Tensor], dict[str, str]]] = []
@@ -287,6 +297,9 @@ class RankState:
                     p.copy_(saved)
                 load_buffers(layer, i, weights)  # absent: a rank that never ran its forward
                 self.execs[i].weights_changed()
+        if self.scale is not None:  # every owner saved the same scale
+            self.scale.load(next((meta for _, meta in states if METADATA_KEY in meta), {}),
+                            source)
         if self.optimizer is not None:
             names = self.owned_names()
             states.append(({}, optimizer_tensors(self.optimizer, names)[1]))  # groups last
