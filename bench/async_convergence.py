@@ -112,7 +112,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             by_system = {}
             for name in SYSTEMS:
                 if args.only and name not in args.only:
-                    by_system[name] = earlier[name]  # deterministic: the earlier run's
+                    # deterministic: the earlier run's (JSON made its step keys strings)
+                    by_system[name] = {**earlier[name], "held_out": {
+                        int(k): v for k, v in earlier[name]["held_out"].items()}}
                 elif name in SINGLES:
                     by_system[name] = run_single(job, *SINGLES[name])
                 else:

@@ -30,6 +30,7 @@ from pipefb.job.data import job_dataset
 from pipefb.runtime.evaluate import evaluate
 from pipefb.runtime.reference import SingleProcess
 from pipefb.seeding import derive_seed, seed_random_ops
+from protos.convert import job_from_proto, job_to_proto
 from tests.conftest import worker_threads
 from tests.test_transparency import MODELS, run_on_cluster
 
@@ -148,6 +149,11 @@ def test_microbatch_staleness_out_of_range_is_refused_in_one_line() -> None:
             replace(async_job("gpt", 2, 1), staleness_microbatches=k)
     with pytest.raises(ConfigError, match=r"^staleness_microbatches 1 needs one pipeline group"):
         replace(async_job("gpt", 4, 1), groups=2, staleness_microbatches=1)
+    spec = job_to_proto(replace(async_job("gpt", 2, 1), staleness_microbatches=3))
+    assert job_from_proto(spec).staleness_microbatches == 3  # JobSpec field 280
+    spec.staleness_microbatches = 7
+    with pytest.raises(ConfigError, match=r"^staleness_microbatches 7 must be"):
+        job_from_proto(spec)
 
 
 def test_staleness_costs_the_demo_lr_not_a_small_one() -> None:

@@ -53,6 +53,7 @@ BAD = [
     ("--lr-schedule", "step", "unknown lr schedule 'step'"),
     ("--clip-grad-norm", "-2", "clip_grad_norm -2.0 must be a finite number > 0"),
     ("--clip-grad-norm", "nan", "clip_grad_norm nan"),
+    ("--staleness-microbatches", "5", "staleness_microbatches 5 must be an integer in 0..4"),
 ]
 
 
