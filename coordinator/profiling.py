@@ -33,7 +33,8 @@ PROFILE_TIMEOUT_SECONDS = 600.0  # one worker's whole profile (tracing included)
 #: JobSpec fields that shape the plan or the run, never a layer's measured cost
 PLAN_ONLY = ("job_id", "schedule", "workers", "microbatches", "steps", "mode", "staleness",
              "policy", "eval_every", "plan", "memory_cap", "groups", "checkpoint_every",
-             "checkpoint_dir", "resume", "max_restarts", "replan", "check_groups_every")
+             "checkpoint_dir", "resume", "max_restarts", "replan", "check_groups_every",
+             "staleness_microbatches")
 
 
 class ProfileCache:

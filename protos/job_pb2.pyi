@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode", "staleness", "policy", "eval_every", "plan", "memory_cap", "device", "groups", "checkpoint_every", "checkpoint_dir", "resume", "max_restarts", "slowdown", "replan", "check_groups_every", "loss_config_json", "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm", "precision", "initial_loss_scale", "loss_scale_window")
+    __slots__ = ("job_id", "model", "model_config_json", "dataset", "dataset_config_json", "loss", "optimizer", "optimizer_config_json", "lr", "seed", "batch_size", "microbatches", "steps", "schedule", "workers", "mode", "staleness", "policy", "eval_every", "plan", "memory_cap", "device", "groups", "checkpoint_every", "checkpoint_dir", "resume", "max_restarts", "slowdown", "replan", "check_groups_every", "loss_config_json", "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm", "precision", "initial_loss_scale", "loss_scale_window", "staleness_microbatches")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class JobSpec(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     INITIAL_LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     model_config_json: str
@@ -84,7 +85,8 @@ class JobSpec(_message.Message):
     precision: str
     initial_loss_scale: float
     loss_scale_window: int
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., policy: _Optional[str] = ..., eval_every: _Optional[int] = ..., plan: _Optional[str] = ..., memory_cap: _Optional[int] = ..., device: _Optional[str] = ..., groups: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., resume: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., slowdown: _Optional[str] = ..., replan: _Optional[bool] = ..., check_groups_every: _Optional[int] = ..., loss_config_json: _Optional[str] = ..., lr_schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., min_lr: _Optional[float] = ..., clip_grad_norm: _Optional[float] = ..., precision: _Optional[str] = ..., initial_loss_scale: _Optional[float] = ..., loss_scale_window: _Optional[int] = ...) -> None: ...
+    staleness_microbatches: int
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., model_config_json: _Optional[str] = ..., dataset: _Optional[str] = ..., dataset_config_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[str] = ..., optimizer_config_json: _Optional[str] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., microbatches: _Optional[int] = ..., steps: _Optional[int] = ..., schedule: _Optional[str] = ..., workers: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., policy: _Optional[str] = ..., eval_every: _Optional[int] = ..., plan: _Optional[str] = ..., memory_cap: _Optional[int] = ..., device: _Optional[str] = ..., groups: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., resume: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., slowdown: _Optional[str] = ..., replan: _Optional[bool] = ..., check_groups_every: _Optional[int] = ..., loss_config_json: _Optional[str] = ..., lr_schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., min_lr: _Optional[float] = ..., clip_grad_norm: _Optional[float] = ..., precision: _Optional[str] = ..., initial_loss_scale: _Optional[float] = ..., loss_scale_window: _Optional[int] = ..., staleness_microbatches: _Optional[int] = ...) -> None: ...
 
 class WorkerAssignment(_message.Message):
     __slots__ = ("rank", "group", "role", "stage")

@@ -7,7 +7,13 @@ the step's accumulated (mean) gradient updates the newest weights:
     W(t + 1) = W(t) - lr * grad f(W(t - 1))        (staleness S: W(t - S); W(<0) = W(0))
 
 `rule` below is that equation in a plain loop over the model's layers, independent of the
-runtime and of `SingleProcess` (which swaps old weights into its parameters instead).
+runtime and of `SingleProcess` (which swaps old weights into its parameters instead). With
+the job's `staleness_microbatches` K it is the micro-batch-granular rule: only the step's
+first K micro-batches run on W(t - S), the rest on W(t - S + 1) ([Note: micro-batch
+staleness] in pipefb.runtime.place):
+
+    W(t + 1) = W(t) - lr * (sum over m < K of grad f_m(W(t - S))
+                            + sum over m >= K of grad f_m(W(t - S + 1))) / M
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from typing import Any
 import pytest
 import torch
 
+from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.job.data import job_dataset
 from pipefb.runtime.evaluate import evaluate
 from pipefb.runtime.reference import SingleProcess
 from pipefb.seeding import derive_seed, seed_random_ops
+from protos.convert import job_from_proto, job_to_proto
 from tests.conftest import worker_threads
 from tests.test_transparency import MODELS, run_on_cluster
 
@@ -33,7 +41,8 @@ def rule(job: JobConfig, staleness: int) -> tuple[list[float], dict[str, torch.T
     """Losses and final weights of `job` trained by the delayed-gradient rule, plain SGD.
 
     Each step's loss is the mean over its micro-batches, as the runtime reports it; the
-    gradient is d(mean loss)/dW taken at W(t - staleness), applied to W(t).
+    gradient is d(mean loss)/dW taken at W(t - staleness) (past the job's first
+    `staleness_microbatches` micro-batches: at W(t - staleness + 1)), applied to W(t).
     """
     layers = build_layers(job)
     data = job_dataset(job)
@@ -41,13 +50,18 @@ def rule(job: JobConfig, staleness: int) -> tuple[list[float], dict[str, torch.T
     history = [[p.detach().clone() for p in params]]  # W(0), ..., W(t)
     losses = []
     for step in range(job.steps):
-        stale = history[max(0, step - staleness)]
-        model = build_layers(job)  # a second copy of the model holding the stale version
-        with torch.no_grad():
-            for p, value in zip([p for m in model for p in m.parameters()], stale, strict=True):
-                p.copy_(value)
+        # one copy of the model per version the step's micro-batches run on
+        models = {}
+        for version in {max(0, step - staleness + (m >= job.stale_microbatches()))
+                        for m in range(job.microbatches)}:
+            models[version] = build_layers(job)
+            with torch.no_grad():
+                for p, value in zip([p for m in models[version] for p in m.parameters()],
+                                    history[version], strict=True):
+                    p.copy_(value)
         total = 0.0
         for m in range(job.microbatches):
+            model = models[max(0, step - staleness + (m >= job.stale_microbatches()))]
             x, y = data.microbatch(step, m, job.microbatch_size)
             for i, layer in enumerate(model):
                 seed_random_ops(derive_seed(job.seed, step, m, i))
@@ -56,10 +70,11 @@ def rule(job: JobConfig, staleness: int) -> tuple[list[float], dict[str, torch.T
             total += float(x.detach())
         losses.append(total / job.microbatches)
         with torch.no_grad():
-            grads = [p.grad for m in model for p in m.parameters()]
-            for p, g in zip(params, grads, strict=True):
-                assert g is not None
-                p.sub_(job.lr * g)
+            copies = [[p for m in model for p in m.parameters()] for model in models.values()]
+            for j, p in enumerate(params):
+                grads = [c[j].grad for c in copies if c[j].grad is not None]
+                assert grads
+                p.sub_(job.lr * torch.stack(grads).sum(0))
         history.append([p.detach().clone() for p in params])
     weights = {f"layers.{i}.{name}": p.detach().clone()
                for i, layer in enumerate(layers) for name, p in layer.named_parameters()}
@@ -108,6 +123,37 @@ def test_async_pipefb_follows_the_published_rule(client: Any, model: str, worker
     with worker_threads():
         want_losses, want_weights = rule(job, 1)
     assert_same([r.loss for r in reports], weights, want_losses, want_weights)
+
+
+@pytest.mark.parametrize(("workers", "policy", "k"),
+                         [(2, "offload", 1), (4, "offload", 1), (4, "recompute", 2)])
+def test_async_pipefb_follows_the_microbatch_rule(client: Any, workers: int, policy: str,
+                                                  k: int) -> None:
+    """`staleness_microbatches` K: each forward rank installs the newer version between
+    the step's micro-batches K - 1 and K, and its stashes, the backward ranks' kept
+    versions and their last push follow; the losses and weights are the rule's with K."""
+    job = replace(async_job("gpt", workers, 1, steps=6), policy=policy,
+                  staleness_microbatches=k)
+    reports, weights = run_on_cluster(client, job)
+    with worker_threads():
+        want_losses, want_weights = rule(job, 1)
+        all_stale = rule(replace(job, staleness_microbatches=0), 1)[0]
+    assert_same([r.loss for r in reports], weights, want_losses, want_weights)
+    assert want_losses[2] != all_stale[2]  # K changes what trains
+
+
+def test_microbatch_staleness_out_of_range_is_refused_in_one_line() -> None:
+    for k in (-1, 5):
+        with pytest.raises(ConfigError, match=rf"^staleness_microbatches {k} must be an "
+                                              r"integer in 0\.\.4 \(the step's"):
+            replace(async_job("gpt", 2, 1), staleness_microbatches=k)
+    with pytest.raises(ConfigError, match=r"^staleness_microbatches 1 needs one pipeline group"):
+        replace(async_job("gpt", 4, 1), groups=2, staleness_microbatches=1)
+    spec = job_to_proto(replace(async_job("gpt", 2, 1), staleness_microbatches=3))
+    assert job_from_proto(spec).staleness_microbatches == 3  # JobSpec field 280
+    spec.staleness_microbatches = 7
+    with pytest.raises(ConfigError, match=r"^staleness_microbatches 7 must be"):
+        job_from_proto(spec)
 
 
 def test_staleness_costs_the_demo_lr_not_a_small_one() -> None:

@@ -58,6 +58,7 @@ BAD = [
     ("--loss-scale-window", "0", "loss_scale_window 0 must be an integer >= 1"),
     ("--initial-loss-scale", "128", "initial_loss_scale 128.0 applies to precision 'fp16' "
                                     "only; this job's is 'fp32'"),
+    ("--staleness-microbatches", "5", "staleness_microbatches 5 must be an integer in 0..4"),
 ]
 
 

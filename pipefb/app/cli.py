@@ -99,6 +99,9 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                         "default: the schedule's")
     p.add_argument("--staleness", type=int, default=d.staleness,
                    help="async pipefb: the forward of step k uses weight version k - S")
+    p.add_argument("--staleness-microbatches", type=int, default=d.staleness_microbatches,
+                   help="async pipefb: only the first K micro-batches of step k use version "
+                        "k - S, the rest wait for k - S + 1 (0: all, PipeDream-2BW's rule)")
     p.add_argument("--policy", default=d.policy,
                    help="activation policy: keep, offload, recompute, or a comma list with "
                         "one per layer (loss included); default keep, offload for pipefb")
@@ -231,7 +234,8 @@ def job_from_args(args: argparse.Namespace, base: dict[str, Any] | None = None) 
                  "microbatches", "steps", "optimizer", "lr", "seed", "mode", "staleness",
                  "policy", "eval_every", "plan", "job_id", "device", "checkpoint_every",
                  "resume", "max_restarts", "slowdown", "replan", "check_groups_every",
-                 "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm"):
+                 "lr_schedule", "warmup_steps", "min_lr", "clip_grad_norm",
+                 "staleness_microbatches"):
         values.setdefault(name, getattr(args, name))
     values.setdefault("precision", args.precision)
     values.setdefault("initial_loss_scale", args.initial_loss_scale)

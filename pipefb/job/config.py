@@ -97,6 +97,9 @@ class JobConfig:
     seed: int = 0  # seeds weights, data sampling and random ops
     mode: str = ""  # sync (results equal one process) or async; "": the schedule's default
     staleness: int = 1  # async pipefb: the forward of step k uses weight version k - staleness
+    staleness_microbatches: int = 0  # async pipefb: only a step's first K micro-batches use
+    # version k - staleness, the rest wait for k - staleness + 1 ([Note: micro-batch
+    # staleness] in pipefb.runtime.place); 0: all of them (PipeDream-2BW)
     policy: str = ""  # keep, offload, recompute or a comma list per layer; "": schedule default
     eval_every: int = 0  # held-out evaluation every K steps in the step reports; 0: at the end
     plan: str = ""  # "" or even: balanced by parameter count; auto: profile, search, simulate
@@ -150,6 +153,7 @@ class JobConfig:
                 0 <= self.staleness <= MAX_STALENESS):
             raise ConfigError(f"staleness {self.staleness!r} must be an integer in "
                               f"0..{MAX_STALENESS}")
+        self._check_staleness_microbatches()
         if self.device not in DEVICES:
             raise ConfigError(f"unknown device {self.device!r}; choose one of {DEVICES}")
         self._check_groups()
@@ -173,6 +177,20 @@ class JobConfig:
                               "step's update divides by)")
         if self.job_id and not _JOB_ID.fullmatch(self.job_id):
             raise ConfigError(f"job id {self.job_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
+
+    def _check_staleness_microbatches(self) -> None:
+        """`staleness_microbatches`: 0 (all) or 1..microbatches, on one pipeline group."""
+        k = self.staleness_microbatches
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.microbatches:
+            raise ConfigError(f"staleness_microbatches {k!r} must be an integer in "
+                              f"0..{self.microbatches} (the step's micro-batches; 0: all)")
+        if 0 < k < self.microbatches and self.groups != 1:
+            raise ConfigError(f"staleness_microbatches {k} needs one pipeline group; the "
+                              f"job has groups {self.groups}")
+
+    def stale_microbatches(self) -> int:
+        """How many of a step's micro-batches run on the older version: all when 0."""
+        return self.staleness_microbatches or self.microbatches
 
     def _check_lr_schedule(self) -> None:
         """The learning-rate schedule and gradient clipping (pipefb.job.lr)."""

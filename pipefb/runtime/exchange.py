@@ -126,7 +126,7 @@ class Exchange:
                                 after=after)
 
     def push_weights(self, action: Action, step: int, it: Iteration) -> None:
-        if self.state.version + self.place.staleness >= self.steps:
+        if self.place.first_step_using(self.state.version) >= self.steps:
             return  # no forward step uses this version
         topology = self.place.topology
         for fwd_stage in topology.forward_stages_overlapping(action.stage):
@@ -140,8 +140,14 @@ class Exchange:
             self.state.prepare()  # forward ranks compute its stash
 
     def recv_weights(self, action: Action, step: int, it: Iteration) -> None:
-        """Installs the version step `step`'s forward uses: step - staleness (at least 0)."""
-        version = self.place.split_version(step)
+        """Installs the version step `step`'s first forward uses: step - staleness (at
+        least 0)."""
+        self.install_version(self.place.split_version(step))
+
+    def install_version(self, version: int) -> None:
+        """Waits for weight `version` and installs it, unless it is installed already
+        (later micro-batches of a step may run one version newer: [Note: micro-batch
+        staleness] in pipefb.runtime.place)."""
         if version <= self.state.version:
             return  # version 0: initial weights, identical everywhere by construction
         names = self.state.param_names(self.place.fwd_layers)

@@ -28,6 +28,10 @@ class RankPlace:
     fwd_layers: range
     bwd_layers: range
     staleness: int
+    #: [Note: micro-batch staleness] the step's first micro-batches that run on version
+    #: step - staleness; the rest run on step - staleness + 1 (all of them: PipeDream-2BW)
+    stale_microbatches: int
+    microbatches: int  # per step, of this rank's group
     #: forward stages whose outputs an action of this rank sends (SEND_F, SEND_L); a
     #: combined last stage's output (the loss) goes nowhere, so it is not kept
     sent_outputs: frozenset[int]
@@ -48,10 +52,25 @@ class RankPlace:
         """The layers this rank holds: those of its forward and its backward stage."""
         return sorted(set(self.fwd_layers) | set(self.bwd_layers))
 
-    def split_version(self, step: int) -> int:
-        """The weight version a split rank's forward of `step` uses: step - staleness (at
-        least 0)."""
-        return max(0, step - self.staleness)
+    def split_version(self, step: int, m: int = 0) -> int:
+        """The weight version a split rank's forward of micro-batch `m` of `step` uses:
+        step - staleness, or step - staleness + 1 past the first `stale_microbatches`, at
+        least 0.
+
+        [Note: micro-batch staleness] PipeDream-2BW runs every micro-batch of step k on
+        version k - 1, and that delay is what async training pays in loss. Letting only
+        the step's first K micro-batches run on the older version, and the rest wait for
+        the newest (which the backward ranks make once step k - 1's backwards end), keeps
+        the overlap where it is: those first forwards run while the previous step drains,
+        as PipeDream's own warm-up forwards do. K = all micro-batches is PipeDream-2BW's
+        rule; the one-process reference (`SingleProcess`) runs the same versions.
+        """
+        fresh = self.staleness > 0 and m >= self.stale_microbatches
+        return max(0, step - self.staleness + fresh)
+
+    def first_step_using(self, version: int) -> int:
+        """The first step one of whose forwards uses weight `version` (split ranks)."""
+        return version + self.staleness - (self.stale_microbatches < self.microbatches)
 
     def forward_version(self, recorded: Mapping[Key, int], step: int, stage: int, m: int
                         ) -> int:
@@ -61,11 +80,12 @@ class RankPlace:
         installed."""
         if self.role == "combined":
             return recorded[(step, stage, m)]
-        return self.split_version(step)
+        return self.split_version(step, m)
 
 
-def place(plan: Plan, rank: int) -> RankPlace:
-    """Rank `rank`'s place in `plan`.
+def place(plan: Plan, rank: int, stale_microbatches: int = 0) -> RankPlace:
+    """Rank `rank`'s place in `plan`; `stale_microbatches` as the job's
+    (`JobConfig.stale_microbatches`), 0: all of them.
 
     Raises:
         ConfigError: the plan gives the rank no stage.
@@ -86,6 +106,8 @@ def place(plan: Plan, rank: int) -> RankPlace:
         bwd_layers=(topology.layers_of_backward(bwd_stage) if bwd_stage is not None
                     else range(0)),
         staleness=plan.staleness,
+        stale_microbatches=stale_microbatches or plan.microbatches,
+        microbatches=plan.microbatches,
         sent_outputs=frozenset(a.stage for a in actions if a.kind in (Kind.SEND_F, Kind.SEND_L)),
         defer=bwd_stage if bwd_stage and plan.mode == "sync" else 0,
         last_b=next((a.microbatch for a in reversed(actions) if a.kind is Kind.B), None),

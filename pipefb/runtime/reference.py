@@ -6,7 +6,8 @@ micro-batch, layer)), loss averaged over micro-batches, one optimizer step per s
 with torch's learning-rate scheduler and `clip_grad_norm_` (pipefb.job.lr,
 pipefb.runtime.clipping). With `staleness` S > 0 it is the reference of async PipeFB
 instead: step k's gradient is taken at weight version k - S and applied to the newest
-weights.
+weights; with `job.staleness_microbatches` K only the step's first K micro-batches take it
+at k - S, the rest at k - S + 1 ([Note: micro-batch staleness] in pipefb.runtime.place).
 """
 
 from __future__ import annotations
@@ -83,10 +84,18 @@ class SingleProcess:
         """Runs one optimizer step over `microbatches` accumulated micro-batches."""
         started = time.perf_counter()
         self.device_memory.reset_peak()
-        # the version of step k's forward: k - S, or 0 before step S
-        live = self._swap_in(self.history[0]) if self.history else None
-        losses = []
+        live: list[torch.Tensor] | None = None  # the newest weights while older ones run
+        installed, losses = step, []
         for m in range(self.job.microbatches):
+            version = self._version_of(step, m)
+            if version != installed and version == step:  # back to the newest
+                assert live is not None
+                self._swap_in(live)
+                live = None
+            elif version != installed:
+                held = self._swap_in(self._history_of(step, version))
+                live = held if live is None else live
+            installed = version
             loss = self.loss(step, m)
             loss_part = loss / self.job.microbatches
             torch.autograd.backward(self.scaler.scale(loss_part) if self.scaler else loss_part)
@@ -129,6 +138,17 @@ class SingleProcess:
                           self.job.batch_size / seconds, memory, self.device_memory.snapshot(),
                           lr, grad_norm, skipped,
                           self.scaler.get_scale() if self.scaler is not None else 0.0)
+
+    def _version_of(self, step: int, m: int) -> int:
+        """The version micro-batch m of `step` runs on: k - S for the first K micro-batches,
+        k - S + 1 for the rest, at least 0 (k: `step`, the newest)."""
+        if not self.staleness:
+            return step
+        return max(0, step - self.staleness + (m >= self.job.stale_microbatches()))
+
+    def _history_of(self, step: int, version: int) -> list[torch.Tensor]:
+        """An older version's weights: history holds step - len(history) .. step - 1."""
+        return self.history[version - (step - len(self.history))]
 
     def _swap_in(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """Puts `values` into the parameters; returns what they held."""

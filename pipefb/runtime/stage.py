@@ -74,7 +74,7 @@ class StageRuntime:
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
         self.reducer = reducer  # sums gradients across groups; None with one group
         self.norm_reducer = norm_reducer
-        self.place = place(plan, rank)
+        self.place = place(plan, rank, job.stale_microbatches())
         self.actions, self.topology = self.place.actions, self.place.topology
         self.fwd_layers, self.bwd_layers = self.place.fwd_layers, self.place.bwd_layers
         self.device = job_device(job)
@@ -298,6 +298,8 @@ class StageRuntime:
         ones to the store); recompute saves only the inputs of the first layer of a run.
         """
         m = microbatch(action)
+        if self.role == "forward":  # [Note: micro-batch staleness]: a later micro-batch
+            self.exchange.install_version(self.place.split_version(step, m))  # may run newer
         x, targets = self._stage_input(action.stage, m, step)
         for i in self.fwd_layers:
             inputs = [x, targets] if i == self.n_layers - 1 and targets is not None else [x]
@@ -425,8 +427,9 @@ class StageRuntime:
         """Weight versions some backward after step `step`'s OPT will still use."""
         if self.role == "combined":
             return set(self.flight.forward_version.values())
-        lag = self.plan.staleness
-        return {max(0, t - lag) for t in range(step + 1, min(self.job.steps, step + lag + 1))}
+        lag, last = self.plan.staleness, self.place.microbatches - 1
+        return {self.place.split_version(t, m) for m in (0, last)
+                for t in range(step + 1, min(self.job.steps, step + lag + 1))}
 
     # -- the rank's state, for checkpoints, migration and evaluation -----------------------
 
