@@ -34,6 +34,7 @@ ZOO: dict[str, dict[str, Any]] = {
     "zoo_inplace": DIGITS, "zoo_dropout": DIGITS, "zoo_double": DIGITS, "zoo_embed": TEXT,
     "zoo_transformer": TEXT, "zoo_bfloat16": DIGITS, "zoo_recurrent": TEXT,
     "zoo_tied": TEXT,  # tests/test_tied.py: its copies, groups, resume, async
+    "zoo_max_norm": TEXT,  # an embedding that renormalises its rows in its forward
 }
 # Models whose split backward runs other kernels than eager autograd: torch's attention
 # backward as AOTAutograd traces it differs from its fused eager kernel in the last bits.
@@ -71,11 +72,40 @@ def test_frozen_parameters_stay_as_they_were_built(client: Any) -> None:
 
 
 def test_a_refused_model_is_invalid_argument_with_that_line(client: Any) -> None:
-    job = make_job("zoo_max_norm", "1f1b", 2, "adamw", **TEXT)
+    job = make_job("zoo_max_norm_late", "1f1b", 2, "adamw", **TEXT)
     with pytest.raises(grpc.RpcError) as rpc:
         client.submit(job)
     assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert rpc.value.details() == f"ConfigError: {REFUSED['zoo_max_norm']}"
+    assert rpc.value.details() == f"ConfigError: {REFUSED['zoo_max_norm_late']}"
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_renormalised_rows_end_where_one_process_leaves_them(client: Any, groups: int) -> None:
+    """[Note: renormalised rows]: each micro-batch's renorm runs once, in one process's
+    order, on every copy of the weight: the forward ranks' and the owners', each group's
+    (one group's owner replays the other's micro-batches)."""
+    job = make_job("zoo_max_norm", "pipefb", 4, "adamw", groups=groups, **TEXT)
+    reports, weights = run_on_cluster(client, job)
+    want_losses, want = reference(job)
+    if groups == 1:
+        assert [r.loss for r in reports] == want_losses
+        assert [k for k, v in want.items() if not torch.equal(weights[k], v)] == []
+    else:  # the groups' all-reduce adds in another order: a few ulps
+        assert_same_training(job, reports, weights)
+    initial = build_layers(JobConfig(model="zoo_max_norm", seed=job.seed, **TEXT))[0].weight
+    norms = initial.detach().norm(dim=1)
+    assert float(norms.min()) > 1.0  # every row the data looks up is renormalised
+
+
+def test_pipedream_trains_a_renormalising_embedding(client: Any) -> None:
+    """PipeDream renormalises the live weights of the rank that owns them, in its
+    forwards' order; it trains (no one-process reference to equal)."""
+    job = make_job("zoo_max_norm", "pipedream", 3, "adamw", steps=6, **TEXT)
+    reports, weights = run_on_cluster(client, job)
+    losses = [r.loss for r in reports]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+    single = build_layers(JobConfig(model="zoo_max_norm", seed=job.seed, **TEXT))[0]
+    assert not torch.equal(weights["layers.0.weight"], single.weight)
 
 
 def test_batchnorm_statistics_are_exported_and_used_by_the_held_out_evaluation(client: Any
@@ -117,22 +147,50 @@ def test_a_resumed_batchnorm_job_ends_where_the_uninterrupted_one_does(client: A
 
 # model -> the one line `check_job` (and so SubmitJob and the CLI) refuses it with (the
 # tied model's refusal in async mode: tests/test_tied.py)
+ONE_TENSOR = ("each layer hands the next exactly one tensor (tuples and dicts between "
+              "layers are not carried; put the layers that pass them into one layer)")
+RENORMS = "renormalises its rows in its forward (max_norm)"
+WRITES = ("in its forward, which a pipeline whose weights live on another rank cannot "
+          "follow: not supported (only an nn.Embedding with max_norm, as the first layer, may)")
 REFUSED = {
-    "zoo_max_norm": "model 'zoo_max_norm': layer 0 (Embedding) writes into its parameter "
-                    "'weight' in its forward (as nn.Embedding's max_norm does), which a "
-                    "pipeline whose weights live on another rank cannot follow: not supported",
-    "zoo_pair": "model 'zoo_pair': layer 0 (Pair) returns a tuple, not one tensor: each layer "
-                "hands the next exactly one tensor (tuples and dicts between layers are not "
-                "carried; put the layers that pass them into one layer)",
+    "zoo_max_norm_late": f"model 'zoo_max_norm_late': layer 1 (Embedding) {RENORMS} but is "
+                         "not the first layer: only the first layer's ids are the data every "
+                         "rank can draw to replay it; put it first",
+    "zoo_max_norm_tied": f"model 'zoo_max_norm_tied': layer 0 (Embedding) {RENORMS} and its "
+                         "weight is also layer 2 (Linear) parameter 'weight': not supported "
+                         "(that layer's rank would not see the renormalised rows when one "
+                         "process's does)",
+    "zoo_max_norm_nested": "model 'zoo_max_norm_nested': layer 0 (Lookup) writes into its "
+                           f"parameter 'embedding.weight' {WRITES}",
+    "zoo_scale_weight": f"model 'zoo_scale_weight': layer 0 (ScaleWeight) writes into its "
+                        f"parameter 'fc.weight' {WRITES}",
+    "zoo_pair": f"model 'zoo_pair': layer 0 (Pair) returns a tuple, not one tensor: {ONE_TENSOR}",
+    "zoo_named": f"model 'zoo_named': layer 0 (Named) returns a dict, not one tensor: "
+                 f"{ONE_TENSOR}",
+    "zoo_no_output": "model 'zoo_no_output': layer 0 (NoOutput) returns None, not one tensor "
+                     "(does its forward return its result?)",
+    "zoo_wrong_width": "model 'zoo_wrong_width', dataset 'digits' and loss 'cross_entropy' do "
+                       "not fit: layer 1 (WrongWidth) does not take [2, 16] torch.float32: a "
+                       "and b must have same reduction dim, but got [2, 16] X [32, 10].",
 }
 
 
 @pytest.mark.parametrize("model", sorted(REFUSED))
 def test_a_model_that_cannot_run_is_refused_at_submit_in_one_line(model: str) -> None:
-    extra = DIGITS if model == "zoo_pair" else TEXT
+    extra = TEXT if model.startswith("zoo_max_norm") else DIGITS
     with pytest.raises(ConfigError) as caught:
         check_job(make_job(model, "1f1b", 2, "adamw", **extra))
     assert str(caught.value) == REFUSED[model]
+
+
+def test_async_pipefb_refuses_a_renormalising_embedding_and_pipedream_takes_it() -> None:
+    with pytest.raises(ConfigError) as caught:
+        check_job(make_job("zoo_max_norm", "pipefb", 4, "adamw", mode="async", **TEXT))
+    assert str(caught.value) == (
+        f"model 'zoo_max_norm': layer 0 (Embedding) {RENORMS}, which async PipeFB cannot "
+        "follow: its forward ranks would renormalise an old weight version while the owner "
+        "updates the newest; run it in sync mode or with pipedream")
+    check_job(make_job("zoo_max_norm", "pipedream", 2, "adamw", **TEXT))
 
 
 def test_a_failed_call_in_a_job_error_is_one_line_not_the_call_object(client: Any) -> None:
