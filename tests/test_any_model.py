@@ -18,6 +18,7 @@ from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.runtime.evaluate import evaluate
+from tests.test_migration import wait_running
 from tests.test_transparency import (
     STEPS,
     assert_same_training,
@@ -142,6 +143,31 @@ def test_a_resumed_batchnorm_job_ends_where_the_uninterrupted_one_does(client: A
     rest, got = run_on_cluster(client, replace(first, steps=6, resume=True))
     assert [r.loss for r in rest] == [r.loss for r in whole[3:]]
     assert sorted(got) == sorted(want)
+    assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
+
+
+@pytest.mark.parametrize(("schedule", "groups"), [("pipefb", 1), ("1f1b", 2)])
+def test_batchnorm_statistics_travel_with_a_migration(client: Any, schedule: str,
+                                                      groups: int) -> None:
+    """A layer move takes a forward layer's statistics from the rank that ran its forward
+    (a PipeFB forward rank, whose backward rank's copy never changes; a combined rank in
+    each group): the moved job ends where the unmoved one does."""
+    job = make_job("zoo_batchnorm", schedule, 4, "adamw", steps=12, groups=groups, **DIGITS)
+    _, want = run_on_cluster(client, job)
+    job_id = f"bn-move-{schedule}"
+    client.submit(replace(job, job_id=job_id))
+    status = wait_running(client, job_id, 3)
+    old_fwd, old_bwd = list(status.plan.forward_partition), list(status.plan.backward_partition)
+    fwd = next(p for p in ([0, 2, 7], [0, 5, 7]) if p != old_fwd)
+    bwd = next(p for p in ([0, 5, 7], [0, 2, 7]) if p != old_bwd) if groups == 1 else []
+    client.repartition(job_id, fwd, bwd)
+    list(client.train(job_id))
+    [move] = client.status(job_id).migrations
+    assert not move.rolled_back and move.step < job.steps
+    got = client.weights(job_id)
+    stats = [k for k in want if "running" in k or "num_batches" in k]
+    assert len(stats) == 6
+    assert [k for k in stats if not torch.equal(got[k], want[k])] == []
     assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
 
 

@@ -232,19 +232,22 @@ class RankState:
 
     def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
                     ) -> dict[str, torch.Tensor]:
-        """What a migration moves off this rank: the weights of `layers` and the optimizer
-        state of `optimizer_layers`, each owned here, named as in a rank file.
+        """What a migration moves off this rank: the weights of `layers` owned here, the
+        buffers of `layers` whose forward runs here ([Note: buffer owners]), and the
+        optimizer state of `optimizer_layers`, owned here, named as in a rank file.
 
         Raises:
-            ConfigError: a layer this rank does not own.
+            ConfigError: a layer this rank neither owns nor runs the forward of, or
+                optimizer state of a layer it does not own.
         """
         wanted, optim = set(layers), set(optimizer_layers)
-        foreign = sorted((wanted | optim) - set(self.bwd_layers))
+        owned, forward = set(self.bwd_layers), set(self.fwd_layers)
+        foreign = sorted((wanted - owned - forward) | (optim - owned))
         if foreign:
             raise ConfigError(f"layers {foreign} are not owned by rank {self.rank} "
                               f"(it owns {list(self.bwd_layers)})")
-        out = {**self.weights_of(sorted(wanted)),
-               **self.buffers_of(sorted(wanted & set(self.fwd_layers)))}
+        out = {**self.weights_of(sorted(wanted & owned)),
+               **self.buffers_of(sorted(wanted & forward))}
         if self.optimizer is not None and optim:
             state, _ = optimizer_tensors(self.optimizer, self.owned_names())
             out.update({k: v for k, v in state.items() if layer_of(k)[0] in optim})
