@@ -17,6 +17,7 @@ from coordinator.ranks import diagnose
 from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig, build_layers
+from pipefb.runtime.checkpoint import load_rank
 from pipefb.runtime.evaluate import evaluate
 from tests.test_migration import wait_running
 from tests.test_transparency import (
@@ -169,6 +170,26 @@ def test_batchnorm_statistics_travel_with_a_migration(client: Any, schedule: str
     assert len(stats) == 6
     assert [k for k in stats if not torch.equal(got[k], want[k])] == []
     assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
+
+
+def test_a_pipedream_checkpoint_holds_the_statistics_of_its_step_boundary(
+        client: Any, cluster: Any) -> None:
+    """[Note: boundary buffers]: PipeDream's lead forwards of step 3 run before the
+    checkpoint of step 3 is written; its statistics are those before them, where a job of
+    3 steps ends (its weights too)."""
+    job = make_job("zoo_batchnorm", "pipedream", 3, "adamw", steps=6, checkpoint_every=3,
+                   checkpoint_dir="bn-pipedream", **DIGITS)
+    run_on_cluster(client, job)
+    _, want = run_on_cluster(client, replace(job, steps=3, checkpoint_every=0,
+                                             checkpoint_dir=""))
+    saved: dict[str, torch.Tensor] = {}
+    for path in (cluster.checkpoint_root / "bn-pipedream" / "step-000003").glob("rank-*"):
+        saved.update(load_rank(path)[0])
+    assert sorted(saved) == sorted(want)
+    stats = [k for k in want if "running" in k or "num_batches" in k]
+    assert int(saved["layers.1.num_batches_tracked"]) == 3 * job.microbatches
+    assert [k for k in stats if not torch.equal(saved[k], want[k])] == []
+    assert [k for k, v in want.items() if not torch.equal(saved[k], v)] == []
 
 
 # model -> the one line `check_job` (and so SubmitJob and the CLI) refuses it with (the

@@ -300,6 +300,8 @@ class StageRuntime:
         ones to the store); recompute saves only the inputs of the first layer of a run.
         """
         m = microbatch(action)
+        if step > it.step:  # a lead forward of the next step ([Note: boundary buffers])
+            self.state.keep_boundary_buffers(step)
         x, targets = self._stage_input(action.stage, m, step)
         self.renorms.before_forward(step, m, owner=self.role == "combined")
         for i in self.fwd_layers:

@@ -92,6 +92,9 @@ class RankState:
         self.param_bytes = tensor_bytes(params)
         self.param_storage = {p.untyped_storage().data_ptr() for p in params}
         self.grad_bytes = self.optimizer_bytes = 0  # updated where they change
+        # (step, the forward layers' buffers before that step's first forward), taken
+        # when a lead forward runs ahead of the step boundary ([Note: boundary buffers])
+        self._boundary: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def memory(self) -> dict[str, int]:
         """Bytes by kind: parameters, gradients, optimizer state, kept weight versions."""
@@ -225,10 +228,29 @@ class RankState:
 
     # -- checkpoints, migration, evaluation ------------------------------------------------
 
+    def keep_boundary_buffers(self, step: int) -> None:
+        """Keeps the forward layers' buffers as they are before step `step`'s first
+        forward, once per step.
+
+        [Note: boundary buffers] PipeDream runs the next step's warm-up forwards (lead
+        forwards) before the current step's update, and each updates BatchNorm's
+        statistics. A checkpoint of step boundary N is written after step N - 1's
+        iteration, when step N's lead forwards already counted their micro-batches; a
+        job resumed from it runs them again. So the checkpoint takes the statistics
+        kept here, before step N's first forward: what a job of N steps ends with.
+        """
+        if self._boundary is None or self._boundary[0] != step:
+            self._boundary = (step, {k: v.clone()
+                                     for k, v in self.buffers_of(self.fwd_layers).items()})
+
     def save_checkpoint(self, path: Path) -> Digest:
-        """Writes the owned weights and optimizer state; returns the file's digest
+        """Writes the owned weights and optimizer state (the buffers of the step boundary:
+        [Note: boundary buffers]); returns the file's digest
         (`pipefb.runtime.checkpoint.save_rank`)."""
-        return save_rank(path, self.owned_weights(), self.optimizer, self.owned_names())
+        weights = self.owned_weights()
+        if self._boundary is not None and self._boundary[0] == self.version:
+            weights.update(self._boundary[1])
+        return save_rank(path, weights, self.optimizer, self.owned_names())
 
     def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
                     ) -> dict[str, torch.Tensor]:
