@@ -6,6 +6,7 @@ naming its layers."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from coordinator.ranks import diagnose
+from pipefb.app.cli import main
 from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig, build_layers
@@ -228,6 +230,26 @@ def test_a_model_that_cannot_run_is_refused_at_submit_in_one_line(model: str) ->
     with pytest.raises(ConfigError) as caught:
         check_job(make_job(model, "1f1b", 2, "adamw", **extra))
     assert str(caught.value) == REFUSED[model]
+
+
+@pytest.mark.parametrize("model", ["zoo_pair", "zoo_max_norm_late"])
+def test_plan_auto_refuses_in_one_line_too(client: Any, plugin_path: Any,
+                                           capsys: pytest.CaptureFixture[str], model: str
+                                           ) -> None:
+    """The coordinator's SubmitJob and the CLI refuse before planning: a status with that
+    line, and one `pipefb: error:` line with status 2."""
+    extra = TEXT if model.startswith("zoo_max_norm") else DIGITS
+    job = replace(make_job(model, "1f1b", 2, "adamw", **extra), schedule="auto", plan="auto")
+    with pytest.raises(grpc.RpcError) as rpc:
+        client.submit(job)
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rpc.value.details() == f"ConfigError: {REFUSED[model]}"
+    data = ["--dataset", "text", "--dataset-config", json.dumps(TEXT["dataset_config"])
+            ] if extra is TEXT else ["--dataset", "digits"]
+    assert main(["local", "train", "--model", model, *data, "--loss", "cross_entropy",
+                 "--schedule", "auto", "--plan", "auto", "--workers", "2", "--batch-size", "8",
+                 "--microbatches", "4", "--steps", "1"]) == 2
+    assert capsys.readouterr().err == f"pipefb: error: {REFUSED[model]}\n"
 
 
 def test_async_pipefb_refuses_a_renormalising_embedding_and_pipedream_takes_it() -> None:
