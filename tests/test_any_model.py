@@ -21,6 +21,7 @@ from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.runtime.checkpoint import load_rank
 from pipefb.runtime.evaluate import evaluate
+from protos.convert import plan_from_proto
 from tests.test_migration import wait_running
 from tests.test_transparency import (
     STEPS,
@@ -99,6 +100,34 @@ def test_renormalised_rows_end_where_one_process_leaves_them(client: Any, groups
     initial = build_layers(JobConfig(model="zoo_max_norm", seed=job.seed, **TEXT))[0].weight
     norms = initial.detach().norm(dim=1)
     assert float(norms.min()) > 1.0  # every row the data looks up is renormalised
+
+
+@pytest.mark.parametrize(("schedule", "workers", "policy"),
+                         [("pipefb", 4, "offload"), ("1f1b", 2, "recompute")])
+def test_a_frozen_renormalising_embedding_is_renormalised_as_one_process_does(
+        client: Any, schedule: str, workers: int, policy: str) -> None:
+    """A frozen first layer runs without a backward ([Note: no gradient]); its renorms
+    still reach the owner's copy, which the export reads."""
+    job = make_job("zoo_max_norm_frozen", schedule, workers, "adamw", policy=policy, **TEXT)
+    reports, weights = run_on_cluster(client, job)
+    want_losses, want = reference(job)
+    assert [r.loss for r in reports] == want_losses
+    assert [k for k, v in want.items() if not torch.equal(weights[k], v)] == []
+    built = build_layers(JobConfig(model="zoo_max_norm_frozen", seed=job.seed, **TEXT))[0]
+    assert not torch.equal(weights["layers.0.weight"], built.weight)  # renormalised
+
+
+def test_plan_auto_trains_a_renormalising_embedding_as_one_process_does(client: Any) -> None:
+    """The profiler and planner take it too (its trace has max_norm off)."""
+    job = replace(make_job("zoo_max_norm", "1f1b", 2, "adamw", **TEXT), schedule="auto",
+                  plan="auto")
+    job_id = client.submit(job).job_id
+    reports, weights = list(client.train(job_id)), client.weights(job_id)
+    plan = plan_from_proto(client.status(job_id).plan)
+    assert plan.mode == "sync"
+    # one process on the plan's micro-batches
+    assert_same_training(replace(job, schedule="single", plan="even",
+                                 microbatches=plan.microbatches), reports, weights)
 
 
 def test_pipedream_trains_a_renormalising_embedding(client: Any) -> None:

@@ -333,3 +333,11 @@ class ScaleWeight(nn.Module):
 def scale_weight(config: dict[str, Any]) -> list[nn.Module]:
     """A layer whose forward writes into its parameter."""
     return [ScaleWeight()]
+
+
+def max_norm_frozen(config: dict[str, Any]) -> list[nn.Module]:
+    """A frozen embedding that renormalises its rows (pretrained, not trained here)."""
+    d = int(config.get("dim", 16))
+    embedding = nn.Embedding(256, d, max_norm=1.0)
+    embedding.requires_grad_(False)
+    return [embedding, Block(d), nn.Linear(d, 256)]
