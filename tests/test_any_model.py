@@ -209,10 +209,13 @@ def test_a_pipedream_checkpoint_holds_the_statistics_of_its_step_boundary(
     checkpoint of step 3 is written; its statistics are those before them, where a job of
     3 steps ends (its weights too)."""
     job = make_job("zoo_batchnorm", "pipedream", 3, "adamw", steps=6, checkpoint_every=3,
-                   checkpoint_dir="bn-pipedream", **DIGITS)
-    run_on_cluster(client, job)
-    _, want = run_on_cluster(client, replace(job, steps=3, checkpoint_every=0,
-                                             checkpoint_dir=""))
+                   checkpoint_dir="bn-pipedream", eval_every=3, **DIGITS)
+    reports, _ = run_on_cluster(client, job)
+    three = replace(job, steps=3, checkpoint_every=0, checkpoint_dir="", eval_every=0)
+    _, want = run_on_cluster(client, three)
+    # the held-out evaluation of version 3 reads the same statistics
+    [evaluated] = [dict(r.eval) for r in reports if r.eval]
+    assert evaluated["loss"] == pytest.approx(evaluate(three, want)["loss"], rel=1e-6)
     saved: dict[str, torch.Tensor] = {}
     for path in (cluster.checkpoint_root / "bn-pipedream" / "step-000003").glob("rank-*"):
         saved.update(load_rank(path)[0])

@@ -153,7 +153,7 @@ class RankState:
         every = self.job.eval_every
         if every and self.version % every == 0 and self.version < self.job.steps:
             self._eval_weights[self.version] = {k: v.clone()
-                                                for k, v in self.owned_weights().items()}
+                                                for k, v in self.boundary_weights().items()}
             self._eval_bytes = self._kept_eval_bytes()
         return done
 
@@ -236,21 +236,26 @@ class RankState:
         forwards) before the current step's update, and each updates BatchNorm's
         statistics. A checkpoint of step boundary N is written after step N - 1's
         iteration, when step N's lead forwards already counted their micro-batches; a
-        job resumed from it runs them again. So the checkpoint takes the statistics
-        kept here, before step N's first forward: what a job of N steps ends with.
+        job resumed from it runs them again. So the checkpoint (and the copy kept for
+        the held-out evaluation of version N) takes the statistics kept here, before step
+        N's first forward: what a job of N steps ends with.
         """
         if self._boundary is None or self._boundary[0] != step:
             self._boundary = (step, {k: v.clone()
                                      for k, v in self.buffers_of(self.fwd_layers).items()})
 
-    def save_checkpoint(self, path: Path) -> Digest:
-        """Writes the owned weights and optimizer state (the buffers of the step boundary:
-        [Note: boundary buffers]); returns the file's digest
-        (`pipefb.runtime.checkpoint.save_rank`)."""
+    def boundary_weights(self) -> dict[str, torch.Tensor]:
+        """`owned_weights` at the step boundary of the live version: the buffers as they
+        were before that step's lead forwards, if any ran ([Note: boundary buffers])."""
         weights = self.owned_weights()
         if self._boundary is not None and self._boundary[0] == self.version:
             weights.update(self._boundary[1])
-        return save_rank(path, weights, self.optimizer, self.owned_names())
+        return weights
+
+    def save_checkpoint(self, path: Path) -> Digest:
+        """Writes the owned weights (`boundary_weights`) and optimizer state; returns the
+        file's digest (`pipefb.runtime.checkpoint.save_rank`)."""
+        return save_rank(path, self.boundary_weights(), self.optimizer, self.owned_names())
 
     def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
                     ) -> dict[str, torch.Tensor]:
