@@ -46,6 +46,9 @@ def main() -> int:
     """Runs the matrix on a fresh local cluster of 4 workers; prints a markdown table."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--steps", type=int, default=3, help="steps of each job (default 3)")
+    p.add_argument("--models", nargs="*", default=None,
+                   help="only these zoo models (default: all of tests/test_any_model.ZOO)")
     args = p.parse_args()
     sys.path.insert(0, str(ZOO_PATH))
     sys.path.insert(0, str(ROOT))
@@ -58,13 +61,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, local_client(4, Path(tmp), threads=1,
                                                             env=env) as client:
         for model, extra in sorted(ZOO.items()):
+            if args.models is not None and model not in args.models:
+                continue
             for schedule, workers in SCHEDULES:
                 for policy in POLICIES:
                     if schedule == "pipefb" and policy == "keep":
                         continue  # the split carries saved tensors through the store
                     job = JobConfig(model=model, schedule=schedule, workers=workers,
                                     optimizer="adamw", lr=0.01, seed=7, batch_size=8,
-                                    microbatches=4, steps=3, policy=policy, **extra)
+                                    microbatches=4, steps=args.steps, policy=policy,
+                                    **extra)
                     loss, weight = largest_differences(client, job)
                     rows.append({"model": model, "schedule": schedule, "workers": workers,
                                  "policy": policy, "loss": loss, "weight": weight})

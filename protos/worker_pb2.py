@@ -26,7 +26,7 @@ from protos import job_pb2 as protos_dot_job__pb2
 from protos import tensor_pb2 as protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\tpipefb.v1\x1a\x10protos/job.proto\x1a\x13protos/tensor.proto\"\x95\x02\n\rAssignRequest\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.pipefb.v1.JobSpec\x12\x1d\n\x04plan\x18\x02 \x01(\x0b\x32\x0f.pipefb.v1.Plan\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05peers\x18\x04 \x03(\t\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x05\x12\x12\n\nrendezvous\x18\x07 \x01(\t\x12\x13\n\x0bresume_step\x18\x08 \x01(\x03\x12*\n\x06source\x18\t \x01(\x0b\x32\x1a.pipefb.v1.MigrationSource\x12\x12\n\nstore_user\x18P \x01(\t\x12\x16\n\x0estore_password\x18Q \x01(\t\"O\n\x0fMigrationSource\x12\x1d\n\x04plan\x18\x01 \x01(\x0b\x32\x0f.pipefb.v1.Plan\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04\x66\x61il\x18\x03 \x01(\x08\"i\n\x0eMigrateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x12\x18\n\x10optimizer_layers\x18\x05 \x03(\x05\"]\n\x0b\x41ssignReply\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x63tions\x18\x02 \x03(\t\x12\x17\n\x0fparameter_bytes\x18\x03 \x01(\x03\x12\x16\n\x0emigrated_bytes\x18\x04 \x01(\x03\"P\n\x0bStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ncheckpoint\x18\x03 \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\"\x8c\n\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06losses\x18\x02 \x03(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12;\n\x0cmemory_bytes\x18\x05 \x03(\x0b\x32%.pipefb.v1.StepReply.MemoryBytesEntry\x12\x19\n\x11peak_memory_bytes\x18\x06 \x01(\x03\x12\x12\n\nbytes_sent\x18\x07 \x01(\x03\x12\x15\n\rbytes_stashed\x18\x08 \x01(\x03\x12\x16\n\x0eweight_version\x18\t \x01(\x03\x12?\n\x0e\x61\x63tion_seconds\x18\n \x03(\x0b\x32\'.pipefb.v1.StepReply.ActionSecondsEntry\x12$\n\x05spans\x18\x0b \x03(\x0b\x32\x15.pipefb.v1.ActionSpan\x12\'\n\x08versions\x18\x0c \x03(\x0b\x32\x15.pipefb.v1.VersionTag\x12\x15\n\rkept_versions\x18\r \x03(\x03\x12@\n\x0fkind_peak_bytes\x18\x0e \x03(\x0b\x32\'.pipefb.v1.StepReply.KindPeakBytesEntry\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x0f \x01(\x03\x12H\n\x13\x64\x65vice_memory_bytes\x18\x10 \x03(\x0b\x32+.pipefb.v1.StepReply.DeviceMemoryBytesEntry\x12\x16\n\x0eweights_digest\x18\x11 \x01(\t\x12=\n\rlayer_seconds\x18\x12 \x03(\x0b\x32&.pipefb.v1.StepReply.LayerSecondsEntry\x12\x32\n\x07metrics\x18\x13 \x03(\x0b\x32!.pipefb.v1.StepReply.MetricsEntry\x12\n\n\x02lr\x18( \x01(\x01\x12\x16\n\tgrad_norm\x18) \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07skipped\x18* \x01(\x08\x12\x13\n\nloss_scale\x18\xc2\x02 \x01(\x01\x12\x32\n\x0f\x63heckpoint_file\x18\x32 \x01(\x0b\x32\x19.pipefb.v1.CheckpointFile\x12;\n\x0ctied_digests\x18\x64 \x03(\x0b\x32%.pipefb.v1.StepReply.TiedDigestsEntry\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12\x41\x63tionSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12KindPeakBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16\x44\x65viceMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11LayerSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10TiedDigestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_grad_norm\"=\n\x0e\x43heckpointFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\";\n\nVersionTag\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\"8\n\nActionSpan\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\"?\n\x0c\x44rainRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\"B\n\x11\x43heckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\"I\n\x0f\x43heckpointReply\x12\r\n\x05saved\x18\x01 \x01(\x08\x12\'\n\x04\x66ile\x18\x32 \x01(\x0b\x32\x19.pipefb.v1.CheckpointFile\"\x1d\n\nDrainReply\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\"\xb3\x01\n\x0eProfileRequest\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.pipefb.v1.JobSpec\x12\x17\n\x0fmicrobatch_size\x18\x02 \x01(\x05\x12\x13\n\x06warmup\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07repeats\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12%\n\x06layers\x18\x05 \x01(\x0b\x32\x15.pipefb.v1.LayerRangeB\t\n\x07_warmupB\n\n\x08_repeats\")\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04stop\x18\x02 \x01(\x05\"\x80\x02\n\x0cLayerProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x62\x61\x63kward_seconds\x18\x03 \x01(\x01\x12\x13\n\x0binput_bytes\x18\x04 \x01(\x03\x12\x14\n\x0coutput_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bsaved_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bparam_bytes\x18\x07 \x01(\x03\x12\x1d\n\x15\x66orward_fixed_seconds\x18\x08 \x01(\x01\x12\x1e\n\x16\x62\x61\x63kward_fixed_seconds\x18\t \x01(\x01\x12\x1b\n\x13weight_grad_seconds\x18\n \x01(\x01\"\x97\x02\n\x0cProfileReply\x12\x17\n\x0fmicrobatch_size\x18\x01 \x01(\x05\x12\'\n\x06layers\x18\x02 \x03(\x0b\x32\x17.pipefb.v1.LayerProfile\x12\"\n\x1aoptimizer_seconds_per_byte\x18\x03 \x01(\x01\x12\x1d\n\x15optimizer_state_ratio\x18\x04 \x01(\x01\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x15\n\rtorch_threads\x18\x06 \x01(\x05\x12\x14\n\x0c\x64\x61ta_seconds\x18\x07 \x01(\x01\x12\x1f\n\x17optimizer_fixed_seconds\x18\x08 \x01(\x01\x12$\n\x1cweight_copy_seconds_per_byte\x18\t \x01(\x01\x32\xf0\x04\n\x0bStageWorker\x12:\n\x06\x41ssign\x12\x18.pipefb.v1.AssignRequest\x1a\x16.pipefb.v1.AssignReply\x12\x34\n\x04Step\x12\x16.pipefb.v1.StepRequest\x1a\x14.pipefb.v1.StepReply\x12\x37\n\x0b\x41\x63tivations\x12\x16.pipefb.v1.TensorChunk\x1a\x0e.pipefb.v1.Ack(\x01\x12\x35\n\tGradients\x12\x16.pipefb.v1.TensorChunk\x1a\x0e.pipefb.v1.Ack(\x01\x12\x33\n\x07Weights\x12\x16.pipefb.v1.TensorChunk\x1a\x0e.pipefb.v1.Ack(\x01\x12J\n\rExportWeights\x12\x1f.pipefb.v1.ExportWeightsRequest\x1a\x16.pipefb.v1.TensorChunk0\x01\x12\x37\n\x05\x44rain\x12\x17.pipefb.v1.DrainRequest\x1a\x15.pipefb.v1.DrainReply\x12\x46\n\nCheckpoint\x12\x1c.pipefb.v1.CheckpointRequest\x1a\x1a.pipefb.v1.CheckpointReply\x12>\n\x07Migrate\x12\x19.pipefb.v1.MigrateRequest\x1a\x16.pipefb.v1.TensorChunk0\x01\x12=\n\x07Profile\x12\x19.pipefb.v1.ProfileRequest\x1a\x17.pipefb.v1.ProfileReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\tpipefb.v1\x1a\x10protos/job.proto\x1a\x13protos/tensor.proto\"\x95\x02\n\rAssignRequest\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.pipefb.v1.JobSpec\x12\x1d\n\x04plan\x18\x02 \x01(\x0b\x32\x0f.pipefb.v1.Plan\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05peers\x18\x04 \x03(\t\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x05\x12\x12\n\nrendezvous\x18\x07 \x01(\t\x12\x13\n\x0bresume_step\x18\x08 \x01(\x03\x12*\n\x06source\x18\t \x01(\x0b\x32\x1a.pipefb.v1.MigrationSource\x12\x12\n\nstore_user\x18P \x01(\t\x12\x16\n\x0estore_password\x18Q \x01(\t\"O\n\x0fMigrationSource\x12\x1d\n\x04plan\x18\x01 \x01(\x0b\x32\x0f.pipefb.v1.Plan\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04\x66\x61il\x18\x03 \x01(\x08\"\x80\x01\n\x0eMigrateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x12\x18\n\x10optimizer_layers\x18\x05 \x03(\x05\x12\x15\n\x0c\x62uffers_only\x18\x84\x02 \x01(\x08\"]\n\x0b\x41ssignReply\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x63tions\x18\x02 \x03(\t\x12\x17\n\x0fparameter_bytes\x18\x03 \x01(\x03\x12\x16\n\x0emigrated_bytes\x18\x04 \x01(\x03\"P\n\x0bStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ncheckpoint\x18\x03 \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\"\x8c\n\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06losses\x18\x02 \x03(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12;\n\x0cmemory_bytes\x18\x05 \x03(\x0b\x32%.pipefb.v1.StepReply.MemoryBytesEntry\x12\x19\n\x11peak_memory_bytes\x18\x06 \x01(\x03\x12\x12\n\nbytes_sent\x18\x07 \x01(\x03\x12\x15\n\rbytes_stashed\x18\x08 \x01(\x03\x12\x16\n\x0eweight_version\x18\t \x01(\x03\x12?\n\x0e\x61\x63tion_seconds\x18\n \x03(\x0b\x32\'.pipefb.v1.StepReply.ActionSecondsEntry\x12$\n\x05spans\x18\x0b \x03(\x0b\x32\x15.pipefb.v1.ActionSpan\x12\'\n\x08versions\x18\x0c \x03(\x0b\x32\x15.pipefb.v1.VersionTag\x12\x15\n\rkept_versions\x18\r \x03(\x03\x12@\n\x0fkind_peak_bytes\x18\x0e \x03(\x0b\x32\'.pipefb.v1.StepReply.KindPeakBytesEntry\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x0f \x01(\x03\x12H\n\x13\x64\x65vice_memory_bytes\x18\x10 \x03(\x0b\x32+.pipefb.v1.StepReply.DeviceMemoryBytesEntry\x12\x16\n\x0eweights_digest\x18\x11 \x01(\t\x12=\n\rlayer_seconds\x18\x12 \x03(\x0b\x32&.pipefb.v1.StepReply.LayerSecondsEntry\x12\x32\n\x07metrics\x18\x13 \x03(\x0b\x32!.pipefb.v1.StepReply.MetricsEntry\x12\n\n\x02lr\x18( \x01(\x01\x12\x16\n\tgrad_norm\x18) \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07skipped\x18* \x01(\x08\x12\x13\n\nloss_scale\x18\xc2\x02 \x01(\x01\x12\x32\n\x0f\x63heckpoint_file\x18\x32 \x01(\x0b\x32\x19.pipefb.v1.CheckpointFile\x12;\n\x0ctied_digests\x18\x64 \x03(\x0b\x32%.pipefb.v1.StepReply.TiedDigestsEntry\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12\x41\x63tionSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12KindPeakBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16\x44\x65viceMemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11LayerSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10TiedDigestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_grad_norm\"=\n\x0e\x43heckpointFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\";\n\nVersionTag\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\"8\n\nActionSpan\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\"?\n\x0c\x44rainRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\"B\n\x11\x43heckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\"I\n\x0f\x43heckpointReply\x12\r\n\x05saved\x18\x01 \x01(\x08\x12\'\n\x04\x66ile\x18\x32 \x01(\x0b\x32\x19.pipefb.v1.CheckpointFile\"\x1d\n\nDrainReply\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\"\xb3\x01\n\x0eProfileRequest\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.pipefb.v1.JobSpec\x12\x17\n\x0fmicrobatch_size\x18\x02 \x01(\x05\x12\x13\n\x06warmup\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07repeats\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12%\n\x06layers\x18\x05 \x01(\x0b\x32\x15.pipefb.v1.LayerRangeB\t\n\x07_warmupB\n\n\x08_repeats\")\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04stop\x18\x02 \x01(\x05\"\x80\x02\n\x0cLayerProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x62\x61\x63kward_seconds\x18\x03 \x01(\x01\x12\x13\n\x0binput_bytes\x18\x04 \x01(\x03\x12\x14\n\x0coutput_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bsaved_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bparam_bytes\x18\x07 \x01(\x03\x12\x1d\n\x15\x66orward_fixed_seconds\x18\x08 \x01(\x01\x12\x1e\n\x16\x62\x61\x63kward_fixed_seconds\x18\t \x01(\x01\x12\x1b\n\x13weight_grad_seconds\x18\n \x01(\x01\"\x97\x02\n\x0cProfileReply\x12\x17\n\x0fmicrobatch_size\x18\x01 \x01(\x05\x12\'\n\x06layers\x18\x02 \x03(\x0b\x32\x17.pipefb.v1.LayerProfile\x12\"\n\x1aoptimizer_seconds_per_byte\x18\x03 \x01(\x01\x12\x1d\n\x15optimizer_state_ratio\x18\x04 \x01(\x01\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x15\n\rtorch_threads\x18\x06 \x01(\x05\x12\x14\n\x0c\x64\x61ta_seconds\x18\x07 \x01(\x01\x12\x1f\n\x17optimizer_fixed_seconds\x18\x08 \x01(\x01\x12$\n\x1cweight_copy_seconds_per_byte\x18\t \x01(\x01\x32\xf0\x04\n\x0bStageWorker\x12:\n\x06\x41ssign\x12\x18.pipefb.v1.AssignRequest\x1a\x16.pipefb.v1.AssignReply\x12\x34\n\x04Step\x12\x16.pipefb.v1.StepRequest\x1a\x14.pipefb.v1.StepReply\x12\x37\n\x0b\x41\x63tivations\x12\x16.pipefb.v1.TensorChunk\x1a\x0e.pipefb.v1.Ack(\x01\x12\x35\n\tGradients\x12\x16.pipefb.v1.TensorChunk\x1a\x0e.pipefb.v1.Ack(\x01\x12\x33\n\x07Weights\x12\x16.pipefb.v1.TensorChunk\x1a\x0e.pipefb.v1.Ack(\x01\x12J\n\rExportWeights\x12\x1f.pipefb.v1.ExportWeightsRequest\x1a\x16.pipefb.v1.TensorChunk0\x01\x12\x37\n\x05\x44rain\x12\x17.pipefb.v1.DrainRequest\x1a\x15.pipefb.v1.DrainReply\x12\x46\n\nCheckpoint\x12\x1c.pipefb.v1.CheckpointRequest\x1a\x1a.pipefb.v1.CheckpointReply\x12>\n\x07Migrate\x12\x19.pipefb.v1.MigrateRequest\x1a\x16.pipefb.v1.TensorChunk0\x01\x12=\n\x07Profile\x12\x19.pipefb.v1.ProfileRequest\x1a\x17.pipefb.v1.ProfileReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,50 +51,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ASSIGNREQUEST']._serialized_end=351
   _globals['_MIGRATIONSOURCE']._serialized_start=353
   _globals['_MIGRATIONSOURCE']._serialized_end=432
-  _globals['_MIGRATEREQUEST']._serialized_start=434
-  _globals['_MIGRATEREQUEST']._serialized_end=539
-  _globals['_ASSIGNREPLY']._serialized_start=541
-  _globals['_ASSIGNREPLY']._serialized_end=634
-  _globals['_STEPREQUEST']._serialized_start=636
-  _globals['_STEPREQUEST']._serialized_end=716
-  _globals['_STEPREPLY']._serialized_start=719
-  _globals['_STEPREPLY']._serialized_end=2011
-  _globals['_STEPREPLY_MEMORYBYTESENTRY']._serialized_start=1628
-  _globals['_STEPREPLY_MEMORYBYTESENTRY']._serialized_end=1678
-  _globals['_STEPREPLY_ACTIONSECONDSENTRY']._serialized_start=1680
-  _globals['_STEPREPLY_ACTIONSECONDSENTRY']._serialized_end=1732
-  _globals['_STEPREPLY_KINDPEAKBYTESENTRY']._serialized_start=1734
-  _globals['_STEPREPLY_KINDPEAKBYTESENTRY']._serialized_end=1786
-  _globals['_STEPREPLY_DEVICEMEMORYBYTESENTRY']._serialized_start=1788
-  _globals['_STEPREPLY_DEVICEMEMORYBYTESENTRY']._serialized_end=1844
-  _globals['_STEPREPLY_LAYERSECONDSENTRY']._serialized_start=1846
-  _globals['_STEPREPLY_LAYERSECONDSENTRY']._serialized_end=1897
-  _globals['_STEPREPLY_METRICSENTRY']._serialized_start=1899
-  _globals['_STEPREPLY_METRICSENTRY']._serialized_end=1945
-  _globals['_STEPREPLY_TIEDDIGESTSENTRY']._serialized_start=1947
-  _globals['_STEPREPLY_TIEDDIGESTSENTRY']._serialized_end=1997
-  _globals['_CHECKPOINTFILE']._serialized_start=2013
-  _globals['_CHECKPOINTFILE']._serialized_end=2074
-  _globals['_VERSIONTAG']._serialized_start=2076
-  _globals['_VERSIONTAG']._serialized_end=2135
-  _globals['_ACTIONSPAN']._serialized_start=2137
-  _globals['_ACTIONSPAN']._serialized_end=2193
-  _globals['_DRAINREQUEST']._serialized_start=2195
-  _globals['_DRAINREQUEST']._serialized_end=2258
-  _globals['_CHECKPOINTREQUEST']._serialized_start=2260
-  _globals['_CHECKPOINTREQUEST']._serialized_end=2326
-  _globals['_CHECKPOINTREPLY']._serialized_start=2328
-  _globals['_CHECKPOINTREPLY']._serialized_end=2401
-  _globals['_DRAINREPLY']._serialized_start=2403
-  _globals['_DRAINREPLY']._serialized_end=2432
-  _globals['_PROFILEREQUEST']._serialized_start=2435
-  _globals['_PROFILEREQUEST']._serialized_end=2614
-  _globals['_LAYERRANGE']._serialized_start=2616
-  _globals['_LAYERRANGE']._serialized_end=2657
-  _globals['_LAYERPROFILE']._serialized_start=2660
-  _globals['_LAYERPROFILE']._serialized_end=2916
-  _globals['_PROFILEREPLY']._serialized_start=2919
-  _globals['_PROFILEREPLY']._serialized_end=3198
-  _globals['_STAGEWORKER']._serialized_start=3201
-  _globals['_STAGEWORKER']._serialized_end=3825
+  _globals['_MIGRATEREQUEST']._serialized_start=435
+  _globals['_MIGRATEREQUEST']._serialized_end=563
+  _globals['_ASSIGNREPLY']._serialized_start=565
+  _globals['_ASSIGNREPLY']._serialized_end=658
+  _globals['_STEPREQUEST']._serialized_start=660
+  _globals['_STEPREQUEST']._serialized_end=740
+  _globals['_STEPREPLY']._serialized_start=743
+  _globals['_STEPREPLY']._serialized_end=2035
+  _globals['_STEPREPLY_MEMORYBYTESENTRY']._serialized_start=1652
+  _globals['_STEPREPLY_MEMORYBYTESENTRY']._serialized_end=1702
+  _globals['_STEPREPLY_ACTIONSECONDSENTRY']._serialized_start=1704
+  _globals['_STEPREPLY_ACTIONSECONDSENTRY']._serialized_end=1756
+  _globals['_STEPREPLY_KINDPEAKBYTESENTRY']._serialized_start=1758
+  _globals['_STEPREPLY_KINDPEAKBYTESENTRY']._serialized_end=1810
+  _globals['_STEPREPLY_DEVICEMEMORYBYTESENTRY']._serialized_start=1812
+  _globals['_STEPREPLY_DEVICEMEMORYBYTESENTRY']._serialized_end=1868
+  _globals['_STEPREPLY_LAYERSECONDSENTRY']._serialized_start=1870
+  _globals['_STEPREPLY_LAYERSECONDSENTRY']._serialized_end=1921
+  _globals['_STEPREPLY_METRICSENTRY']._serialized_start=1923
+  _globals['_STEPREPLY_METRICSENTRY']._serialized_end=1969
+  _globals['_STEPREPLY_TIEDDIGESTSENTRY']._serialized_start=1971
+  _globals['_STEPREPLY_TIEDDIGESTSENTRY']._serialized_end=2021
+  _globals['_CHECKPOINTFILE']._serialized_start=2037
+  _globals['_CHECKPOINTFILE']._serialized_end=2098
+  _globals['_VERSIONTAG']._serialized_start=2100
+  _globals['_VERSIONTAG']._serialized_end=2159
+  _globals['_ACTIONSPAN']._serialized_start=2161
+  _globals['_ACTIONSPAN']._serialized_end=2217
+  _globals['_DRAINREQUEST']._serialized_start=2219
+  _globals['_DRAINREQUEST']._serialized_end=2282
+  _globals['_CHECKPOINTREQUEST']._serialized_start=2284
+  _globals['_CHECKPOINTREQUEST']._serialized_end=2350
+  _globals['_CHECKPOINTREPLY']._serialized_start=2352
+  _globals['_CHECKPOINTREPLY']._serialized_end=2425
+  _globals['_DRAINREPLY']._serialized_start=2427
+  _globals['_DRAINREPLY']._serialized_end=2456
+  _globals['_PROFILEREQUEST']._serialized_start=2459
+  _globals['_PROFILEREQUEST']._serialized_end=2638
+  _globals['_LAYERRANGE']._serialized_start=2640
+  _globals['_LAYERRANGE']._serialized_end=2681
+  _globals['_LAYERPROFILE']._serialized_start=2684
+  _globals['_LAYERPROFILE']._serialized_end=2940
+  _globals['_PROFILEREPLY']._serialized_start=2943
+  _globals['_PROFILEREPLY']._serialized_end=3222
+  _globals['_STAGEWORKER']._serialized_start=3225
+  _globals['_STAGEWORKER']._serialized_end=3849
 # @@protoc_insertion_point(module_scope)

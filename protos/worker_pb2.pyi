@@ -45,18 +45,20 @@ class MigrationSource(_message.Message):
     def __init__(self, plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., attempt: _Optional[int] = ..., fail: _Optional[bool] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("job_id", "attempt", "step", "layers", "optimizer_layers")
+    __slots__ = ("job_id", "attempt", "step", "layers", "optimizer_layers", "buffers_only")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_ONLY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     step: int
     layers: _containers.RepeatedScalarFieldContainer[int]
     optimizer_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., optimizer_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    buffers_only: bool
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., optimizer_layers: _Optional[_Iterable[int]] = ..., buffers_only: _Optional[bool] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("role", "actions", "parameter_bytes", "migrated_bytes")

@@ -39,7 +39,7 @@ from protos.convert import ProfileQuery, job_from_proto, plan_from_proto, profil
 from protos.server import FailedPrecondition
 from worker.metrics import WorkerMetrics
 from worker.stepgate import StepGate
-from worker.takeover import Source, local_part, pull
+from worker.takeover import Source, buffers_of, local_part, migrate_stream, pull
 
 log = logging.getLogger(__name__)
 
@@ -259,9 +259,18 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if current is not None and current.runtime.role == "forward" and (
                 current.job_id, current.attempt) == (request.job_id, request.attempt):
             # a forward rank owns nothing; keeping it as a source would take its next
-            # weight version out of its inbox
-            raise FailedPrecondition(f"rank {current.rank} is a forward rank; it owns no "
-                                     "layers to migrate")
+            # weight version out of its inbox, so it sends its forward layers' buffers
+            # (`buffers_only`) from the paused runtime itself
+            if not request.buffers_only:
+                raise FailedPrecondition(f"rank {current.rank} is a forward rank; it owns no "
+                                         "layers to migrate")
+            if current.gate.horizon() != request.step or not current.gate.wait_idle(0):
+                raise FailedPrecondition(f"attempt {request.attempt} of job "
+                                         f"{request.job_id!r} is not paused at step "
+                                         f"{request.step}")
+            yield from migrate_stream(request.job_id, request.attempt, request.step,
+                                      buffers_of(current.runtime, request.layers))
+            return
         source = self._keep_source(request.job_id, request.attempt, request.step)
         if source is None:
             raise FailedPrecondition(f"attempt {request.attempt} of job {request.job_id!r} "

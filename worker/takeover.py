@@ -44,11 +44,31 @@ class Source:
         return (self.job_id, self.attempt) == (job_id, attempt)
 
     def stream(self, request: worker_pb2.MigrateRequest) -> Iterator[tensor_pb2.TensorChunk]:
-        """The `Migrate` answer: the asked layers' weights and optimizer state, chunked."""
-        tensors = self.runtime.layer_state(request.layers, request.optimizer_layers)
-        transfer = tensor_pb2.Transfer(job_id=self.job_id, attempt=self.attempt,
-                                       step=self.step, microbatch=-1, kind="MIGRATE")
-        yield from wire.encode_stream(transfer, tensors)
+        """The `Migrate` answer: the asked layers' weights and optimizer state, or their
+    buffers alone (`buffers_only`), chunked."""
+        tensors = buffers_of(self.runtime, request.layers) if request.buffers_only else (
+            self.runtime.layer_state(request.layers, request.optimizer_layers))
+        yield from migrate_stream(self.job_id, self.attempt, self.step, tensors)
+
+
+def buffers_of(runtime: StageRuntime, layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The buffers of `layers` (a `buffers_only` Migrate): those of its forward layers.
+
+    Raises:
+        ConfigError: a layer whose forward does not run on this rank.
+    """
+    foreign = sorted(set(layers) - set(runtime.fwd_layers))
+    if foreign:
+        raise ConfigError(f"layers {foreign} do not run their forward on this rank")
+    return runtime.state.buffers_of(sorted(layers))
+
+
+def migrate_stream(job_id: str, attempt: int, step: int, tensors: dict[str, torch.Tensor]
+                   ) -> Iterator[tensor_pb2.TensorChunk]:
+    """A `Migrate` answer: `tensors`, chunked."""
+    transfer = tensor_pb2.Transfer(job_id=job_id, attempt=attempt, step=step, microbatch=-1,
+                                   kind="MIGRATE")
+    yield from wire.encode_stream(transfer, tensors)
 
 
 def local_part(source: Source | None, plan: Takeover) -> Part:
@@ -67,13 +87,14 @@ def local_part(source: Source | None, plan: Takeover) -> Part:
         raise CodecError("this worker holds no state of the paused attempt (restarted?)")
     weights, optim, _ = as_part(source.runtime.layer_state(plan.owned, plan.owned))
     weights.update({k: v for k, v in source.forward.items() if layer_of(k)[0] in plan.kept})
+    weights.update(source.runtime.layer_state(plan.kept, ()))  # their buffers
     return weights, optim, scale
 
 
 def pull(peers: Sequence[str], job_id: str, attempt: int, step: int, plan: Takeover,
          max_bytes: int) -> tuple[list[Part], int]:
-    """Takes the layers `plan` pulls from each old owner over `Migrate`; returns the parts
-    and the bytes received.
+    """Takes the layers `plan` pulls from each old owner, and the buffers of forward layers
+    from their old forward ranks, over `Migrate`; returns the parts and the bytes received.
 
     Raises:
         CodecError: a peer sent a tensor that was not asked for.
@@ -81,13 +102,16 @@ def pull(peers: Sequence[str], job_id: str, attempt: int, step: int, plan: Takeo
     """
     parts: list[Part] = []
     total = 0
-    for rank, (layers, optimizer_layers) in plan.pulls.items():
+    asks = [*((rank, (layers, optim, False)) for rank, (layers, optim) in plan.pulls.items()),
+            *((rank, (layers, (), True)) for rank, layers in plan.buffers.items())]
+    for rank, (layers, optimizer_layers, buffers_only) in asks:
         channel = server.channel(peers[rank])
         try:
             stub = worker_pb2_grpc.StageWorkerStub(channel)
             replies = stub.Migrate(worker_pb2.MigrateRequest(
                 job_id=job_id, attempt=attempt, step=step, layers=layers,
-                optimizer_layers=optimizer_layers), timeout=MIGRATE_TIMEOUT_SECONDS)
+                optimizer_layers=optimizer_layers, buffers_only=buffers_only),
+                timeout=MIGRATE_TIMEOUT_SECONDS)
             _, tensors = wire.decode_stream(replies, max_bytes=max_bytes)
         except grpc.RpcError as error:
             raise WorkerFailed(f"rank {rank} at {peers[rank]} did not send layers "

@@ -57,11 +57,7 @@ def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float
     for i, (module, layer_specs) in enumerate(zip(layers, specs, strict=True)):
         written = written_parameters(module, layer_specs)
         if written:
-            raise ConfigError(
-                f"model {config.model!r}: layer {i} ({type(module).__name__}) writes into its "
-                f"parameter {written[0]!r} in its forward (as nn.Embedding's max_norm "
-                "does), which a pipeline whose weights live on another rank cannot "
-                "follow: not supported")
+            check_written_parameters(config, layers, i, written[0])
     build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)], config.lr,
                     config.optimizer_config)
     if config.plan != AUTO:
@@ -104,3 +100,42 @@ def check_tied_parameters(config: JobConfig, layers: list[torch.nn.Module]) -> N
                     f"parameter {other!r} is also layer {i} ({type(layer).__name__}) "
                     f"parameter {name!r}; tied parameters train in sync mode only, and "
                     f"schedule {config.schedule!r} runs in async mode here")
+
+
+def check_written_parameters(config: JobConfig, layers: list[torch.nn.Module], i: int,
+                             written: str) -> None:
+    """Refuses a forward that writes into a parameter of layer `i` (`written`, found on
+    fake tensors) unless the runtime can replay the write exactly: an `nn.Embedding`
+    with `max_norm` as the first layer, untied, not in async PipeFB ([Note: renormalised
+    rows] in pipefb.runtime.renorm).
+
+    Raises:
+        ConfigError: naming the layer, its class and what is wrong.
+    """
+    from pipefb.job.shapes import renorms_rows
+
+    module = layers[i]
+    what = f"model {config.model!r}: layer {i} ({type(module).__name__})"
+    if not renorms_rows(module):
+        raise ConfigError(
+            f"{what} writes into its parameter {written!r} in its forward, which a pipeline "
+            "whose weights live on another rank cannot follow: not supported (only an "
+            "nn.Embedding with max_norm, as the first layer, may)")
+    renorm = f"{what} renormalises its rows in its forward (max_norm)"
+    if i != 0:
+        raise ConfigError(f"{renorm} but is not the first layer: only the first layer's "
+                          "ids are the data every rank can draw to replay it; put it first")
+    assert isinstance(module, torch.nn.Embedding)  # renorms_rows says so
+    weight = id(module.weight)
+    for j, other in enumerate(layers):
+        shared = [n for n, p in other.named_parameters() if id(p) == weight]
+        if j != i and shared:
+            raise ConfigError(f"{renorm} and its weight is also layer {j} "
+                              f"({type(other).__name__}) parameter {shared[0]!r}: not "
+                              "supported (that layer's rank would not see the renormalised "
+                              "rows when one process's does)")
+    split = config.schedule == AUTO or schedule_kind(config.schedule).separate_partitions
+    if config.mode == "async" and split and not runs_in_process(config.schedule):
+        raise ConfigError(f"{renorm}, which async PipeFB cannot follow: its forward ranks "
+                          "would renormalise an old weight version while the owner updates "
+                          "the newest; run it in sync mode or with pipedream")

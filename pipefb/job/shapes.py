@@ -183,6 +183,14 @@ def written_parameters(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> l
         return [n for n in real if state[n]._version != before[n]]
 
 
+def renorms_rows(layer: nn.Module) -> bool:
+    """Whether a layer is an `nn.Embedding` with `max_norm` (and torch's own forward): its
+    forward renormalises, in place, the weight's rows its input ids look up
+    ([Note: renormalised rows] in pipefb.runtime.renorm)."""
+    return (isinstance(layer, nn.Embedding) and layer.max_norm is not None
+            and type(layer).forward is nn.Embedding.forward)
+
+
 def infer_input_specs(
     layers: Sequence[nn.Module], input_spec: TensorSpec, target_spec: TensorSpec | None
 ) -> list[list[TensorSpec]]:
@@ -230,6 +238,10 @@ def _checked_output(i: int, layer: nn.Module, specs: Sequence[TensorSpec]) -> Te
             warnings.simplefilter("ignore")
             return output_spec(layer, specs)
     except OutputError as error:
+        if error.kind == "NoneType":
+            raise OutputError(f"layer {i} ({type(layer).__name__}) returns None, not one "
+                              "tensor (does its forward return its result?)", error.kind
+                              ) from None
         raise OutputError(
             f"layer {i} ({type(layer).__name__}) returns a {error.kind}, not one tensor: each "
             "layer hands the next exactly one tensor (tuples and dicts between layers are not "

@@ -84,13 +84,17 @@ class Takeover:
     kept: tuple[int, ...]  # forward layers it held before: the version it would install
     #: old owner rank -> (layers whose weights it sends, layers whose optimizer state too)
     pulls: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: old forward rank, where it is not the old owner -> the forward layers whose buffers
+    #: it sends ([Note: buffer owners] in pipefb.runtime.state: a PipeFB backward rank's
+    #: copy of BatchNorm's statistics never changes)
+    buffers: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def takeover(old: Plan, new: Plan, rank: int) -> Takeover:
     """Where `rank` takes each layer it holds under `new` from (see `Takeover`): an owned
     layer from its old owner (itself, or a peer's weights and optimizer state), a forward
-    layer from itself if it held it before, else the old owner's weights. Each group
-    takes from its own ranks.
+    layer from itself if it held it before, else the old owner's weights and the old
+    forward rank's buffers. Each group takes from its own ranks.
 
     Raises:
         ConfigError: `rank` is not in `new`, or the plans differ in ranks or roles.
@@ -118,5 +122,11 @@ def takeover(old: Plan, new: Plan, rank: int) -> Takeover:
             weights.append(layer)
             if layer in owned:
                 state.append(layer)
+    buffers: dict[int, list[int]] = {}
+    for layer in sorted(forward):
+        source = old_fwd.get((group, layer), rank)
+        if source not in (rank, old_own[(group, layer)]):
+            buffers.setdefault(source, []).append(layer)
     return Takeover(tuple(stays), tuple(kept),
-                    {r: (tuple(w), tuple(o)) for r, (w, o) in sorted(pulls.items())})
+                    {r: (tuple(w), tuple(o)) for r, (w, o) in sorted(pulls.items())},
+                    {r: tuple(b) for r, b in sorted(buffers.items())})

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import cast
@@ -12,7 +13,14 @@ import torch
 from torch import fx, nn
 from torch.func import functional_call
 
-from pipefb.job.shapes import SpecError, TensorSpec, requires_grad_for, restride, spec_of
+from pipefb.job.shapes import (
+    SpecError,
+    TensorSpec,
+    renorms_rows,
+    requires_grad_for,
+    restride,
+    spec_of,
+)
 from pipefb.runtime.capture import (
     TANGENT_PREFIX,
     Kind,
@@ -246,14 +254,15 @@ class LayerSplit:
         for copy_inputs, clone in ((False, False), (False, True), (True, False), (True, True)):
             buffers = [b.clone() for b in self._buffers()]
             versions = [b._version for b in (*params, *buffers)]
-            graphs = capture(self._functional(clone, copy_inputs), [*params, *buffers, *inputs])
+            with _without_renorm(self.layer):  # [Note: renormalised rows]
+                graphs = capture(self._functional(clone, copy_inputs),
+                                 [*params, *buffers, *inputs])
             if "bw" in graphs and len(_tangents(graphs["bw"])) == 1:
                 written = [k for k, (t, v) in enumerate(zip((*params, *buffers), versions,
                                                             strict=True)) if t._version != v]
                 if any(k < len(params) for k in written):
                     raise SplitError(f"layer {type(self.layer).__name__} writes into its "
-                                     "parameters in its forward (nn.Embedding's max_norm "
-                                     "does): not supported")
+                                     "parameters in its forward: not supported")
                 self.mutated_buffers = [k - len(params) for k in written]
                 return graphs
         raise SplitError(f"layer {type(self.layer).__name__} has no gradient to split")
@@ -451,6 +460,22 @@ class DeferredGrads:
 
     args: list[torch.Tensor]
     params: list[torch.Tensor]
+
+
+@contextmanager
+def _without_renorm(layer: nn.Module) -> Iterator[None]:
+    """An `nn.Embedding(max_norm=...)` layer with `max_norm` off: its renorm is the
+    runtime's, outside the traced graphs ([Note: renormalised rows] in
+    pipefb.runtime.renorm)."""
+    if not renorms_rows(layer):
+        yield
+        return
+    assert isinstance(layer, nn.Embedding)
+    max_norm, layer.max_norm = layer.max_norm, None
+    try:
+        yield
+    finally:
+        layer.max_norm = max_norm
 
 
 def _tangents(backward: fx.GraphModule) -> list[fx.Node]:

@@ -3,7 +3,8 @@ each layer's backward needs, and re-running a recomputed run's forwards before i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
+from dataclasses import replace
 
 import torch
 
@@ -20,11 +21,17 @@ class LayerRunner:
 
     def __init__(self, plan: Plan, seed: int, execs: Mapping[int, LayerExec],
                  n_inputs: Mapping[int, int], n_layers: int, data: MicroBatches,
-                 clock: LayerClock) -> None:
-        self.policy, self.seed = plan.policy, seed
+                 clock: LayerClock, fixed: Set[int] = frozenset()) -> None:
+        """`fixed`: layers never re-run (their forward writes into their weights: [Note:
+        renormalised rows] in pipefb.runtime.renorm); a `recompute` one keeps its saved
+        tensors as `keep` does, and the run after it starts at the next layer."""
+        self.policy = tuple("keep" if i in fixed and p == "recompute" else p
+                            for i, p in enumerate(plan.policy))
+        self.seed = seed
         self.execs, self.n_inputs, self.n_layers = execs, n_inputs, n_layers
         self.data, self.clock = data, clock
-        self.run_start = recompute_runs(plan)  # layer -> first layer of its recomputed run
+        # layer -> first layer of its recomputed run
+        self.run_start = recompute_runs(replace(plan, policy=self.policy))
 
     def forward(self, i: int, step: int, m: int, inputs: list[torch.Tensor],
                 params: Params, update_buffers: bool = True) -> tuple[torch.Tensor, Saved]:

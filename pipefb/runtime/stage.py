@@ -44,6 +44,7 @@ from pipefb.runtime.layersplit import DeferredGrads
 from pipefb.runtime.lossscale import LossScale
 from pipefb.runtime.place import place
 from pipefb.runtime.receives import check_received, receive_specs
+from pipefb.runtime.renorm import Renorms
 from pipefb.runtime.result import COMPUTE, Iteration, StepResult
 from pipefb.runtime.runner import LayerRunner
 from pipefb.runtime.state import RankState
@@ -116,10 +117,13 @@ class StageRuntime:
         flows = grad_flows(all_layers)
         held = self.place.held
         layers = {i: all_layers[i].to(self.device) for i in held}
+        # [Note: renormalised rows]: max_norm off here, applied in one process's order
+        self.renorms = Renorms(layers, self.data, self.plan.microbatches * self.plan.groups)
         execs = {i: self._executor(i, layers[i], specs[i], flows[i]) for i in held}
+        self.renorms.execs = execs
         self.runner = LayerRunner(self.plan, self.job.seed, execs,
                                   {i: len(specs[i]) for i in held}, self.n_layers, self.data,
-                                  self.clock)
+                                  self.clock, fixed=set(self.renorms.norms))
         # fp16: every owner's copy of the loss scale ([Note: loss scaling])
         scale = (LossScale(self.device, self.norm_reducer, self.job.initial_loss_scale,
                            growth_interval=self.job.loss_scale_window)
@@ -298,9 +302,12 @@ class StageRuntime:
         ones to the store); recompute saves only the inputs of the first layer of a run.
         """
         m = microbatch(action)
+        if step > it.step:  # a lead forward of the next step ([Note: boundary buffers])
+            self.state.keep_boundary_buffers(step)
         if self.role == "forward":  # [Note: micro-batch staleness]: a later micro-batch
             self.exchange.install_version(self.place.split_version(step, m))  # may run newer
         x, targets = self._stage_input(action.stage, m, step)
+        self.renorms.before_forward(step, m, owner=self.role == "combined")
         for i in self.fwd_layers:
             inputs = [x, targets] if i == self.n_layers - 1 and targets is not None else [x]
             x, saved = self.runner.forward(i, step, m, inputs, None)
@@ -394,7 +401,7 @@ class StageRuntime:
         """Layer i's saved tensors for the backward of (step, m): those its forward kept,
         or, for a recompute layer, those of its run's forwards re-run now (kept in
         `recomputed` for the run's other layers)."""
-        if self.plan.policy[i] != "recompute":
+        if self.runner.policy[i] != "recompute":
             return self.flight.saved.pop((step, m, i), {})  # {}: its backward saves nothing
         if i not in recomputed:
             started = time.perf_counter()
@@ -418,6 +425,7 @@ class StageRuntime:
         self._run_deferred(step, keep=0)  # the last B ran them; OPT needs every grad
         if self.tied.holds_any:  # before the groups' sum and the norm: the whole gradient
             self.tied.reduce_(step)
+        self.renorms.before_update(step)  # [Note: renormalised rows]
         done = self.state.step(step, self._versions_needed_after(step), self.reducer,
                                self.clip)
         it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped

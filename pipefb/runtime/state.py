@@ -95,6 +95,9 @@ class RankState:
         self.param_bytes = tensor_bytes(params)
         self.param_storage = {p.untyped_storage().data_ptr() for p in params}
         self.grad_bytes = self.optimizer_bytes = 0  # updated where they change
+        # (step, the forward layers' buffers before that step's first forward), taken
+        # when a lead forward runs ahead of the step boundary ([Note: boundary buffers])
+        self._boundary: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def memory(self) -> dict[str, int]:
         """Bytes by kind: parameters, gradients, optimizer state, kept weight versions."""
@@ -154,7 +157,7 @@ class RankState:
         every = self.job.eval_every
         if every and self.version % every == 0 and self.version < self.job.steps:
             self._eval_weights[self.version] = {k: v.clone()
-                                                for k, v in self.owned_weights().items()}
+                                                for k, v in self.boundary_weights().items()}
             self._eval_bytes = self._kept_eval_bytes()
         return done
 
@@ -229,10 +232,34 @@ class RankState:
 
     # -- checkpoints, migration, evaluation ------------------------------------------------
 
+    def keep_boundary_buffers(self, step: int) -> None:
+        """Keeps the forward layers' buffers as they are before step `step`'s first
+        forward, once per step.
+
+        [Note: boundary buffers] PipeDream runs the next step's warm-up forwards (lead
+        forwards) before the current step's update, and each updates BatchNorm's
+        statistics. A checkpoint of step boundary N is written after step N - 1's
+        iteration, when step N's lead forwards already counted their micro-batches; a
+        job resumed from it runs them again. So the checkpoint (and the copy kept for
+        the held-out evaluation of version N) takes the statistics kept here, before step
+        N's first forward: what a job of N steps ends with.
+        """
+        if self._boundary is None or self._boundary[0] != step:
+            self._boundary = (step, {k: v.clone()
+                                     for k, v in self.buffers_of(self.fwd_layers).items()})
+
+    def boundary_weights(self) -> dict[str, torch.Tensor]:
+        """`owned_weights` at the step boundary of the live version: the buffers as they
+        were before that step's lead forwards, if any ran ([Note: boundary buffers])."""
+        weights = self.owned_weights()
+        if self._boundary is not None and self._boundary[0] == self.version:
+            weights.update(self._boundary[1])
+        return weights
+
     def save_checkpoint(self, path: Path) -> Digest:
-        """Writes the owned weights, optimizer state and loss scale; returns the file's
-        digest (`pipefb.runtime.checkpoint.save_rank`)."""
-        return save_rank(path, self.owned_weights(), self.optimizer, self.owned_names(),
+        """Writes the owned weights (`boundary_weights`), optimizer state and loss scale;
+        returns the file's digest (`pipefb.runtime.checkpoint.save_rank`)."""
+        return save_rank(path, self.boundary_weights(), self.optimizer, self.owned_names(),
                          self.loss_scale_metadata())
 
     def loss_scale_metadata(self) -> dict[str, str]:
@@ -241,19 +268,22 @@ class RankState:
 
     def layer_state(self, layers: Iterable[int], optimizer_layers: Iterable[int]
                     ) -> dict[str, torch.Tensor]:
-        """What a migration moves off this rank: the weights of `layers` and the optimizer
-        state of `optimizer_layers`, each owned here, named as in a rank file.
+        """What a migration moves off this rank: the weights of `layers` owned here, the
+        buffers of `layers` whose forward runs here ([Note: buffer owners]), and the
+        optimizer state of `optimizer_layers`, owned here, named as in a rank file.
 
         Raises:
-            ConfigError: a layer this rank does not own.
+            ConfigError: a layer this rank neither owns nor runs the forward of, or
+                optimizer state of a layer it does not own.
         """
         wanted, optim = set(layers), set(optimizer_layers)
-        foreign = sorted((wanted | optim) - set(self.bwd_layers))
+        owned, forward = set(self.bwd_layers), set(self.fwd_layers)
+        foreign = sorted((wanted - owned - forward) | (optim - owned))
         if foreign:
             raise ConfigError(f"layers {foreign} are not owned by rank {self.rank} "
                               f"(it owns {list(self.bwd_layers)})")
-        out = {**self.weights_of(sorted(wanted)),
-               **self.buffers_of(sorted(wanted & set(self.fwd_layers)))}
+        out = {**self.weights_of(sorted(wanted & owned)),
+               **self.buffers_of(sorted(wanted & forward))}
         if self.optimizer is not None and optim:
             state, _ = optimizer_tensors(self.optimizer, self.owned_names())
             out.update({k: v for k, v in state.items() if layer_of(k)[0] in optim})

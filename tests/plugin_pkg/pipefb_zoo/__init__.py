@@ -223,3 +223,121 @@ def inf_grad(config: dict[str, Any]) -> list[nn.Module]:
     layer's gradients are not finite, the last one's are."""
     h = int(config.get("hidden", 16))
     return [nn.Flatten(), nn.Linear(64, h), nn.Tanh(), InfiniteGrad(), nn.Linear(h, 10)]
+
+
+def max_norm_late(config: dict[str, Any]) -> list[nn.Module]:
+    """A renormalising embedding that is not the first layer."""
+    d = int(config.get("dim", 16))
+    return [nn.Identity(), nn.Embedding(256, d, max_norm=1.0), nn.Linear(d, 256)]
+
+
+def max_norm_tied(config: dict[str, Any]) -> list[nn.Module]:
+    """A renormalising embedding whose weight the head shares."""
+    d = int(config.get("dim", 16))
+    embedding = nn.Embedding(256, d, max_norm=1.0)
+    head = nn.Linear(d, 256, bias=False)
+    head.weight = embedding.weight
+    return [embedding, Block(d), head]
+
+
+class Lookup(nn.Module):
+    """A renormalising embedding inside a layer of its own making."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(256, dim, max_norm=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embedding(x)
+
+
+def max_norm_nested(config: dict[str, Any]) -> list[nn.Module]:
+    """A renormalising embedding wrapped in a user's module."""
+    d = int(config.get("dim", 16))
+    return [Lookup(d), nn.Linear(d, 256)]
+
+
+class Named(nn.Module):
+    """Returns a dict of tensors."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, features)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": self.fc(x)}
+
+
+class Unname(nn.Module):
+    """Takes the dict `Named` returns."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, 10)
+
+    def forward(self, named: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(named["h"])
+
+
+def named(config: dict[str, Any]) -> list[nn.Module]:
+    """A layer that hands the next one a dict of tensors."""
+    h = int(config.get("hidden", 16))
+    return [Named(h), Unname(h)]
+
+
+class NoOutput(nn.Module):
+    """Returns None (a forward that forgot its return)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.fc(x)
+
+
+def no_output(config: dict[str, Any]) -> list[nn.Module]:
+    """A layer that returns nothing."""
+    return [NoOutput(), nn.Linear(16, 10)]
+
+
+class WrongWidth(nn.Module):
+    """A linear layer whose width does not fit the previous layer's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def wrong_width(config: dict[str, Any]) -> list[nn.Module]:
+    """The second layer does not take the first one's output."""
+    return [nn.Linear(64, 16), WrongWidth()]
+
+
+class ScaleWeight(nn.Module):
+    """Writes into its own parameter in its forward (not an embedding's renorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.mul_(0.5)
+        return self.fc(x)
+
+
+def scale_weight(config: dict[str, Any]) -> list[nn.Module]:
+    """A layer whose forward writes into its parameter."""
+    return [ScaleWeight()]
+
+
+def max_norm_frozen(config: dict[str, Any]) -> list[nn.Module]:
+    """A frozen embedding that renormalises its rows (pretrained, not trained here)."""
+    d = int(config.get("dim", 16))
+    embedding = nn.Embedding(256, d, max_norm=1.0)
+    embedding.requires_grad_(False)
+    return [embedding, Block(d), nn.Linear(d, 256)]
