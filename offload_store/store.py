@@ -220,7 +220,12 @@ class OffloadStore:
         keys = [self.key(step, microbatch, layer, version, name) for layer, name in wanted]
         if not keys:
             return {}
-        values = self._getdel(keys)
+        return self.decode_taken(wanted, keys, self._getdel(keys))
+
+    def decode_taken(self, wanted: Sequence[tuple[int, str]], keys: Sequence[str],
+                     values: Sequence[Any]) -> LayerTensors:
+        """The tensors of a GETDEL pipeline's replies (counted as taken), as `take`
+        returns them; raises as `take` does."""
         found = [value for value in values if isinstance(value, bytes)]
         self._count(bytes_taken=sum(map(len, found)), keys_taken=len(found))
         out: LayerTensors = {}
@@ -304,6 +309,11 @@ class OffloadStore:
                 refused[key] = value
         return refused
 
+    @property
+    def client(self) -> redis.Redis:
+        """The Redis client (the local tier sends its index with it)."""
+        return self._client
+
     def _getdel(self, keys: list[str]) -> list[Any]:
         """Sends one GETDEL pipeline exactly once and returns the replies, errors included.
 
@@ -314,7 +324,7 @@ class OffloadStore:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.getdel(key)
-        return _execute_once(pipe)
+        return execute_once(pipe)
 
     def _full_error(self, step: int, microbatch: int, nbytes: int) -> StashFullError:
         """Builds the error of a put that timed out, with the server's memory figures."""
@@ -369,7 +379,7 @@ def count_job_keys(client: redis.Redis, job: str) -> int:
     return sum(1 for _ in client.scan_iter(match=job_pattern(job), count=SCAN_COUNT))
 
 
-def _execute_once(pipe: Pipeline) -> list[Any]:
+def execute_once(pipe: Pipeline) -> list[Any]:
     """Executes a pipeline without redis-py's automatic resend; see [Note: no resend]."""
     conn = pipe.connection_pool.get_connection()
     saved = conn.retry

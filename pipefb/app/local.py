@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -41,6 +43,11 @@ STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no r
 # what the workers' environment leaves out: the user's credentials and the store's password
 NOT_FOR_WORKERS = ("PIPEFB_TOKEN_FILE", "PIPEFB_USERS_FILE", "PIPEFB_STORE_USER",
                    "PIPEFB_STORE_PASSWORD")
+# the workers' node-local shared-memory tier ([Note: local tier index] in
+# offload_store/shm.py): a private directory made in SHM_ROOT (the system's temporary
+# directory where there is none) unless the environment names one; "" turns it off
+TIER_ENV = "PIPEFB_LOCAL_TIER_DIR"
+SHM_ROOT = Path("/dev/shm")
 _RUNNING: weakref.WeakSet[LocalServices] = weakref.WeakSet()  # started, not yet stopped
 
 
@@ -78,6 +85,7 @@ class LocalServices:
         self.worker_env = {k: v for k, v in self.env.items() if k not in NOT_FOR_WORKERS}
         self.processes: list[Process] = []
         self.store = self.coordinator = ""
+        self.tier_dir: Path | None = None  # the tier directory this cluster made (removed at stop)
 
     def __enter__(self) -> LocalServices:
         try:
@@ -109,6 +117,7 @@ class LocalServices:
         _RUNNING.add(self)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._write_secrets()
+        self._make_tier()
         self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0", "--acl",
                                            "--maxmemory", self.store_maxmemory]).wait_ready()
         extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
@@ -125,6 +134,15 @@ class LocalServices:
         if self.restart:
             threading.Thread(target=self._supervise, name="local-supervisor",
                              daemon=True).start()
+
+    def _make_tier(self) -> None:
+        """Makes the cluster's own tier directory (0700), unless the environment names
+        one; the coordinator clears a job's segments there, the workers share it."""
+        if TIER_ENV in self.env:
+            return
+        self.tier_dir = Path(tempfile.mkdtemp(prefix="pipefb-tier-",
+                                              dir=SHM_ROOT if SHM_ROOT.is_dir() else None))
+        self.env[TIER_ENV] = self.worker_env[TIER_ENV] = str(self.tier_dir)
 
     def _write_secrets(self) -> None:
         """Writes the cluster's fresh credentials, each readable by this user only."""
@@ -210,6 +228,8 @@ class LocalServices:
         with self._lock:  # listed until stopped, so that `kill` still finds them
             self.processes = []
         self._forget_token()
+        if self.tier_dir is not None:
+            shutil.rmtree(self.tier_dir, ignore_errors=True)
         _RUNNING.discard(self)
 
     def _forget_token(self) -> None:
@@ -224,7 +244,10 @@ class LocalServices:
         with self._lock:
             procs = list(self.processes)
         self._forget_token()
-        return sum(proc.kill() for proc in procs)
+        killed = sum(proc.kill() for proc in procs)
+        if self.tier_dir is not None:
+            shutil.rmtree(self.tier_dir, ignore_errors=True)
+        return killed
 
 
 def kill_running() -> int:
