@@ -68,19 +68,21 @@ def job_pattern(job: str) -> str:
     return f"{PREFIX}:{check_name('job', job)}:*"
 
 
-def segment_key(job: str, attempt: int, step: int, microbatch: int, version: int) -> str:
-    """Builds the index key of one micro-batch's stash in the local tier ([Note: local
-    tier index] in `offload_store.shm`).
+def segment_key(job: str, attempt: int, step: int, microbatch: int, layer: int,
+                version: int) -> str:
+    """Builds the index key of one layer's segment of a micro-batch's stash in the local
+    tier ([Note: local tier index] in `offload_store.shm`).
 
     Returns:
-        ``pipefb:{job}:{attempt}:{step}:{microbatch}:segment:{version}``.
+        ``pipefb:{job}:{attempt}:{step}:{microbatch}:{layer}:{version}`` (no tensor name:
+        a name never is empty, so no tensor's key is this).
 
     Raises:
         ValueError: a bad job id or index.
     """
     parts = (check_name("job", job), check_index("attempt", attempt),
-             check_index("step", step), check_index("microbatch", microbatch), "segment",
-             check_index("version", version))
+             check_index("step", step), check_index("microbatch", microbatch),
+             check_index("layer", layer), check_index("version", version))
     return ":".join([PREFIX, *map(str, parts)])
 
 

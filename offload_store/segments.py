@@ -1,5 +1,5 @@
-"""Shared-memory segments of the node-local tier: one file per micro-batch stash in a
-tmpfs directory, written with one copy and read back as zero-copy views.
+"""Shared-memory segments of the node-local tier: one file per layer of a micro-batch's
+stash in a tmpfs directory, written with one copy and read back as zero-copy views.
 
 [Note: segment layout] A segment is ``MAGIC``, the header's length (u64, little-endian),
 a JSON header listing each tensor's layer, name, dtype, shape, offset and byte count, then
@@ -44,7 +44,7 @@ SUFFIX = ".seg"
 OFFSET_BYTES = 40  # the most bytes ``, "offset": N`` adds to one header entry
 NODE_FILE = "node-id"  # the base directory's id: directories with the same id are one tier
 LOCK_FILE = "lock"  # flock'ed while a producer checks the cap and reserves its segment
-_SEGMENT_NAME = re.compile(r"(\d+)-\d+-\d+-\d+-[0-9a-f]+\.seg")
+_SEGMENT_NAME = re.compile(r"(\d+)-\d+-\d+-\d+-\d+-[0-9a-f]+\.seg")
 _DIR_NAME = re.compile(r"[A-Za-z0-9_.-]+\+[0-9a-f]{32}")
 
 LayerTensors = dict[int, dict[str, torch.Tensor]]
@@ -258,9 +258,9 @@ def job_dir(base: Path, job: str) -> Path:
     return path
 
 
-def segment_name(attempt: int, step: int, microbatch: int, version: int) -> str:
-    """A fresh file name of one micro-batch's segment."""
-    return f"{attempt}-{step}-{microbatch}-{version}-{secrets.token_hex(8)}{SUFFIX}"
+def segment_name(attempt: int, step: int, microbatch: int, layer: int, version: int) -> str:
+    """A fresh file name of one layer's segment of a micro-batch's stash."""
+    return f"{attempt}-{step}-{microbatch}-{layer}-{version}-{secrets.token_hex(8)}{SUFFIX}"
 
 
 def check_path(base: Path, job: str, path: str) -> Path:

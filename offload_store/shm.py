@@ -1,16 +1,18 @@
 """The node-local shared-memory tier: a `StashStore` in front of the Redis one that hands
 micro-batch stashes between the worker processes of one host through tmpfs segments.
 
-[Note: local tier index] A producer writes a micro-batch's stash as one segment
-(`offload_store.segments`, one copy) and, in the same round trip as the Redis backend's
-write would take, sets the stash's index key (`keys.segment_key`) to the segment's tier
-id, path and size, with the store's TTL. The consumer's take is one pipeline: GETDEL of
-the index key and of the stash's ordinary value keys. An index entry means the segment:
-it is checked, mapped (zero copies: the tensors are views of a private mapping) and
-unlinked (delete on consume); no entry means the stash went to Redis, and the values
-come back as from the Redis backend. So a stash over the tier's cap (`write` refuses
-it) spills to Redis exactly as without the tier, and nothing is ever evicted: a segment
-leaves the tier only when its stash is taken, released, or its job cleared.
+[Note: local tier index] A producer writes each layer of a micro-batch's stash as one
+segment (`offload_store.segments`, one copy: a layer is the unit a consumer takes, and
+a PipeFB forward rank's layers may go to several backward ranks) and then, in one
+round trip as the Redis backend's write would take, sets each layer's index key
+(`keys.segment_key`) to its segment's tier id, path and size, with the store's TTL. The
+consumer's take is one pipeline: GETDEL of the layers' index keys and of the stash's
+ordinary value keys. An index entry means the segment: it is checked, mapped (zero
+copies: the tensors are views of a private mapping) and unlinked (delete on consume); no
+entry means the layer went to Redis, and its values come back as from the Redis
+backend. So a layer over the tier's cap (`write` refuses it) spills to Redis exactly as
+without the tier, and nothing is ever evicted: a segment leaves the tier only when it is
+taken, released, or its job cleared.
 
 [Note: tier ranks] A segment is only readable on its own host, so a job attempt uses the
 tier only when all of its ranks share one: each rank's store adds ``{tier id}/{token}``
@@ -34,7 +36,7 @@ import json
 import os
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -104,73 +106,89 @@ class SharedTierStore:
 
     def put(self, step: int, microbatch: int, version: int,
             tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
-        """Writes the stash as a segment and its index entry; to Redis when the job's
-        ranks are not all on this tier or the segment would pass the cap."""
-        if not any(tensors.values()) or not self._all_ranks_here():
+        """Writes each layer's tensors as a segment and sets their index keys in one
+        round trip; to Redis the layers past the cap, and the whole stash while the
+        job's ranks are not all on this tier."""
+        if not self._all_ranks_here():
             return self.inner.put(step, microbatch, version, tensors)
-        path = self._job_dir() / segments.segment_name(self.attempt, step, microbatch, version)
+        entries: dict[str, str] = {}
+        spilled: dict[int, Mapping[str, torch.Tensor]] = {}
         try:
-            size = segments.write(path, tensors, self.cap_bytes)
-        except FileNotFoundError:  # the job's directory was cleared: use a new one
-            self._dir = None
-            return self.inner.put(step, microbatch, version, tensors)
-        if size is None:  # over the cap: spill ([Note: local tier index])
-            return self.inner.put(step, microbatch, version, tensors)
-        entry = json.dumps({"node": self.node, "path": str(path), "size": size})
-        try:
-            self.inner.client.set(segment_key(self.job, self.attempt, step, microbatch,
-                                              version), entry, ex=self.inner.ttl_seconds)
+            for layer, named in tensors.items():
+                written = self._write(step, microbatch, layer, version, named) if named else None
+                if written is None:
+                    spilled[layer] = named
+                else:
+                    entries[segment_key(self.job, self.attempt, step, microbatch, layer,
+                                        version)] = written
+            nbytes = self._set_index(entries)
         except BaseException:
-            path.unlink(missing_ok=True)
+            self._unlink(entries.values())
             raise
-        self._count(bytes_put=size, keys_put=1)
-        return size
+        if spilled:  # past the cap: to Redis ([Note: local tier index])
+            try:
+                nbytes += self.inner.put(step, microbatch, version, spilled)
+            except BaseException:
+                self.release(step, microbatch, version, {i: [] for i in tensors})
+                raise
+        return nbytes
 
     def take(self, step: int, microbatch: int, version: int,
              names: Mapping[int, Sequence[str]]) -> LayerTensors:
-        """Takes the stash from its segment, or from Redis where it spilled: one round
-        trip either way; see `StashStore.take`.
+        """Takes each layer from its segment, or from Redis where it spilled, in one
+        round trip; see `StashStore.take`.
 
         Raises:
-            SegmentError: the segment fails its checks (see `offload_store.segments`).
+            SegmentError: a segment that fails its checks (see `offload_store.segments`).
         """
         wanted = [(layer, name) for layer, layer_names in names.items() for name in layer_names]
         if not wanted:
             return {}
+        layers = [layer for layer in names if names[layer]]
         keys = [self.inner.key(step, microbatch, layer, version, name) for layer, name in wanted]
         pipe = self.inner.client.pipeline(transaction=False)
-        pipe.getdel(segment_key(self.job, self.attempt, step, microbatch, version))
+        for layer in layers:
+            pipe.getdel(segment_key(self.job, self.attempt, step, microbatch, layer, version))
         for key in keys:
             pipe.getdel(key)
-        entry, *values = execute_once(pipe)
-        if isinstance(entry, Exception):
-            raise entry
-        if entry is None:
-            return self.inner.decode_taken(wanted, keys, values)
-        path, size = self._segment(entry)
-        self._count(bytes_taken=size, keys_taken=1)
-        return segments.read(path, size, names)
+        replies = execute_once(pipe)
+        index, values = dict(zip(layers, replies, strict=False)), replies[len(layers):]
+        out: LayerTensors = {}
+        for layer, entry in index.items():  # every segment is read (and freed) first
+            if isinstance(entry, Exception):
+                raise entry
+            if entry is not None:
+                path, size = self._segment(entry)
+                self._count(bytes_taken=size, keys_taken=1)
+                out.update(segments.read(path, size, {layer: names[layer]}))
+        rest = [i for i, (layer, _) in enumerate(wanted) if layer not in out]  # in Redis
+        if rest:
+            out.update(self.inner.decode_taken([wanted[i] for i in rest], [keys[i] for i in rest],
+                                               [values[i] for i in rest]))
+        return out
 
     def prefetch(self, step: int, microbatch: int, version: int,
                  names: Mapping[int, Sequence[str]]) -> None:
-        """Does nothing: a take maps the segment without copying it."""
+        """Does nothing: a take maps the segments without copying them."""
 
     def release(self, step: int, microbatch: int, version: int,
                 names: Mapping[int, Sequence[str]]) -> int:
-        """Frees the stash's segment or its Redis keys, whichever it has."""
+        """Frees the stash's segments and its Redis keys, whichever it has."""
         pipe = self.inner.client.pipeline(transaction=False)
-        pipe.getdel(segment_key(self.job, self.attempt, step, microbatch, version))
+        for layer in names:
+            pipe.getdel(segment_key(self.job, self.attempt, step, microbatch, layer, version))
         keys = [self.inner.key(step, microbatch, layer, version, name)
                 for layer, layer_names in names.items() for name in layer_names]
         if keys:
             pipe.unlink(*keys)
-        entry, *deleted = pipe.execute()
-        freed = int(deleted[0]) if deleted else 0
-        if entry is not None:
-            path, size = self._segment(entry)
-            path.unlink(missing_ok=True)
-            self._count(bytes_taken=size, keys_taken=1)
-            freed += sum(map(len, names.values()))
+        replies = pipe.execute()
+        freed = int(replies[len(names)]) if keys else 0
+        for layer, entry in zip(names, replies, strict=False):
+            if entry is not None:
+                path, size = self._segment(entry)
+                path.unlink(missing_ok=True)
+                self._count(bytes_taken=size, keys_taken=1)
+                freed += len(names[layer])
         return freed
 
     def clear_job(self) -> int:
@@ -185,9 +203,43 @@ class SharedTierStore:
         """Whether every rank of the attempt uses this tier ([Note: tier ranks])."""
         if not self._shared:
             members = self.inner.client.smembers(tier_ranks_key(self.job, self.attempt))
-            nodes = {bytes(m).decode().partition("/")[0] for m in members}
+            nodes = {(m.decode() if isinstance(m, bytes) else str(m)).partition("/")[0]
+                     for m in members}
             self._shared = len(members) >= self.ranks and nodes == {self.node}
         return self._shared
+
+    def _write(self, step: int, microbatch: int, layer: int, version: int,
+               named: Mapping[str, torch.Tensor]) -> str | None:
+        """Writes one layer's segment; returns its index entry, or None past the cap."""
+        name = segments.segment_name(self.attempt, step, microbatch, layer, version)
+        path = self._job_dir() / name
+        try:
+            size = segments.write(path, {layer: named}, self.cap_bytes)
+        except FileNotFoundError:  # the job's directory was cleared: use a new one
+            with self._lock:
+                self._dir = None
+            return None
+        if size is None:
+            return None
+        return json.dumps({"node": self.node, "path": str(path), "size": size})
+
+    def _set_index(self, entries: Mapping[str, str]) -> int:
+        """Sets the index keys in one pipeline; returns the segments' bytes."""
+        if not entries:
+            return 0
+        pipe = self.inner.client.pipeline(transaction=False)
+        for key, entry in entries.items():
+            pipe.set(key, entry, ex=self.inner.ttl_seconds)
+        pipe.execute()
+        sizes = [json.loads(entry)["size"] for entry in entries.values()]
+        self._count(bytes_put=sum(sizes), keys_put=len(sizes))
+        return int(sum(sizes))
+
+    @staticmethod
+    def _unlink(entries: Iterable[str]) -> None:
+        """Removes the segments of index entries this store wrote."""
+        for entry in entries:
+            Path(json.loads(entry)["path"]).unlink(missing_ok=True)
 
     def _job_dir(self) -> Path:
         with self._lock:

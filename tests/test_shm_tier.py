@@ -75,16 +75,18 @@ def test_a_stash_goes_through_one_segment_and_comes_back_bit_for_bit(
     store, want = tier(server, base), stash()
     sets = redis_client(server).info("commandstats").get("cmdstat_set", {}).get("calls", 0)
     size = store.put(3, 1, 2, want)
-    (segment,) = segment_files(base)
-    assert segment.stat().st_size == size and oct(segment.stat().st_mode & 0o777) == "0o600"
+    files = segment_files(base)  # one segment per layer
+    assert len(files) == 2 and sum(f.stat().st_size for f in files) == size
+    assert {oct(f.stat().st_mode & 0o777) for f in files} == {"0o600"}
     assert oct(base.stat().st_mode & 0o777) == "0o700"
     assert not redis_client(server).exists(store.inner.key(3, 1, 0, 2, "x"))  # no value key
     after = redis_client(server).info("commandstats")["cmdstat_set"]["calls"]
-    assert after == sets + 1  # one round trip: the index entry's SET
+    assert after == sets + 2  # the layers' index entries, in one pipeline
     got = store.take(3, 1, 2, names(want))
     assert_same(got, want)
     assert segment_files(base) == []  # delete on consume; the views keep the pages
-    assert not redis_client(server).exists(segment_key("j", 0, 3, 1, 2))
+    assert not redis_client(server).exists(segment_key("j", 0, 3, 1, 0, 2))
+    assert not redis_client(server).exists(segment_key("j", 0, 3, 1, 2, 2))
     got[0]["x"].add_(1)  # the views are writable (a private mapping)
     assert torch.equal(got[0]["x"], want[0]["x"] + 1)
     assert store.stats.bytes_put == store.stats.bytes_taken == size
@@ -101,10 +103,29 @@ def test_a_stash_past_the_cap_spills_to_redis_and_comes_back(
     assert segment_files(base) == []
     assert redis_client(server).exists(store.inner.key(0, 0, 1, 0, "a"))
     store.put(0, 1, 0, want)  # the small one fits
-    assert len(segment_files(base)) == 1
+    assert len(segment_files(base)) == 2
     assert torch.equal(store.take(0, 0, 0, {1: ["a"]})[1]["a"], big[1]["a"])
     assert_same(store.take(0, 1, 0, names(want)), want)
+    mixed = {**want, 1: big[1]}  # two layers fit, one spills; one take gets all three
+    store.put(0, 2, 0, mixed)
+    assert len(segment_files(base)) == 2
+    assert redis_client(server).exists(store.inner.key(0, 2, 1, 0, "a"))
+    assert_same(store.take(0, 2, 0, names(mixed)), mixed)
+    assert segment_files(base) == []
     store.close()
+
+
+def test_the_layers_of_one_stash_go_to_different_consumers(
+        server: RedisServer, base: Path) -> None:
+    producer, want = tier(server, base, job="split", ranks=3), stash()
+    first, second = (tier(server, base, job="split", ranks=3) for _ in range(2))
+    producer.put(1, 0, 0, want)
+    assert_same(second.take(1, 0, 0, {2: ["m", "h"]}), {2: want[2]})
+    assert len(segment_files(base)) == 1
+    assert_same(first.take(1, 0, 0, {0: ["x", "i"]}), {0: want[0]})
+    assert segment_files(base) == []
+    for store in (producer, first, second):
+        store.close()
 
 
 def test_a_job_whose_ranks_are_not_all_on_this_tier_stashes_in_redis(
@@ -115,7 +136,7 @@ def test_a_job_whose_ranks_are_not_all_on_this_tier_stashes_in_redis(
     assert_same(store.take(0, 0, 0, names(want)), want)
     other = tier(server, base, job="spread", ranks=2)  # the second rank opens: now shared
     store.put(0, 1, 0, want)
-    assert len(segment_files(base)) == 1
+    assert len(segment_files(base)) == 2
     assert_same(other.take(0, 1, 0, names(want)), want)
     store.close()
     other.close()
@@ -156,7 +177,7 @@ def test_clearing_a_job_frees_its_segments(server: RedisServer, base: Path,
         store.put(0, mb, 0, stash())
     other.put(0, 0, 0, stash())
     assert store.clear_job() >= 3
-    assert [p.parent.name.partition("+")[0] for p in segment_files(base)] == ["kept"]
+    assert {p.parent.name.partition("+")[0] for p in segment_files(base)} == {"kept"}
     store.put(1, 0, 0, stash())  # the job goes on in a new directory
     monkeypatch.setenv(DIR_ENV, str(base))
     admin = open_admin(server.address)
@@ -173,14 +194,14 @@ def test_a_new_attempt_frees_the_segments_of_earlier_ones(
     crashed = tier(server, base, job="again", attempt=0)
     crashed.put(0, 0, 0, stash())
     crashed.put(0, 1, 0, stash())
-    assert len(segment_files(base)) == 2
+    assert len(segment_files(base)) == 4
     tier(server, base, job="again", attempt=1).close()  # the replay's rank opens
     assert segment_files(base) == []
 
 
 def tampered(server: RedisServer, base: Path, job: str) -> tuple[SharedTierStore, Path]:
     store = tier(server, base, job=job)
-    store.put(0, 0, 0, stash())
+    store.put(0, 0, 0, {0: stash()[0]})
     (segment,) = segment_files(base)
     return store, segment
 
@@ -207,7 +228,7 @@ def test_a_tampered_segment_is_refused(server: RedisServer, base: Path, how: str
         data[16:16 + length] = text
     segment.write_bytes(bytes(data))
     with pytest.raises(SegmentError, match=re.escape(str(segment))):
-        store.take(0, 0, 0, names(stash()))
+        store.take(0, 0, 0, {0: ["x", "i"]})
     assert not segment.exists()  # refused and freed
     store.close()
 
@@ -219,9 +240,9 @@ def test_an_index_entry_naming_another_file_is_refused(
     outside = tmp_path / "secret.seg"
     outside.write_bytes(b"x" * 100)
     for path in (str(outside), str(segment_files(base)[0].parent / ".." / "node-id"),
-                 f"{base}/other+{'0' * 32}/0-0-0-0-ab.seg"):
+                 f"{base}/other+{'0' * 32}/0-0-0-0-0-ab.seg"):
         entry = json.dumps({"node": store.node, "path": path, "size": 100})
-        redis_client(server).set(segment_key("evil", 0, 1, 0, 0), entry)
+        redis_client(server).set(segment_key("evil", 0, 1, 0, 0, 0), entry)
         with pytest.raises(SegmentError, match="not a segment of job 'evil'"):
             store.take(1, 0, 0, {0: ["x"]})
     assert outside.read_bytes() == b"x" * 100
