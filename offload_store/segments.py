@@ -163,7 +163,8 @@ def read(path: Path, size: int, names: Mapping[int, Sequence[str]]) -> LayerTens
                                f"entry says {size}")
         if size < len(MAGIC) + _LENGTH.size:
             raise SegmentError(f"segment {path} of {size} bytes is shorter than its header")
-        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+        # populated now (on the taking thread, a prefetch's), not by the backward's reads
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

@@ -17,6 +17,7 @@ from tests.test_transparency import assert_same_training, make_job, run_on_clust
 # (model, schedule, workers, policy): each sync schedule with stashes that leave a rank
 OFFLOADING = [("gpt", "1f1b", 3, "offload"), ("mlp", "gpipe", 2, "offload"),
               ("gpt", "pipefb", 2, ""), ("mlp", "pipefb", 4, "")]
+BATCH = {"mlp": 64}  # samples per step: the mlp's stash, far above the store's own traffic
 
 
 def redis_input_bytes(cluster: Any) -> int:
@@ -32,7 +33,9 @@ def train(client: Any, cluster: Any, model: str, schedule: str, workers: int, po
           ) -> tuple[int, int]:
     """Trains the job, checks it against one process; returns (stash bytes, bytes
     Redis received meanwhile)."""
-    extra = {"policy": policy} if policy else {}
+    extra: dict[str, Any] = {"policy": policy} if policy else {}
+    if model in BATCH:
+        extra["batch_size"] = BATCH[model]
     job = make_job(model, schedule, workers, "adamw", **extra)
     before = redis_input_bytes(cluster)
     reports, weights = run_on_cluster(client, job)
