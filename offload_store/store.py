@@ -30,6 +30,9 @@ MAX_DELAY_S = 1.0  # backoff doubles up to this
 SCAN_COUNT = 1000  # keys per SCAN round trip
 UNLINK_BATCH = 512  # keys per UNLINK command in clear_job
 PASSWORD_ENV = "PIPEFB_STORE_PASSWORD"  # the store's AUTH password (Redis requirepass); unset: none
+# the unix socket of the same Redis as the address (a store on this host): clients use it
+# instead of TCP; unset or empty: TCP
+SOCKET_ENV = "PIPEFB_STORE_SOCKET"
 STORE_OPTIONS = ("ttl_seconds", "max_wait_seconds")  # open_redis_store's OffloadStore options
 
 # Client defaults of `connect`; a stash value can be hundreds of MB, hence the long read timeout.
@@ -60,7 +63,10 @@ def connect(address: str, **kw: Any) -> redis.Redis:
     hiredis parses replies when it is installed (redis-py picks it by itself). The AUTH
     password comes from ``$PIPEFB_STORE_PASSWORD`` (unset or empty: no AUTH) unless
     ``password`` is passed, the user from ``$PIPEFB_STORE_USER`` (unset: the default user)
-    unless ``username`` is ([Note: store ACL] in `offload_store.acl`).
+    unless ``username`` is ([Note: store ACL] in `offload_store.acl`). Where
+    ``$PIPEFB_STORE_SOCKET`` names the same server's unix socket (a store on this host),
+    the client connects there instead of to `address`, unless ``unix_socket_path`` is
+    passed.
 
     Args:
         address: ``host:port`` of the Redis server.
@@ -71,7 +77,8 @@ def connect(address: str, **kw: Any) -> redis.Redis:
     """
     host, port = parse_address(address)
     options = {**CLIENT_DEFAULTS, "password": os.environ.get(PASSWORD_ENV) or None,
-               "username": os.environ.get(USER_ENV) or None, **kw}
+               "username": os.environ.get(USER_ENV) or None,
+               "unix_socket_path": os.environ.get(SOCKET_ENV) or None, **kw}
     if options.get("decode_responses"):
         raise ValueError("decode_responses=True would decode tensor bytes as text")
     client = redis.Redis(host=host, port=port, **options)

@@ -20,6 +20,7 @@ from offload_store import RedisServer, connect, open_admin, open_store
 from offload_store.keys import segment_key
 from offload_store.segments import SUFFIX, SegmentError
 from offload_store.shm import DIR_ENV, SharedTierStore
+from offload_store.store import SOCKET_ENV
 
 MB = 1 << 20
 
@@ -262,3 +263,20 @@ def test_the_worker_flags_name_the_tier() -> None:
     args = parse_args(["--local-tier-dir", "/dev/shm/x", "--local-tier-bytes", "4096"])
     assert (args.local_tier_dir, args.local_tier_bytes) == ("/dev/shm/x", 4096)
     assert parse_args([]).local_tier_bytes == -1
+
+
+def test_clients_on_this_host_reach_redis_over_its_unix_socket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    socket = tmp_path / "redis.sock"
+    with RedisServer(maxmemory="64mb", unix_socket=socket) as srv:
+        assert oct(socket.stat().st_mode & 0o777) == "0o700"
+        monkeypatch.setenv(SOCKET_ENV, str(socket))
+        store = open_store(srv.address, "unix", 0)
+        store.put(0, 0, 0, {0: {"x": torch.arange(5.0)}})
+        assert store.take(0, 0, 0, {0: ["x"]})[0]["x"].tolist() == [0, 1, 2, 3, 4]
+        monkeypatch.delenv(SOCKET_ENV)
+        tcp = connect(srv.address)  # TCP keeps working beside it
+        kinds = {c["addr"].startswith("/") for c in tcp.client_list()}
+        assert kinds == {True, False}, tcp.client_list()
+        tcp.close()
+        store.close()

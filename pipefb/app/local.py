@@ -47,6 +47,7 @@ NOT_FOR_WORKERS = ("PIPEFB_TOKEN_FILE", "PIPEFB_USERS_FILE", "PIPEFB_STORE_USER"
 # offload_store/shm.py): a private directory made in SHM_ROOT (the system's temporary
 # directory where there is none) unless the environment names one; "" turns it off
 TIER_ENV = "PIPEFB_LOCAL_TIER_DIR"
+SOCKET_ENV = "PIPEFB_STORE_SOCKET"  # = offload_store.store.SOCKET_ENV: Redis's unix socket
 SHM_ROOT = Path("/dev/shm")
 _RUNNING: weakref.WeakSet[LocalServices] = weakref.WeakSet()  # started, not yet stopped
 
@@ -86,6 +87,7 @@ class LocalServices:
         self.processes: list[Process] = []
         self.store = self.coordinator = ""
         self.tier_dir: Path | None = None  # the tier directory this cluster made (removed at stop)
+        self.socket_dir: Path | None = None  # the directory of Redis's unix socket (the same)
 
     def __enter__(self) -> LocalServices:
         try:
@@ -118,8 +120,13 @@ class LocalServices:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._write_secrets()
         self._make_tier()
+        # Redis listens on a unix socket too, which every process of the cluster uses
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="pipefb-redis-"))  # (a short path)
+        socket = self.socket_dir / "redis.sock"
+        self.env[SOCKET_ENV] = self.worker_env[SOCKET_ENV] = str(socket)
         self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0", "--acl",
-                                           "--maxmemory", self.store_maxmemory]).wait_ready()
+                                           "--maxmemory", self.store_maxmemory,
+                                           "--unix-socket", str(socket)]).wait_ready()
         extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
         self.coordinator = self._spawn("coordinator", [
             "-m", "coordinator", "--listen", "127.0.0.1:0", "--store", self.store,
@@ -228,8 +235,7 @@ class LocalServices:
         with self._lock:  # listed until stopped, so that `kill` still finds them
             self.processes = []
         self._forget_token()
-        if self.tier_dir is not None:
-            shutil.rmtree(self.tier_dir, ignore_errors=True)
+        self._remove_dirs()
         _RUNNING.discard(self)
 
     def _forget_token(self) -> None:
@@ -245,9 +251,14 @@ class LocalServices:
             procs = list(self.processes)
         self._forget_token()
         killed = sum(proc.kill() for proc in procs)
-        if self.tier_dir is not None:
-            shutil.rmtree(self.tier_dir, ignore_errors=True)
+        self._remove_dirs()
         return killed
+
+    def _remove_dirs(self) -> None:
+        """Removes the tier and socket directories this cluster made."""
+        for folder in (self.tier_dir, self.socket_dir):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def kill_running() -> int:
