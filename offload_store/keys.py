@@ -94,3 +94,6 @@ def tier_ranks_key(job: str, attempt: int) -> str:
         ValueError: a bad job id or attempt.
     """
     return f"{PREFIX}:{check_name('job', job)}:{check_index('attempt', attempt)}:tier"
+
+
+TIER_RANKS_SUFFIX = b":tier"  # how every `tier_ranks_key` ends

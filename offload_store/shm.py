@@ -20,7 +20,9 @@ to the attempt's set (`keys.tier_ranks_key`) when it opens, and a producer write
 segments once the set names as many ranks as the job has, all with its own tier id
 (until then, and for a job spread over hosts, every stash goes to Redis). The tier id is
 the base directory's own (`segments.node_id`), so processes that share the directory
-share the tier.
+share the tier. A rank's store takes itself out of the set when it closes (when its
+worker drops the job), and the set goes with the last one; a crashed rank's entry goes
+with its job's clear or the TTL.
 
 [Note: tier leases] A segment lives as long as its index key or its job: the store of a
 job's next attempt removes the job's segments of earlier attempts on its host when it
@@ -41,6 +43,7 @@ from contextlib import suppress
 from pathlib import Path
 
 import torch
+from redis.exceptions import RedisError
 
 from offload_store import segments
 from offload_store.api import LayerTensors, StashStore, StoreStats
@@ -90,8 +93,9 @@ class SharedTierStore:
         self._stats = StoreStats()
         self._lock = threading.Lock()
         segments.clear_job(self.base, self.job, below_attempt=self.attempt)  # [Note: tier leases]
+        self._member = f"{self.node}/{secrets.token_hex(8)}"
         pipe = inner.client.pipeline(transaction=False)
-        pipe.sadd(tier_ranks_key(self.job, self.attempt), f"{self.node}/{secrets.token_hex(8)}")
+        pipe.sadd(tier_ranks_key(self.job, self.attempt), self._member)
         pipe.expire(tier_ranks_key(self.job, self.attempt), inner.ttl_seconds)
         pipe.execute()
 
@@ -196,7 +200,10 @@ class SharedTierStore:
         return self.inner.clear_job() + segments.clear_job(self.base, self.job)
 
     def close(self) -> None:
-        """Closes the Redis client (segments stay for their consumers)."""
+        """Takes this rank out of the attempt's tier ranks (the last one out deletes the
+        set) and closes the Redis client; segments stay for their consumers."""
+        with suppress(RedisError):
+            self.inner.client.srem(tier_ranks_key(self.job, self.attempt), self._member)
         self.inner.close()
 
     def _all_ranks_here(self) -> bool:

@@ -22,7 +22,7 @@ from redis.retry import Retry
 from offload_store.acl import USER_ENV
 from offload_store.api import LayerTensors, StashFullError, StoreStats
 from offload_store.frames import Frame, FramePacker
-from offload_store.keys import check_index, check_name, job_pattern, stash_key
+from offload_store.keys import TIER_RANKS_SUFFIX, check_index, check_name, job_pattern, stash_key
 from pipefb.codec import unpack
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
@@ -378,12 +378,14 @@ def clear_job_keys(client: redis.Redis, job: str) -> int:
 
 
 def count_job_keys(client: redis.Redis, job: str) -> int:
-    """The number of keys of `job` in the store, any attempt.
+    """The number of stash keys of `job` in the store, any attempt (the local tier's
+    sets of ranks, which the ranks remove as they drop the job, not counted).
 
     Raises:
         ValueError: a bad job id.
     """
-    return sum(1 for _ in client.scan_iter(match=job_pattern(job), count=SCAN_COUNT))
+    return sum(1 for key in client.scan_iter(match=job_pattern(job), count=SCAN_COUNT)
+               if not bytes(key).endswith(TIER_RANKS_SUFFIX))
 
 
 def execute_once(pipe: Pipeline) -> list[Any]:
