@@ -1,5 +1,5 @@
 """Shared-memory segments of the node-local tier: one file per layer of a micro-batch's
-stash in a tmpfs directory, written with one copy and read back as zero-copy views.
+stash in a tmpfs directory, written with one copy and read back with one.
 
 [Note: segment layout] A segment is ``MAGIC``, the header's length (u64, little-endian),
 a JSON header listing each tensor's layer, name, dtype, shape, offset and byte count, then
@@ -7,9 +7,16 @@ the tensors' bytes, each at an offset aligned to `ALIGN` (so the views a reader 
 aligned for every dtype). A reader trusts nothing of it: the file must be a regular file
 of this user (no symlink), of the size its index entry names, with a header that parses,
 names exactly the tensors asked for, and places every tensor inside the file after the
-header; each tensor's dtype and shape pass the codec's header check. Only then is the
-file mapped (private, copy-on-write: the tensors are writable, and nothing is copied
-until the backward writes one) and unlinked; the pages stay until the last view goes.
+header; each tensor's dtype and shape pass the codec's header check (nothing is mapped:
+the file is read with bounded `pread`s). Only then is each
+tensor read into a new tensor (one copy, `os.preadv` straight into its memory).
+
+[Note: spare segments] A read segment's file is not unlinked but renamed to a spare in
+its directory, and the directory's producer writes its next segment into a spare
+(`write` claims one by renaming it), so a stash is copied into tmpfs pages that already
+exist instead of pages the kernel must allocate and zero, and freed again, on every
+micro-batch. Spares count toward the tier's cap; a write that would pass it removes the
+tier's spares first.
 
 [Note: tier directory] ``<base>/<job>+<token>/`` holds a producer's segments of one job
 (`job_dir`): the base directory is this user's alone (0700) and the token is random, so
@@ -19,9 +26,9 @@ only the job's ranks, which read segment paths from the job's own index keys, fi
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
-import mmap
 import os
 import re
 import secrets
@@ -43,6 +50,7 @@ MAX_HEADER_BYTES = 1 << 20  # a header longer than this is refused before it is 
 SUFFIX = ".seg"
 OFFSET_BYTES = 40  # the most bytes ``, "offset": N`` adds to one header entry
 NODE_FILE = "node-id"  # the base directory's id: directories with the same id are one tier
+SPARE_PREFIX = "spare-"  # a read segment's file, kept for the directory's next write
 LOCK_FILE = "lock"  # flock'ed while a producer checks the cap and reserves its segment
 _SEGMENT_NAME = re.compile(r"(\d+)-\d+-\d+-\d+-\d+-[0-9a-f]+\.seg")
 _DIR_NAME = re.compile(r"[A-Za-z0-9_.-]+\+[0-9a-f]{32}")
@@ -92,8 +100,9 @@ def layout(tensors: Mapping[int, Mapping[str, torch.Tensor]]
 
 def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_bytes: int
           ) -> int | None:
-    """Writes a new segment at `path` (mode 0600, never over an existing file), copying
-    each tensor's bytes once, if the tier under ``path.parent.parent`` stays within
+    """Writes a segment at `path` (mode 0600, never over an existing file), copying each
+    tensor's bytes once, into a spare file of the same directory where there is one
+    ([Note: spare segments]), if the tier under ``path.parent.parent`` stays within
     `cap_bytes` with it; a failed write removes it.
 
     Returns:
@@ -107,9 +116,14 @@ def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_byt
     base = path.parent.parent
     with open(base / LOCK_FILE, "a") as lock:  # the check and the reservation are one step
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if used_bytes(base) + size > cap_bytes:
-            return None
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        used, spare = used_bytes(base), _claim_spare(path)
+        if used - spare + size > cap_bytes:
+            used -= drop_spares(base, "*+*/")
+            if used + size > cap_bytes:
+                path.unlink(missing_ok=True)
+                return None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+                     | (0 if path.exists() else os.O_EXCL), 0o600)
         try:
             os.ftruncate(fd, size)  # counts in `used_bytes` from here on
         except BaseException:
@@ -128,6 +142,29 @@ def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_byt
     return size
 
 
+def _claim_spare(path: Path) -> int:
+    """Renames a spare file of `path`'s directory to `path`; returns its size (0: none)."""
+    for spare in path.parent.glob(f"{SPARE_PREFIX}*{SUFFIX}"):
+        try:
+            size = spare.stat().st_size
+            os.rename(spare, path)
+        except FileNotFoundError:  # taken or cleared meanwhile
+            continue
+        return size
+    return 0
+
+
+def drop_spares(folder: Path, pattern: str = "") -> int:
+    """Removes the spare files in `folder` (with `pattern` ``*+*/``: in every job
+    directory under it); returns their bytes."""
+    freed = 0
+    for spare in folder.glob(f"{pattern}{SPARE_PREFIX}*{SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            freed += spare.stat().st_size
+            spare.unlink()
+    return freed
+
+
 def segment_size(tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
     """The size `write` gives the segment of these tensors."""
     return layout(tensors)[2]
@@ -141,8 +178,8 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def read(path: Path, size: int, names: Mapping[int, Sequence[str]]) -> LayerTensors:
-    """Maps the segment at `path`, checks it (see [Note: segment layout]), unlinks it and
-    returns the tensors asked for as views of the mapping.
+    """Reads the segment at `path` into new tensors (one copy each), after checking it
+    (see [Note: segment layout]), and gives the file back to its directory's spares.
 
     Args:
         path: the segment, named by its index entry.
@@ -150,7 +187,7 @@ def read(path: Path, size: int, names: Mapping[int, Sequence[str]]) -> LayerTens
         names: layer -> tensor names to return; the segment must hold exactly these.
 
     Raises:
-        SegmentError: a segment that fails a check; it is unlinked all the same.
+        SegmentError: a segment that fails a check; it is unlinked.
         FileNotFoundError: no segment at `path`.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -161,28 +198,32 @@ def read(path: Path, size: int, names: Mapping[int, Sequence[str]]) -> LayerTens
         if info.st_size != size:
             raise SegmentError(f"segment {path} holds {info.st_size} bytes; its index "
                                f"entry says {size}")
-        if size < len(MAGIC) + _LENGTH.size:
-            raise SegmentError(f"segment {path} of {size} bytes is shorter than its header")
-        # populated now (on the taking thread, a prefetch's), not by the backward's reads
-        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        out = _tensors(path, fd, size, names)
+    except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
-    return _views(path, mapped, names)
+        raise
+    os.close(fd)
+    try:
+        os.rename(path, path.with_name(f"{SPARE_PREFIX}{secrets.token_hex(8)}{SUFFIX}"))
+    except OSError:
+        path.unlink(missing_ok=True)
+    return out
 
 
-def _views(path: Path, mapped: mmap.mmap, names: Mapping[int, Sequence[str]]
-           ) -> LayerTensors:
-    size = len(mapped)
-    if mapped[:len(MAGIC)] != MAGIC:
-        raise SegmentError(f"segment {path} does not start with {MAGIC!r}")
-    (length,) = _LENGTH.unpack_from(mapped, len(MAGIC))
+def _tensors(path: Path, fd: int, size: int, names: Mapping[int, Sequence[str]]
+             ) -> LayerTensors:
     start = len(MAGIC) + _LENGTH.size
+    if size < start:
+        raise SegmentError(f"segment {path} of {size} bytes is shorter than its header")
+    lead = os.pread(fd, start, 0)
+    if lead[:len(MAGIC)] != MAGIC:
+        raise SegmentError(f"segment {path} does not start with {MAGIC!r}")
+    (length,) = _LENGTH.unpack_from(lead, len(MAGIC))
     if length > min(MAX_HEADER_BYTES, size - start):
         raise SegmentError(f"segment {path}: header of {length} bytes does not fit")
     try:
-        entries = json.loads(mapped[start:start + length])
+        entries = json.loads(os.pread(fd, length, start))
         want = {(int(i), str(n)) for i, ns in names.items() for n in ns}
         found = {(e["layer"], e["name"]) for e in entries}
     except (ValueError, TypeError, KeyError) as error:
@@ -191,14 +232,15 @@ def _views(path: Path, mapped: mmap.mmap, names: Mapping[int, Sequence[str]]
         raise SegmentError(f"segment {path} holds {sorted(found)}, not {sorted(want)}")
     out: LayerTensors = {}
     for entry in entries:
-        out.setdefault(entry["layer"], {})[entry["name"]] = _view(path, mapped, entry,
-                                                                  start + length)
+        out.setdefault(entry["layer"], {})[entry["name"]] = _tensor(path, fd, size, entry,
+                                                                    start + length)
     return out
 
 
-def _view(path: Path, mapped: mmap.mmap, entry: dict[str, object], data_start: int
-          ) -> torch.Tensor:
-    """One tensor of a segment, checked against the codec and the file's bounds."""
+def _tensor(path: Path, fd: int, size: int, entry: dict[str, object], data_start: int
+            ) -> torch.Tensor:
+    """One tensor of a segment, checked against the codec and the file's bounds, read
+    into a new tensor."""
     dtype, shape, offset, nbytes = (entry.get(k) for k in ("dtype", "shape", "offset",
                                                             "nbytes"))
     if not isinstance(dtype, str) or not isinstance(shape, list) or not all(
@@ -206,19 +248,27 @@ def _view(path: Path, mapped: mmap.mmap, entry: dict[str, object], data_start: i
         raise SegmentError(f"segment {path}: a bad entry {entry}")
     assert isinstance(offset, int) and isinstance(nbytes, int)
     try:
-        expected = check_header(dtype, shape, len(mapped))
+        expected = check_header(dtype, shape, size)
     except CodecError as error:
         raise SegmentError(f"segment {path}: {error}") from None
-    if nbytes != expected or offset % ALIGN or offset < data_start or (
-            offset + nbytes > len(mapped)):
+    if nbytes != expected or offset % ALIGN or offset < data_start or offset + nbytes > size:
         raise SegmentError(f"segment {path}: tensor {entry.get('name')!r} of {nbytes} bytes "
-                           f"at {offset} lies outside the data of a {len(mapped)}-byte file")
-    if nbytes == 0:
-        return torch.empty(shape, dtype=DTYPES[dtype])
-    raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
-    if dtype == "bool" and bool((raw > 1).any()):
-        raise SegmentError(f"segment {path}: bool tensor holds bytes other than 0 and 1")
-    return raw.view(DTYPES[dtype]).reshape(shape)
+                           f"at {offset} lies outside the data of a {size}-byte file")
+    out = torch.empty(shape, dtype=DTYPES[dtype])
+    if nbytes:
+        raw = out.reshape(-1).view(torch.uint8)
+        _pread_all(fd, raw.numpy().data, offset)
+        if dtype == "bool" and bool((raw > 1).any()):
+            raise SegmentError(f"segment {path}: bool tensor holds bytes other than 0 and 1")
+    return out
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise SegmentError(f"segment ended {view.nbytes} bytes early")
+        view, offset = view[n:], offset + n
 
 
 def private_base(base: Path) -> Path:
@@ -296,6 +346,7 @@ def used_bytes(base: Path) -> int:
 
 def _job_dirs(base: Path, job: str) -> list[Path]:
     return [p for p in base.glob(f"{job}+*") if p.is_dir() and not p.is_symlink()]
+
 
 
 def clear_job(base: Path, job: str, below_attempt: int | None = None) -> int:

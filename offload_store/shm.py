@@ -7,12 +7,12 @@ a PipeFB forward rank's layers may go to several backward ranks) and then, in on
 round trip as the Redis backend's write would take, sets each layer's index key
 (`keys.segment_key`) to its segment's tier id, path and size, with the store's TTL. The
 consumer's take is one pipeline: GETDEL of the layers' index keys and of the stash's
-ordinary value keys. An index entry means the segment: it is checked, mapped (zero
-copies: the tensors are views of a private mapping) and unlinked (delete on consume); no
-entry means the layer went to Redis, and its values come back as from the Redis
-backend. So a layer over the tier's cap (`write` refuses it) spills to Redis exactly as
-without the tier, and nothing is ever evicted: a segment leaves the tier only when it is
-taken, released, or its job cleared.
+ordinary value keys. An index entry means the segment: it is checked and read into new
+tensors (one copy), and its file becomes a spare for the producer's next write (delete
+on consume; [Note: spare segments]); no entry means the layer went to Redis, and its
+values come back as from the Redis backend. So a layer over the tier's cap (`write`
+refuses it) spills to Redis exactly as without the tier, and nothing is ever evicted: a
+segment leaves the tier only when it is taken, released, or its job cleared.
 
 [Note: tier ranks] A segment is only readable on its own host, so a job attempt uses the
 tier only when all of its ranks share one: each rank's store adds ``{tier id}/{token}``
@@ -173,7 +173,7 @@ class SharedTierStore:
 
     def prefetch(self, step: int, microbatch: int, version: int,
                  names: Mapping[int, Sequence[str]]) -> None:
-        """Does nothing: a take maps the segments without copying them."""
+        """Does nothing: the transport's prefetch thread runs the take itself."""
 
     def release(self, step: int, microbatch: int, version: int,
                 names: Mapping[int, Sequence[str]]) -> int:
@@ -201,9 +201,13 @@ class SharedTierStore:
 
     def close(self) -> None:
         """Takes this rank out of the attempt's tier ranks (the last one out deletes the
-        set) and closes the Redis client; segments stay for their consumers."""
+        set), removes its spare files and closes the Redis client; segments stay for
+        their consumers."""
         with suppress(RedisError):
             self.inner.client.srem(tier_ranks_key(self.job, self.attempt), self._member)
+        with self._lock:
+            if self._dir is not None:  # its spares go; segments not yet taken stay
+                segments.drop_spares(self._dir)
         self.inner.close()
 
     def _all_ranks_here(self) -> bool:

@@ -26,7 +26,7 @@ def redis_input_bytes(cluster: Any) -> int:
 
 
 def segments_left(tier: Path) -> list[Path]:
-    return sorted(tier.glob("*/*.seg"))
+    return sorted(tier.glob("*/[0-9]*.seg"))  # segments, not spares
 
 
 def train(client: Any, cluster: Any, model: str, schedule: str, workers: int, policy: str
