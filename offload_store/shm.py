@@ -89,7 +89,8 @@ class SharedTierStore:
         self.cap_bytes = default_cap(self.base) if cap_bytes == -1 else cap_bytes
         self.node, self.ranks = segments.node_id(self.base), ranks
         self._dir: Path | None = None
-        self._shared = False  # every rank of the attempt uses this tier (cached once true)
+        self._shared: bool | None = None  # every rank of the attempt uses this tier (None:
+        # not known yet, some ranks have not opened their stores)
         self._stats = StoreStats()
         self._lock = threading.Lock()
         segments.clear_job(self.base, self.job, below_attempt=self.attempt)  # [Note: tier leases]
@@ -211,13 +212,17 @@ class SharedTierStore:
         self.inner.close()
 
     def _all_ranks_here(self) -> bool:
-        """Whether every rank of the attempt uses this tier ([Note: tier ranks])."""
-        if not self._shared:
+        """Whether every rank of the attempt uses this tier ([Note: tier ranks]); asked of
+        Redis until the set names every rank, then known for the attempt."""
+        if self._shared is None:
             members = self.inner.client.smembers(tier_ranks_key(self.job, self.attempt))
             nodes = {(m.decode() if isinstance(m, bytes) else str(m)).partition("/")[0]
                      for m in members}
-            self._shared = len(members) >= self.ranks and nodes == {self.node}
-        return self._shared
+            if len(members) >= self.ranks:
+                self._shared = nodes == {self.node}
+            elif nodes - {self.node}:  # a rank on another tier already: never shared
+                self._shared = False
+        return bool(self._shared)
 
     def _write(self, step: int, microbatch: int, layer: int, version: int,
                named: Mapping[str, torch.Tensor]) -> str | None:
