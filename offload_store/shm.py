@@ -50,6 +50,7 @@ from offload_store.api import LayerTensors, StashStore, StoreStats
 from offload_store.keys import segment_key, tier_ranks_key
 from offload_store.segments import SegmentError
 from offload_store.store import OffloadStore, execute_once
+from pipefb.errors import ConfigError
 
 DIR_ENV = "PIPEFB_LOCAL_TIER_DIR"  # the tier's base directory (a tmpfs); empty: no tier
 BYTES_ENV = "PIPEFB_LOCAL_TIER_BYTES"  # the tier's cap; unset or -1: `default_cap`
@@ -61,6 +62,22 @@ def default_cap(base: Path) -> int:
     """`CAP_SHARE` of the size of the file system that holds `base`."""
     info = os.statvfs(base)
     return int(info.f_blocks * info.f_frsize * CAP_SHARE)
+
+
+def check_tier(directory: str, cap_bytes: int) -> None:
+    """Checks a worker's tier settings at its start (empty `directory`: no tier).
+
+    Raises:
+        ConfigError: a cap below -1, or a directory that cannot be made, is another
+            user's or is open to others; names the value.
+    """
+    if cap_bytes < -1:
+        raise ConfigError(f"--local-tier-bytes {cap_bytes} must be >= -1 (-1: the default)")
+    if directory:
+        try:
+            segments.private_base(Path(directory).absolute())
+        except OSError as error:
+            raise ConfigError(f"--local-tier-dir {directory!r}: {error}") from None
 
 
 class SharedTierStore:

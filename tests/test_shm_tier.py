@@ -280,3 +280,15 @@ def test_clients_on_this_host_reach_redis_over_its_unix_socket(
         assert kinds == {True, False}, tcp.client_list()
         tcp.close()
         store.close()
+
+
+def test_a_worker_with_a_bad_tier_setting_ends_with_one_line(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    os.chmod(open_dir, 0o777)
+    for flags, named in ((["--local-tier-dir", str(open_dir)], str(open_dir)),
+                         (["--local-tier-bytes", "-5"], "-5")):
+        run = subprocess.run([sys.executable, "-m", "worker", *flags], capture_output=True,
+                             text=True, timeout=60, cwd=Path.cwd())
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.count("\n") == 1 and named in run.stderr, run.stderr

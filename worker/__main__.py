@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS
+from offload_store.shm import check_tier
 from offload_store.writer import STASH_IN_FLIGHT_BYTES
 from pipefb.allocator import keep_freed_memory
 from pipefb.job.dataroots import add_data_root_flag, configure_from_args
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = parse_args(argv)
     configure_from_args(args)  # the only files a job's dataset may read
+    check_tier(args.local_tier_dir, args.local_tier_bytes)  # before anything listens
     security.require(security.from_env(), "python -m worker")  # [Note: access]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
