@@ -292,3 +292,17 @@ def test_a_worker_with_a_bad_tier_setting_ends_with_one_line(tmp_path: Path) -> 
                              text=True, timeout=60, cwd=Path.cwd())
         assert run.returncode == 2, run.stderr
         assert run.stderr.count("\n") == 1 and named in run.stderr, run.stderr
+
+
+def test_a_local_cluster_sweeps_the_tier_directories_of_dead_ones(tmp_path: Path) -> None:
+    from pipefb.app.local import OWNER_FILE, TIER_PREFIX, _sweep_dead_tiers
+
+    dead, alive, new = (tmp_path / f"{TIER_PREFIX}{n}" for n in ("dead", "alive", "new"))
+    for folder in (dead, alive, new):
+        folder.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # its pid: exited
+    child.wait()
+    (dead / OWNER_FILE).write_text(str(child.pid))
+    (alive / OWNER_FILE).write_text(str(os.getpid()))
+    _sweep_dead_tiers(tmp_path)  # "new": no owner yet, being made
+    assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, new.name]

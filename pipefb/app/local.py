@@ -47,6 +47,8 @@ NOT_FOR_WORKERS = ("PIPEFB_TOKEN_FILE", "PIPEFB_USERS_FILE", "PIPEFB_STORE_USER"
 # offload_store/shm.py): a private directory made in SHM_ROOT (the system's temporary
 # directory where there is none) unless the environment names one; "" turns it off
 TIER_ENV = "PIPEFB_LOCAL_TIER_DIR"
+TIER_PREFIX = "pipefb-tier-"
+OWNER_FILE = "owner"  # the pid of the process whose cluster made the tier directory
 SOCKET_ENV = "PIPEFB_STORE_SOCKET"  # = offload_store.store.SOCKET_ENV: Redis's unix socket
 SHM_ROOT = Path("/dev/shm")
 _RUNNING: weakref.WeakSet[LocalServices] = weakref.WeakSet()  # started, not yet stopped
@@ -147,8 +149,10 @@ class LocalServices:
         one; the coordinator clears a job's segments there, the workers share it."""
         if TIER_ENV in self.env:
             return
-        self.tier_dir = Path(tempfile.mkdtemp(prefix="pipefb-tier-",
-                                              dir=SHM_ROOT if SHM_ROOT.is_dir() else None))
+        root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
+        _sweep_dead_tiers(root)
+        self.tier_dir = Path(tempfile.mkdtemp(prefix=TIER_PREFIX, dir=root))
+        (self.tier_dir / OWNER_FILE).write_text(str(os.getpid()))
         self.env[TIER_ENV] = self.worker_env[TIER_ENV] = str(self.tier_dir)
 
     def _write_secrets(self) -> None:
@@ -259,6 +263,22 @@ class LocalServices:
         for folder in (self.tier_dir, self.socket_dir):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep_dead_tiers(root: Path) -> None:
+    """Removes the tier directories in `root` that this user's local clusters made and
+    whose process is gone (a SIGKILLed CLI cleans up nothing): their tmpfs pages are
+    memory."""
+    for folder in root.glob(f"{TIER_PREFIX}*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = int((folder / OWNER_FILE).read_text())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):  # being made now, or not ours to judge
+            continue
 
 
 def kill_running() -> int:
