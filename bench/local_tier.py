@@ -1,6 +1,7 @@
 """PipeDream with `offload` against `keep` on the demo's gpt (2 workers, batch 16 in 4
-micro-batches), once with the workers' local tier on and once with every stash through
-the shared store, systems interleaved, 3 repeats each (`PYTHONPATH=. python
+micro-batches), once with the workers' in-process local tier on and once with every
+stash through the shared store (the node-local shared-memory tier off in both: see
+bench/offload_overlap.py for it), systems interleaved, 3 repeats each (`PYTHONPATH=. python
 bench/local_tier.py`): the throughput ratio offload / keep per repeat and its median."""
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def main() -> None:
     """Prints one line per tier setting."""
     for tier in ("1073741824", "0"):
         with tempfile.TemporaryDirectory() as tmp, local_client(
-                2, Path(tmp), env={"PIPEFB_LOCAL_STASH_BYTES": tier}) as client:
+                2, Path(tmp), env={"PIPEFB_LOCAL_STASH_BYTES": tier,
+                                   "PIPEFB_LOCAL_TIER_DIR": ""}) as client:
             res: dict[str, list[float]] = {"keep": [], "offload": []}
             for _ in range(3):
                 for policy in ("keep", "offload"):

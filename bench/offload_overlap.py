@@ -1,13 +1,15 @@
-"""PipeDream `offload` against `keep`, and sync PipeFB, with the background stash writer on
-and off ([Note: background stash] in offload_store/writer.py), on the CPU, 2 workers:
+"""PipeDream `offload` against `keep`, and sync PipeFB, through the node-local shared-memory
+tier ([Note: local tier index] in offload_store/shm.py) and through Redis alone, with the
+background stash writer on and off ([Note: background stash] in offload_store/writer.py),
+on the CPU, 2 workers:
 the demo's gpt (batch 16 in 4 micro-batches) and a model with large activations (`mlp`:
 Linear 64 -> 16384, ReLU, Linear 16384 -> 10; batch 128 in 4 micro-batches, 2 MiB saved
-per micro-batch and stage). One local cluster per writer setting (the cap is a worker
-setting: `PIPEFB_STASH_IN_FLIGHT_BYTES`, 0 = the compute thread writes), the systems
-interleaved in each of `--repeats` repeats; each job's median step after its first 5
-steps. Ratios are taken per repeat, then summarised. The local tier stays off (the CPU
-default), so every stash goes through the shared Redis store. Run:
-`PYTHONPATH=. python bench/offload_overlap.py [--repeats 3] [--steps 20] [--out DIR]`.
+per micro-batch and stage). One local cluster per setting (`SETTINGS`: the workers'
+`PIPEFB_STASH_IN_FLIGHT_BYTES`, 0 = the compute thread writes, and
+`PIPEFB_LOCAL_TIER_DIR`, empty = no shared-memory tier), the systems interleaved in each
+of `--repeats` repeats; each job's median step after its first 5 steps. Ratios are taken
+per repeat, then summarised. Run: `PYTHONPATH=. python bench/offload_overlap.py
+[--repeats 3] [--steps 20] [--settings ...] [--out DIR]`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     "pipedream-offload": {"schedule": "pipedream", "mode": "async", "policy": "offload"},
     "pipefb-sync": {"schedule": "pipefb", "mode": "sync"},
 }
-SETTINGS = {"background": "268435456", "compute thread": "0"}  # the worker's cap
+# the workers' environment per setting: the writer's cap (0: the compute thread writes)
+# and the node-local tier (the local cluster's default: on; "": off)
+SETTINGS: dict[str, dict[str, str]] = {
+    "tier, background": {"PIPEFB_STASH_IN_FLIGHT_BYTES": "268435456"},
+    "redis, background": {"PIPEFB_STASH_IN_FLIGHT_BYTES": "268435456",
+                          "PIPEFB_LOCAL_TIER_DIR": ""},
+    "redis, compute thread": {"PIPEFB_STASH_IN_FLIGHT_BYTES": "0", "PIPEFB_LOCAL_TIER_DIR": ""},
+}
 
 
 def job(model: str, system: str, steps: int) -> JobConfig:
@@ -58,11 +67,11 @@ def one_run(client: Any, j: JobConfig) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every model and system in every repeat, per writer setting."""
     out: dict[str, Any] = {"args": args_json(args), "settings": {}}
-    for setting, cap in SETTINGS.items():
+    for setting in args.settings:
         runs: dict[str, dict[str, list[dict[str, float]]]] = {
             m: {s: [] for s in SYSTEMS} for m in MODELS}
         with tempfile.TemporaryDirectory() as tmp, local_client(
-                2, Path(tmp), env={"PIPEFB_STASH_IN_FLIGHT_BYTES": cap}) as client:
+                2, Path(tmp), env=SETTINGS[setting]) as client:
             for _ in range(args.repeats):
                 for m in MODELS:
                     for s in SYSTEMS:
@@ -96,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per setting")
     p.add_argument("--steps", type=int, default=20, help="steps per job (5 untimed)")
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                   help="the settings to run, one local cluster each")
     p.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = p.parse_args(argv)
     results = run(args)

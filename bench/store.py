@@ -13,8 +13,11 @@ through four paths on this host, interleaved in each repeat: `memcpy` (a copy in
 buffer and one back, torch, one thread), `raw TCP` (a loopback socket to a peer process
 that keeps the bytes and sends them back: length-prefixed, no framing beyond that),
 `redis-py` (SET of a view of the tensor's bytes, GETDEL returned as bytes, nothing
-decoded) and `store` (`OffloadStore.put` and `take`, validated and decoded into a
-tensor). A round trip's MiB/s is the stash's MiB over put + fetch seconds. Run:
+decoded), `store` (`OffloadStore.put` and `take`, validated and decoded into a
+tensor) and `local tier` (the node-local tier's `put` and `take`: a segment in /dev/shm
+written with one copy and its index key in the same Redis, then the take's one pipeline,
+the checks, and the segment mapped with its pages populated, no copy). A round trip's
+MiB/s is the stash's MiB over put + fetch seconds. Run:
 `python bench/store.py [--quick] [--part measured|bandwidth] [--out DIR]`.
 """
 
@@ -22,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import shutil
 import socket
 import struct
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,12 +42,12 @@ import torch
 
 from bench.output import add_part_flags, run_parts
 from bench.stats import error_bars, fmt, summary
-from offload_store import OffloadStore, connect
+from offload_store import OffloadStore, connect, open_store
 from offload_store.server import RedisServer
 from pipefb.codec import pack
 
 PATHS = ("plain put", "store put", "plain get", "store take")
-ROUND_TRIP = ("memcpy", "raw TCP", "redis-py", "store")  # the bandwidth part's paths
+ROUND_TRIP = ("memcpy", "raw TCP", "redis-py", "store", "local tier")  # bandwidth's paths
 SIZES_MIB = (1, 16, 64)
 MiB = 1 << 20
 HEADER = struct.Struct("<cQ")  # raw TCP: op (b"P" put, b"G" get) and byte count
@@ -165,6 +170,10 @@ class RoundTrips:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         listener.close()
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        shm = Path("/dev/shm")
+        self.tier_dir = Path(tempfile.mkdtemp(prefix="pipefb-bench-tier-",
+                                              dir=shm if shm.is_dir() else None))
+        self.tier = open_store(address, "bench-tier", 0, local_tier_dir=str(self.tier_dir))
 
     def _buffer(self, use: str, t: torch.Tensor) -> torch.Tensor:
         """A buffer like `t` for `use`, allocated once per size (as staging buffers are),
@@ -202,6 +211,11 @@ class RoundTrips:
                           lambda: self.store.take(0, 0, 0, {0: ["x"]}))
         return got[0], got[1], got[2][0]["x"]
 
+    def local_tier(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+        got = self._timed(lambda: self.tier.put(0, 0, 0, {0: {"x": t}}),
+                          lambda: self.tier.take(0, 0, 0, {0: ["x"]}))
+        return got[0], got[1], got[2][0]["x"]
+
     @staticmethod
     def _timed(put: Callable[[], object], fetch: Callable[[], Any]
                ) -> tuple[float, float, Any]:
@@ -215,6 +229,8 @@ class RoundTrips:
         self.sock.close()
         self.peer.join(5)
         self.store.close()
+        self.tier.close()
+        shutil.rmtree(self.tier_dir, ignore_errors=True)
         self.plain.close()
 
 
@@ -237,7 +253,7 @@ def run_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     with RedisServer(maxmemory="2gb") as server:
         paths = RoundTrips(server.address)
         run = dict(zip(ROUND_TRIP, (paths.memcpy, paths.tcp, paths.redis_py,
-                                    paths.offload_store), strict=True))
+                                    paths.offload_store, paths.local_tier), strict=True))
         try:
             for t in tensors.values():  # one untimed trip each: connections, pages
                 for trip in run.values():
@@ -313,8 +329,11 @@ def bandwidth_lines(bw: dict[str, Any]) -> list[str]:
              "and one back (one thread); `raw TCP`: a loopback socket to a peer process "
              "that keeps the bytes and sends them back; `redis-py`: SET of the tensor's "
              "bytes and GETDEL, returned as bytes; `store`: `OffloadStore.put` and `take` "
-             "(validated, decoded into a tensor). MiB/s of the round trip (stash MiB over "
-             "put + fetch seconds), median [min-max]; `/ memcpy` paired by repeat.", "",
+             "(validated, decoded into a tensor); `local tier`: the node-local tier's `put` "
+             "and `take` (a /dev/shm segment written with one copy, its index key in the "
+             "same Redis; checked and mapped with its pages populated, no copy). MiB/s of "
+             "the round trip (stash MiB over put + fetch seconds), median [min-max]; "
+             "`/ memcpy` paired by repeat.", "",
              "| stash | " + " | ".join(ROUND_TRIP) + " | "
              + " | ".join(f"{p} / memcpy" for p in ROUND_TRIP[1:]) + " |",
              "| --- " * (2 * len(ROUND_TRIP)) + "|"]

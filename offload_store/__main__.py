@@ -24,6 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m offload_store", description=__doc__)
     parser.add_argument("--port", type=int, default=6379, help="port on 127.0.0.1; 0 = any free")
     parser.add_argument("--maxmemory", default="1gb", help="memory limit, e.g. 1gb or 512mb")
+    parser.add_argument("--unix-socket", type=Path, default=None,
+                        help="also listen on this unix socket (mode 0700), for clients on "
+                             "this host (their PIPEFB_STORE_SOCKET)")
     parser.add_argument("--acl", action="store_true",
                         help=f"default user off; only the service user, password from "
                              f"${PASSWORD_ENV} (see offload_store.acl)")
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with RedisServer(maxmemory=args.maxmemory, port=args.port or None,
-                     password=args.password) as server:
+                     password=args.password, unix_socket=args.unix_socket) as server:
         address = server.address
         print(f"ready {address}", flush=True)
         while not stop.wait(POLL_S):

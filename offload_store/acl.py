@@ -33,7 +33,8 @@ SERVICE_USER = "pipefb"
 USER_ENV = "PIPEFB_STORE_USER"  # the user connect() authenticates as; unset: default
 COMMANDS = ("set", "getdel", "unlink", "scan", "info", "ping", "acl|setuser", "acl|deluser")
 JOB_USER_PREFIX = "pipefb-job-"  # a job's store user is this + the job id
-JOB_COMMANDS = ("set", "getdel", "unlink", "info", "ping")  # what a rank's stash sends
+JOB_COMMANDS = ("set", "getdel", "unlink", "info", "ping",  # what a rank's stash sends
+                "sadd", "smembers", "srem", "expire")  # these four: its local tier ranks
 
 
 def job_user(job: str) -> str:

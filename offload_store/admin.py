@@ -14,6 +14,7 @@ from redis.retry import Retry
 
 from offload_store import acl
 from offload_store.api import AdminLimits, StoreUnavailable
+from offload_store.shm import clear_tier_job, tier_used_bytes
 from offload_store.store import clear_job_keys, connect, count_job_keys
 
 T = TypeVar("T")
@@ -44,16 +45,19 @@ class RedisAdmin:
         return self._call(lambda: str(self._client.info("server")["run_id"]))
 
     def used_memory(self) -> int:
-        """INFO memory's used_memory, in bytes."""
-        return self._call(lambda: int(self._client.info("memory")["used_memory"]))
+        """INFO memory's used_memory plus the bytes of this host's local tier (where
+        ``$PIPEFB_LOCAL_TIER_DIR`` names one): the store's memory, both tiers."""
+        return self._call(lambda: int(self._client.info("memory")["used_memory"])) + (
+            tier_used_bytes())
 
     def count_keys(self, job: str) -> int:
         """The number of keys of `job`, any attempt (SCAN)."""
         return self._call(lambda: count_job_keys(self._client, job))
 
     def clear_job(self, job: str) -> int:
-        """Deletes every key of `job`, any attempt (SCAN + UNLINK); returns how many."""
-        return self._call(lambda: clear_job_keys(self._client, job))
+        """Deletes every key of `job`, any attempt (SCAN + UNLINK), and its segments in
+        this host's local tier ([Note: tier leases]); returns how many."""
+        return self._call(lambda: clear_job_keys(self._client, job)) + clear_tier_job(job)
 
     def grant_job(self, job: str) -> tuple[str, str]:
         """Makes (or resets) `job`'s store user with a fresh password (ACL SETUSER)."""

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from offload_store.admin import open_redis_admin
 from offload_store.api import AdminLimits, StashStore, StoreAdmin
+from offload_store.shm import TIER_OPTIONS, with_local_tier
 from offload_store.store import open_redis_store
 
 DEFAULT_SCHEME = "redis"  # the backend of an address without ``SCHEME://``
@@ -87,13 +88,18 @@ def open_store(address: str, job: str, attempt: int = 0, **options: Any) -> Stas
         job: job id, ``[A-Za-z0-9_.-]+``.
         attempt: restart count of the job; a new attempt never sees old stashes.
         **options: backend options (Redis: ``ttl_seconds``, ``max_wait_seconds`` and
-            client arguments, see `offload_store.store.open_redis_store`).
+            client arguments, see `offload_store.store.open_redis_store`), and the
+            node-local tier's (``local_tier_dir``: its directory, empty: none;
+            ``local_tier_bytes``: its cap; ``local_tier_ranks``: the job's rank count;
+            see `offload_store.shm.with_local_tier`).
 
     Raises:
         ValueError: an unknown scheme, a bad address, job id, attempt or option.
+        PermissionError: a local tier directory that is another user's or open to others.
     """
     backend, rest = resolve(address)
-    return backend.open_store(rest, job, attempt, **options)
+    tier = {k: options.pop(k) for k in TIER_OPTIONS if k in options}
+    return with_local_tier(backend.open_store(rest, job, attempt, **options), **tier)
 
 
 def open_admin(

@@ -66,3 +66,34 @@ def job_pattern(job: str) -> str:
         ValueError: a bad job id.
     """
     return f"{PREFIX}:{check_name('job', job)}:*"
+
+
+def segment_key(job: str, attempt: int, step: int, microbatch: int, layer: int,
+                version: int) -> str:
+    """Builds the index key of one layer's segment of a micro-batch's stash in the local
+    tier ([Note: local tier index] in `offload_store.shm`).
+
+    Returns:
+        ``pipefb:{job}:{attempt}:{step}:{microbatch}:{layer}:{version}`` (no tensor name:
+        a name never is empty, so no tensor's key is this).
+
+    Raises:
+        ValueError: a bad job id or index.
+    """
+    parts = (check_name("job", job), check_index("attempt", attempt),
+             check_index("step", step), check_index("microbatch", microbatch),
+             check_index("layer", layer), check_index("version", version))
+    return ":".join([PREFIX, *map(str, parts)])
+
+
+def tier_ranks_key(job: str, attempt: int) -> str:
+    """Builds the key of the set of a job attempt's ranks that use a local tier, each as
+    ``{tier id}/{rank token}``: ``pipefb:{job}:{attempt}:tier``.
+
+    Raises:
+        ValueError: a bad job id or attempt.
+    """
+    return f"{PREFIX}:{check_name('job', job)}:{check_index('attempt', attempt)}:tier"
+
+
+TIER_RANKS_SUFFIX = b":tier"  # how every `tier_ranks_key` ends

@@ -96,7 +96,7 @@ class RedisServer:
     """
 
     def __init__(self, *, maxmemory: str | int = "1gb", port: int | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, unix_socket: Path | None = None) -> None:
         """Configures the server; nothing runs until `start`.
 
         Args:
@@ -104,6 +104,8 @@ class RedisServer:
             port: the port to listen on; None picks a free one.
             password: with one, the default user is off and only the service user, with
                 this password, may connect ([Note: store ACL]); None: no users at all.
+            unix_socket: a unix socket the server also listens on (mode 0700: this user
+                only), for clients on this host (``$PIPEFB_STORE_SOCKET``); None: TCP only.
 
         Raises:
             ValueError: a bad maxmemory, port or password.
@@ -113,6 +115,7 @@ class RedisServer:
         self.maxmemory = _maxmemory_arg(maxmemory)
         self.port = port
         self.password = password
+        self.unix_socket = unix_socket
         self.acl = acl.acl_file(password) if password is not None else ""
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
@@ -222,6 +225,8 @@ class RedisServer:
             "--protected-mode", "yes", "--daemonize", "no",
             "--dir", workdir, "--logfile", str(log),
             *(["--aclfile", str(Path(workdir) / ACL_FILE)] if self.acl else []),
+            *(["--unixsocket", str(self.unix_socket), "--unixsocketperm", "700"]
+              if self.unix_socket is not None else []),
         ]  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from redis.retry import Retry
 from offload_store.acl import USER_ENV
 from offload_store.api import LayerTensors, StashFullError, StoreStats
 from offload_store.frames import Frame, FramePacker
-from offload_store.keys import check_index, check_name, job_pattern, stash_key
+from offload_store.keys import TIER_RANKS_SUFFIX, check_index, check_name, job_pattern, stash_key
 from pipefb.codec import unpack
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
@@ -30,6 +30,9 @@ MAX_DELAY_S = 1.0  # backoff doubles up to this
 SCAN_COUNT = 1000  # keys per SCAN round trip
 UNLINK_BATCH = 512  # keys per UNLINK command in clear_job
 PASSWORD_ENV = "PIPEFB_STORE_PASSWORD"  # the store's AUTH password (Redis requirepass); unset: none
+# the unix socket of the same Redis as the address (a store on this host): clients use it
+# instead of TCP; unset or empty: TCP
+SOCKET_ENV = "PIPEFB_STORE_SOCKET"
 STORE_OPTIONS = ("ttl_seconds", "max_wait_seconds")  # open_redis_store's OffloadStore options
 
 # Client defaults of `connect`; a stash value can be hundreds of MB, hence the long read timeout.
@@ -60,7 +63,10 @@ def connect(address: str, **kw: Any) -> redis.Redis:
     hiredis parses replies when it is installed (redis-py picks it by itself). The AUTH
     password comes from ``$PIPEFB_STORE_PASSWORD`` (unset or empty: no AUTH) unless
     ``password`` is passed, the user from ``$PIPEFB_STORE_USER`` (unset: the default user)
-    unless ``username`` is ([Note: store ACL] in `offload_store.acl`).
+    unless ``username`` is ([Note: store ACL] in `offload_store.acl`). Where
+    ``$PIPEFB_STORE_SOCKET`` names the same server's unix socket (a store on this host),
+    the client connects there instead of to `address`, unless ``unix_socket_path`` is
+    passed.
 
     Args:
         address: ``host:port`` of the Redis server.
@@ -71,7 +77,8 @@ def connect(address: str, **kw: Any) -> redis.Redis:
     """
     host, port = parse_address(address)
     options = {**CLIENT_DEFAULTS, "password": os.environ.get(PASSWORD_ENV) or None,
-               "username": os.environ.get(USER_ENV) or None, **kw}
+               "username": os.environ.get(USER_ENV) or None,
+               "unix_socket_path": os.environ.get(SOCKET_ENV) or None, **kw}
     if options.get("decode_responses"):
         raise ValueError("decode_responses=True would decode tensor bytes as text")
     client = redis.Redis(host=host, port=port, **options)
@@ -220,7 +227,12 @@ class OffloadStore:
         keys = [self.key(step, microbatch, layer, version, name) for layer, name in wanted]
         if not keys:
             return {}
-        values = self._getdel(keys)
+        return self.decode_taken(wanted, keys, self._getdel(keys))
+
+    def decode_taken(self, wanted: Sequence[tuple[int, str]], keys: Sequence[str],
+                     values: Sequence[Any]) -> LayerTensors:
+        """The tensors of a GETDEL pipeline's replies (counted as taken), as `take`
+        returns them; raises as `take` does."""
         found = [value for value in values if isinstance(value, bytes)]
         self._count(bytes_taken=sum(map(len, found)), keys_taken=len(found))
         out: LayerTensors = {}
@@ -304,6 +316,11 @@ class OffloadStore:
                 refused[key] = value
         return refused
 
+    @property
+    def client(self) -> redis.Redis:
+        """The Redis client (the local tier sends its index with it)."""
+        return self._client
+
     def _getdel(self, keys: list[str]) -> list[Any]:
         """Sends one GETDEL pipeline exactly once and returns the replies, errors included.
 
@@ -314,7 +331,7 @@ class OffloadStore:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.getdel(key)
-        return _execute_once(pipe)
+        return execute_once(pipe)
 
     def _full_error(self, step: int, microbatch: int, nbytes: int) -> StashFullError:
         """Builds the error of a put that timed out, with the server's memory figures."""
@@ -361,15 +378,17 @@ def clear_job_keys(client: redis.Redis, job: str) -> int:
 
 
 def count_job_keys(client: redis.Redis, job: str) -> int:
-    """The number of keys of `job` in the store, any attempt.
+    """The number of stash keys of `job` in the store, any attempt (the local tier's
+    sets of ranks, which the ranks remove as they drop the job, not counted).
 
     Raises:
         ValueError: a bad job id.
     """
-    return sum(1 for _ in client.scan_iter(match=job_pattern(job), count=SCAN_COUNT))
+    return sum(1 for key in client.scan_iter(match=job_pattern(job), count=SCAN_COUNT)
+               if not bytes(key).endswith(TIER_RANKS_SUFFIX))
 
 
-def _execute_once(pipe: Pipeline) -> list[Any]:
+def execute_once(pipe: Pipeline) -> list[Any]:
     """Executes a pipeline without redis-py's automatic resend; see [Note: no resend]."""
     conn = pipe.connection_pool.get_connection()
     saved = conn.retry

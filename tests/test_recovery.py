@@ -101,6 +101,8 @@ def assert_equals_uninterrupted(client: CoordinatorClient, restarting: LocalServ
     assert reports[0].step == 0
     assert_trained_as_uninterrupted(client, job, reports)
     assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+    assert restarting.tier_dir is not None  # no segment of any attempt left in the tier
+    assert not list(restarting.tier_dir.glob(f"{job.job_id}+*/[0-9]*.seg"))
 
 
 @pytest.mark.parametrize("victim", ["worker-0", "worker-3"])

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS
+from offload_store.shm import check_tier
 from offload_store.writer import STASH_IN_FLIGHT_BYTES
 from pipefb.allocator import keep_freed_memory
 from pipefb.job.dataroots import add_data_root_flag, configure_from_args
@@ -54,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stash bytes a combined rank keeps in host memory for its own "
                         "backwards before it uses the offload store (0: always the store; "
                         "-1: 1 GiB on CUDA, 0 on the CPU)")
+    p.add_argument("--local-tier-dir", default=os.environ.get("PIPEFB_LOCAL_TIER_DIR", ""),
+                   help="directory of the node-local shared-memory tier (a tmpfs the "
+                        "workers of this host share, e.g. /dev/shm/pipefb; empty: off)")
+    p.add_argument("--local-tier-bytes", type=int,
+                   default=int(os.environ.get("PIPEFB_LOCAL_TIER_BYTES", "-1")),
+                   help="stash bytes the node-local tier holds at most, all jobs; past it "
+                        "stashes go to the offload store (-1: half the tmpfs)")
     p.add_argument("--stash-in-flight-bytes", type=int,
                    default=int(os.environ.get("PIPEFB_STASH_IN_FLIGHT_BYTES",
                                               str(STASH_IN_FLIGHT_BYTES))),
@@ -105,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = parse_args(argv)
     configure_from_args(args)  # the only files a job's dataset may read
+    check_tier(args.local_tier_dir, args.local_tier_bytes)  # before anything listens
     security.require(security.from_env(), "python -m worker")  # [Note: access]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -117,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                                    checkpoint_root=args.checkpoint_root,
                                    local_stash_bytes=args.local_stash_bytes,
                                    stash_in_flight_bytes=args.stash_in_flight_bytes,
+                                   local_tier=(args.local_tier_dir, args.local_tier_bytes),
                                    store_address=args.store)
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen,

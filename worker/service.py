@@ -84,8 +84,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
 
     def __init__(self, metrics: WorkerMetrics | None = None, checkpoint_root: str = "",
                  local_stash_bytes: int = -1, store_address: str = "",
-                 stash_in_flight_bytes: int = STASH_IN_FLIGHT_BYTES) -> None:
+                 stash_in_flight_bytes: int = STASH_IN_FLIGHT_BYTES,
+                 local_tier: tuple[str, int] = ("", -1)) -> None:
         self.store_address = store_address  # the one store this worker stashes in (--store)
+        # the node-local shared-memory tier's directory (empty: none) and cap (-1: the
+        # default), [Note: local tier index] in offload_store/shm.py
+        self.local_tier = local_tier
         self.local_stash_bytes = local_stash_bytes  # a combined rank's local tier cap; -1:
         # the device's default (`offload_store.local.local_tier_cap`)
         # the cap of stash bytes handed to the store's I/O thread and not yet written; 0:
@@ -199,9 +203,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                                          "worker has no store (--store, PIPEFB_STORE)")
             raise PermissionError(f"Assign names the store {request.store_address!r}; this "
                                   f"worker uses only its own, {self.store_address!r}")
+        tier_dir, tier_bytes = self.local_tier
         return open_store(self.store_address, job_id, request.attempt,
                           username=request.store_user or None,
-                          password=request.store_password or None)
+                          password=request.store_password or None,
+                          local_tier_dir=tier_dir, local_tier_bytes=tier_bytes,
+                          local_tier_ranks=len(request.peers))
 
     def _check_not_stale(self, job_id: str, attempt: int) -> None:
         """Refuses an Assign of an attempt older than the one this worker runs (hold the

@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -41,6 +43,14 @@ STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no r
 # what the workers' environment leaves out: the user's credentials and the store's password
 NOT_FOR_WORKERS = ("PIPEFB_TOKEN_FILE", "PIPEFB_USERS_FILE", "PIPEFB_STORE_USER",
                    "PIPEFB_STORE_PASSWORD")
+# the workers' node-local shared-memory tier ([Note: local tier index] in
+# offload_store/shm.py): a private directory made in SHM_ROOT (the system's temporary
+# directory where there is none) unless the environment names one; "" turns it off
+TIER_ENV = "PIPEFB_LOCAL_TIER_DIR"
+TIER_PREFIX = "pipefb-tier-"
+OWNER_FILE = "owner"  # the pid of the process whose cluster made the tier directory
+SOCKET_ENV = "PIPEFB_STORE_SOCKET"  # = offload_store.store.SOCKET_ENV: Redis's unix socket
+SHM_ROOT = Path("/dev/shm")
 _RUNNING: weakref.WeakSet[LocalServices] = weakref.WeakSet()  # started, not yet stopped
 
 
@@ -78,6 +88,8 @@ class LocalServices:
         self.worker_env = {k: v for k, v in self.env.items() if k not in NOT_FOR_WORKERS}
         self.processes: list[Process] = []
         self.store = self.coordinator = ""
+        self.tier_dir: Path | None = None  # the tier directory this cluster made (removed at stop)
+        self.socket_dir: Path | None = None  # the directory of Redis's unix socket (the same)
 
     def __enter__(self) -> LocalServices:
         try:
@@ -109,8 +121,14 @@ class LocalServices:
         _RUNNING.add(self)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._write_secrets()
+        self._make_tier()
+        # Redis listens on a unix socket too, which every process of the cluster uses
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="pipefb-redis-"))  # (a short path)
+        socket = self.socket_dir / "redis.sock"
+        self.env[SOCKET_ENV] = self.worker_env[SOCKET_ENV] = str(socket)
         self.store = self._spawn("redis", ["-m", "offload_store", "--port", "0", "--acl",
-                                           "--maxmemory", self.store_maxmemory]).wait_ready()
+                                           "--maxmemory", self.store_maxmemory,
+                                           "--unix-socket", str(socket)]).wait_ready()
         extra = ["--cluster", str(self.cluster_file)] if self.cluster_file else []
         self.coordinator = self._spawn("coordinator", [
             "-m", "coordinator", "--listen", "127.0.0.1:0", "--store", self.store,
@@ -125,6 +143,17 @@ class LocalServices:
         if self.restart:
             threading.Thread(target=self._supervise, name="local-supervisor",
                              daemon=True).start()
+
+    def _make_tier(self) -> None:
+        """Makes the cluster's own tier directory (0700), unless the environment names
+        one; the coordinator clears a job's segments there, the workers share it."""
+        if TIER_ENV in self.env:
+            return
+        root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
+        _sweep_dead_tiers(root)
+        self.tier_dir = Path(tempfile.mkdtemp(prefix=TIER_PREFIX, dir=root))
+        (self.tier_dir / OWNER_FILE).write_text(str(os.getpid()))
+        self.env[TIER_ENV] = self.worker_env[TIER_ENV] = str(self.tier_dir)
 
     def _write_secrets(self) -> None:
         """Writes the cluster's fresh credentials, each readable by this user only."""
@@ -210,6 +239,7 @@ class LocalServices:
         with self._lock:  # listed until stopped, so that `kill` still finds them
             self.processes = []
         self._forget_token()
+        self._remove_dirs()
         _RUNNING.discard(self)
 
     def _forget_token(self) -> None:
@@ -224,7 +254,31 @@ class LocalServices:
         with self._lock:
             procs = list(self.processes)
         self._forget_token()
-        return sum(proc.kill() for proc in procs)
+        killed = sum(proc.kill() for proc in procs)
+        self._remove_dirs()
+        return killed
+
+    def _remove_dirs(self) -> None:
+        """Removes the tier and socket directories this cluster made."""
+        for folder in (self.tier_dir, self.socket_dir):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep_dead_tiers(root: Path) -> None:
+    """Removes the tier directories in `root` that this user's local clusters made and
+    whose process is gone (a SIGKILLed CLI cleans up nothing): their tmpfs pages are
+    memory."""
+    for folder in root.glob(f"{TIER_PREFIX}*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = int((folder / OWNER_FILE).read_text())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):  # being made now, or not ours to judge
+            continue
 
 
 def kill_running() -> int:

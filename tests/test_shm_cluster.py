@@ -1,0 +1,98 @@
+"""Training through the node-local shared-memory tier ([Note: local tier index] in
+offload_store/shm.py) on real worker processes: every sync schedule that offloads equals
+one process bit for bit, the stash bytes bypass Redis, and stashes past the tier's cap
+spill to Redis and still train the same."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import WORKER_THREADS, store_client
+from tests.test_transparency import assert_same_training, make_job, run_on_cluster
+
+# (model, schedule, workers, policy): each sync schedule with stashes that leave a rank
+OFFLOADING = [("gpt", "1f1b", 3, "offload"), ("mlp", "gpipe", 2, "offload"),
+              ("gpt", "pipefb", 2, ""), ("mlp", "pipefb", 4, "")]
+BATCH = {"mlp": 64}  # samples per step: the mlp's stash, far above the store's own traffic
+
+
+def redis_input_bytes(cluster: Any) -> int:
+    """Bytes the cluster's Redis has received so far."""
+    return int(store_client(cluster).info("stats")["total_net_input_bytes"])
+
+
+def segments_left(tier: Path) -> list[Path]:
+    return sorted(tier.glob("*/[0-9]*.seg"))  # segments, not spares
+
+
+def train(client: Any, cluster: Any, model: str, schedule: str, workers: int, policy: str
+          ) -> tuple[int, int]:
+    """Trains the job, checks it against one process; returns (stash bytes, bytes
+    Redis received meanwhile)."""
+    extra: dict[str, Any] = {"policy": policy} if policy else {}
+    if model in BATCH:
+        extra["batch_size"] = BATCH[model]
+    job = make_job(model, schedule, workers, "adamw", **extra)
+    before = redis_input_bytes(cluster)
+    reports, weights = run_on_cluster(client, job)
+    assert_same_training(job, reports, weights)
+    stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
+    assert stashed > 0
+    return stashed, redis_input_bytes(cluster) - before
+
+
+@pytest.mark.parametrize(("model", "schedule", "workers", "policy"), OFFLOADING)
+def test_stashes_through_the_tier_train_as_one_process(
+        client: Any, cluster: Any, model: str, schedule: str, workers: int,
+        policy: str) -> None:
+    assert cluster.tier_dir is not None  # the local cluster turns the tier on
+    stashed, to_redis = train(client, cluster, model, schedule, workers, policy)
+    assert to_redis < stashed / 2, (to_redis, stashed)  # only index entries and control
+    assert segments_left(cluster.tier_dir) == []  # every segment consumed
+
+
+def unix_connections(socket: Path) -> int:
+    """Connected unix sockets bound to `socket` (the server's ends of its clients'
+    connections), from /proc/net/unix."""
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return sum(1 for line in lines
+               if line.split()[-1] == str(socket) and line.split()[5] == "03")
+
+
+def test_the_cluster_reaches_redis_over_its_unix_socket(client: Any, cluster: Any) -> None:
+    """The workers and the coordinator connect through PIPEFB_STORE_SOCKET while a job
+    runs; this test's own client keeps TCP."""
+    job = make_job("mlp", "pipefb", 4, "adamw", steps=20)
+    seen = 0
+    for _ in client.train(client.submit(job).job_id):
+        seen = max(seen, unix_connections(cluster.socket_dir / "redis.sock"))
+    assert seen >= 4  # a stash client per rank, at least
+    assert store_client(cluster).ping()
+
+
+@pytest.fixture(scope="module")
+def spilling(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    """A 4-worker cluster whose tier holds at most 64 bytes: every stash spills."""
+    from coordinator.client import CoordinatorClient
+    from pipefb.app.local import LocalServices
+
+    with LocalServices(4, tmp_path_factory.mktemp("spill"), threads=WORKER_THREADS,
+                       extra_env={"PIPEFB_LOCAL_TIER_BYTES": "64"}) as cluster, \
+            CoordinatorClient(cluster.coordinator) as client:
+        client.wait_for_workers(4)
+        yield client, cluster
+
+
+@pytest.mark.parametrize(("model", "schedule", "workers", "policy"),
+                         [("gpt", "1f1b", 3, "offload"), ("mlp", "pipefb", 4, "")])
+def test_stashes_past_the_cap_spill_to_redis_and_train_as_one_process(
+        spilling: tuple[Any, Any], model: str, schedule: str, workers: int,
+        policy: str) -> None:
+    client, cluster = spilling
+    stashed, to_redis = train(client, cluster, model, schedule, workers, policy)
+    assert to_redis > stashed / 2  # Redis got them (less those taken back from the queue)
+    assert segments_left(cluster.tier_dir) == []
