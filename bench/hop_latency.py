@@ -3,7 +3,7 @@ same-host hop socket, its gRPC stream and a raw TCP socket, interleaved in one r
 
 An echo process holds what a worker holds to receive: a StageWorker gRPC server whose
 `Activations` decodes into an inbox (`calibration.links.Receiver`) and a hop socket
-(`dataplane.localhop.HopListener`) delivering into the same inbox. Each probe is a
+(`calibration.links.serve_hops`) delivering into the same inbox. Each probe is a
 `GrpcTransport.send` of one tensor and the `recv` of its echo, on the hop socket
 (`local_hops` on) or the gRPC stream (off); the raw TCP echo reads the bytes and writes
 them back. One way is half the round trip. Probes go back to back, and after the link sat
@@ -29,6 +29,7 @@ import torch
 from bench import machine
 from bench.output import args_json, write_results
 from bench.stats import fmt, summary
+from calibration.links import serve, serve_hops
 from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS, GrpcTransport, inbox_key
 from dataplane.inbox import Inbox
 from dataplane.localhop import HopListener
@@ -41,14 +42,8 @@ PATHS = ("hop", "grpc", "tcp")
 
 def _listen(inbox: Inbox, address: str) -> tuple[Any, HopListener]:
     """A gRPC receiver and a hop socket, both delivering into `inbox`."""
-    from calibration.links import serve
-
     srv, address = serve(inbox, address)
-    hops = HopListener.serve(int(address.rsplit(":", 1)[1]),
-                             lambda t, x: inbox.put(inbox_key(t.kind, t.step, t.stage,
-                                                              t.microbatch), x),
-                             lambda: 1 << 20)
-    return srv, hops
+    return srv, serve_hops(inbox, address)
 
 
 def _echo(ready: Any, parent: Any) -> None:
@@ -172,6 +167,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "target_ms": TARGET_MS,
             "one_way_seconds": {g: {p: summary(v) for p, v in paths.items()}
                                 for g, paths in times.items()}}
+
+
+def doc_section(cmd: str, res: dict[str, Any]) -> list[str]:
+    """Markdown of the bench for docs/benchmarks.md."""
+    a, one_way = res["args"], res["one_way_seconds"]
+    lines = ["## Same-host hop latency: hop socket, gRPC stream, raw TCP", "", f"`{cmd}`", "",
+             f"A {a['bytes']} B tensor to an echo process and back, {a['repeats']} probes per "
+             f"path back to back and as many after the link sat idle {a['gap']:g} ms, all "
+             "paths taking turns; one way is half the round trip ([Note: local hops] in "
+             "dataplane/localhop.py). ms, median [min-max].", "",
+             "| path | back to back | after idle |", "| --- | --- | --- |"]
+    lines += [f"| {p} | {fmt(one_way['back_to_back'][p], 1e3, 3)} | "
+              f"{fmt(one_way['idle'][p], 1e3, 3)} |" for p in PATHS]
+    hop = one_way["idle"]["hop"]["median"] * 1e3
+    return [*lines, "", f"Hop socket after idle: **{hop:.3f} ms** (target <= {TARGET_MS})."
+            f" `hop` is what ranks on one host use, `grpc` what the others use.", ""]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

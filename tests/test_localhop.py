@@ -231,3 +231,16 @@ def test_worker_refuses_on_its_hop_socket_what_it_refuses_on_grpc(
         finally:
             stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=30)
 
+
+
+def test_hop_latency_bench_quick(tmp_path: Path) -> None:
+    from bench import hop_latency
+
+    res = hop_latency.main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "results.json").exists()
+    for gap in ("back_to_back", "idle"):
+        assert set(res["one_way_seconds"][gap]) == {"hop", "grpc", "tcp"}
+        for s in res["one_way_seconds"][gap].values():
+            assert s["n"] == 20 and 0 < s["min"] <= s["median"] <= s["max"]
+    page = "\n".join(hop_latency.doc_section("cmd", res))
+    assert "| hop |" in page and "| grpc |" in page and "| tcp |" in page

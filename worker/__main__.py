@@ -105,6 +105,16 @@ class Registration:
                 log.warning("heartbeat failed: %s", error.code().name)
 
 
+def _serve_hops(port: int, servicer: StageWorkerServicer) -> HopListener | None:
+    """The hop socket of this worker ([Note: local hops]); None, with a warning, where the
+    hop folder cannot be written (peers on this host then send over gRPC)."""
+    try:
+        return HopListener.serve(port, servicer.deliver_hop, servicer.receive_limit)
+    except OSError as error:
+        log.warning("no hop socket (%s): peers on this host send over gRPC", error)
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
@@ -126,8 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen,
         interceptors=interceptors)
-    hops = (HopListener.serve(port, servicer.deliver_hop, servicer.receive_limit)
-            if args.local_hops else None)
+    hops = _serve_hops(port, servicer) if args.local_hops else None
     host = args.advertise or args.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
     if args.coordinator:
