@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 20  # largest header frame: a transfer's headers, never its data
+# the sender's socket buffer (the kernel caps it at net.core.wmem_max): a transfer that
+# fits goes on while the receiver's reader waits for its GIL, not on the compute thread
+SEND_BUFFER_BYTES = 4 << 20
 HOP_DIR_ENV = "PIPEFB_HOP_DIR"  # where workers put their hop sockets (default: see hop_dir)
 OK, REFUSED = b"\x01", b"\x00"  # the receiver's answer to the credential
 METHOD = "/pipefb.v1.StageWorker/Activations"  # whom `POLICY` lets feed a rank
@@ -149,6 +152,7 @@ class HopSender:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(timeout)  # a peer that takes no data has failed
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             self._sock.connect(str(path))
             _send_all(self._sock, [_frame(token.encode())])
             answer = self._sock.recv(1)
