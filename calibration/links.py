@@ -254,6 +254,6 @@ def network(peer: Process, inbox: Inbox, settings: Settings) -> tuple[Link, floa
         transport.flush()
     finally:
         transport.close()
-    link = fit_probes("loopback gRPC", settings.small_bytes, small, settings.large_bytes,
+    link = fit_probes("loopback hop socket", settings.small_bytes, small, settings.large_bytes,
                       large)
     return replace(link, cpu=meter.cores()), busy

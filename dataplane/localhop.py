@@ -53,6 +53,7 @@ MAX_FRAME_BYTES = 1 << 20  # largest header frame: a transfer's headers, never i
 # the sender's socket buffer (the kernel caps it at net.core.wmem_max): a transfer that
 # fits goes on while the receiver's reader waits for its GIL, not on the compute thread
 SEND_BUFFER_BYTES = 4 << 20
+RECV_PIECE_BYTES = 1 << 20  # the reader takes a tensor's bytes in pieces of this size
 HOP_DIR_ENV = "PIPEFB_HOP_DIR"  # where workers put their hop sockets (default: see hop_dir)
 OK, REFUSED = b"\x01", b"\x00"  # the receiver's answer to the credential
 METHOD = "/pipefb.v1.StageWorker/Activations"  # whom `POLICY` lets feed a rank
@@ -105,8 +106,9 @@ def _recv_into(sock: socket.socket, view: memoryview) -> bool:
         ConnectionError: the peer closed part-way.
     """
     got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
+    while got < len(view):  # whole pieces: a GIL hand-back per piece, not per socket read,
+        # and the sender's copy of the next piece overlaps this one's
+        n = sock.recv_into(view[got:got + RECV_PIECE_BYTES], 0, socket.MSG_WAITALL)
         if n == 0:
             if got == 0:
                 return False
