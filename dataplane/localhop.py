@@ -10,9 +10,12 @@ takes a few. Between ranks on one host a transfer instead goes over a unix socke
 - the sender's compute thread writes it (one `sendmsg` of a header frame and the
   tensors' own bytes, no copy in Python) and goes on;
 - one reader thread per connection on the receiver validates the header frame, allocates
-  each tensor only then (`protos.wire.empty_tensor`, the gRPC path's checks), reads the
-  bytes straight into it and hands the transfer to the worker's delivery check (job,
-  attempt, receive window, expected shapes), which puts it into the inbox.
+  each tensor only then (`protos.wire.empty_tensor`, the gRPC path's checks), fills it
+  and hands the transfer to the worker's delivery check (job, attempt, receive window,
+  expected shapes), which puts it into the inbox. Each read takes whatever has arrived,
+  up to 256 KiB, so a small transfer costs the reader one read and one GIL hand-back
+  (its bytes copied once more from that buffer); a large tensor's rest is read straight
+  into it.
 
 A frame is a little-endian u32 length and a `TensorChunk` holding the `Transfer` and
 every tensor's header with no data; the tensors' bytes follow in header order. A
@@ -51,9 +54,11 @@ log = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 20  # largest header frame: a transfer's headers, never its data
 # the sender's socket buffer (the kernel caps it at net.core.wmem_max): a transfer that
-# fits goes on while the receiver's reader waits for its GIL, not on the compute thread
+# fits is written at once, and the compute thread goes on while the receiver's reader
+# waits for its GIL
 SEND_BUFFER_BYTES = 4 << 20
-RECV_PIECE_BYTES = 1 << 20  # the reader takes a tensor's bytes in pieces of this size
+RECV_PIECE_BYTES = 1 << 20  # the reader takes a large tensor's bytes in pieces of this size
+READ_AHEAD_BYTES = 256 << 10  # what one read may take beyond what it needs (then copied)
 HOP_DIR_ENV = "PIPEFB_HOP_DIR"  # where workers put their hop sockets (default: see hop_dir)
 OK, REFUSED = b"\x01", b"\x00"  # the receiver's answer to the credential
 METHOD = "/pipefb.v1.StageWorker/Activations"  # whom `POLICY` lets feed a rank
@@ -99,40 +104,70 @@ def _send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
             buffers[0] = buffers[0][sent:]
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fills `view`; False if the peer closed before the first byte.
-
-    Raises:
-        ConnectionError: the peer closed part-way.
-    """
+def _recv_into(sock: socket.socket, view: memoryview) -> int:
+    """Fills `view` from the socket; returns how many bytes came before the peer closed."""
     got = 0
     while got < len(view):  # whole pieces: a GIL hand-back per piece, not per socket read,
         # and the sender's copy of the next piece overlaps this one's
         n = sock.recv_into(view[got:got + RECV_PIECE_BYTES], 0, socket.MSG_WAITALL)
         if n == 0:
-            if got == 0:
-                return False
-            raise ConnectionError(f"the peer closed after {got} of {len(view)} bytes")
+            break
         got += n
-    return True
+    return got
 
 
-def _read_frame(sock: socket.socket) -> bytes | None:
-    """One length-prefixed frame; None at a clean end of the connection.
+class _Incoming:
+    """A connection's bytes, read in as few calls as possible: each read takes whatever
+    has arrived (a small transfer's frame and tensors at once, so the reader thread takes
+    the GIL back once, not once per piece), and a large tensor's rest goes straight into
+    the tensor."""
 
-    Raises:
-        CodecError: a frame over `MAX_FRAME_BYTES`.
-    """
-    head = bytearray(_LEN.size)
-    if not _recv_into(sock, memoryview(head)):
-        return None
-    (size,) = _LEN.unpack(head)
-    if size > MAX_FRAME_BYTES:
-        raise CodecError(f"header frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
-    body = bytearray(size)
-    if not _recv_into(sock, memoryview(body)):
-        raise ConnectionError("the peer closed before the frame's body")
-    return bytes(body)
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray(READ_AHEAD_BYTES)
+        self._start = self._end = 0
+
+    def read_into(self, view: memoryview) -> bool:
+        """Fills `view`; False if the peer closed before its first byte.
+
+        Raises:
+            ConnectionError: the peer closed part-way.
+        """
+        got = 0
+        while got < len(view):
+            if self._start == self._end:
+                if len(view) - got >= READ_AHEAD_BYTES:  # large: no detour through the buffer
+                    got += _recv_into(self.sock, view[got:])
+                    break
+                self._start, self._end = 0, self.sock.recv_into(self._buf)
+                if self._end == 0:
+                    break
+            n = min(len(view) - got, self._end - self._start)
+            view[got:got + n] = self._buf[self._start:self._start + n]
+            got, self._start = got + n, self._start + n
+        if got == len(view):
+            return True
+        if got == 0:
+            return False
+        raise ConnectionError(f"the peer closed after {got} of {len(view)} bytes")
+
+    def frame(self) -> bytes | None:
+        """One length-prefixed frame; None at a clean end of the connection.
+
+        Raises:
+            CodecError: a frame over `MAX_FRAME_BYTES`.
+            ConnectionError: the peer closed inside the frame.
+        """
+        head = bytearray(_LEN.size)
+        if not self.read_into(memoryview(head)):
+            return None
+        (size,) = _LEN.unpack(head)
+        if size > MAX_FRAME_BYTES:
+            raise CodecError(f"header frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+        body = bytearray(size)
+        if not self.read_into(memoryview(body)):
+            raise ConnectionError("the peer closed before the frame's body")
+        return bytes(body)
 
 
 def refusal(error: BaseException) -> str:
@@ -214,7 +249,7 @@ class HopSender:
         if not readable:
             return
         try:
-            frame = _read_frame(self._sock)
+            frame = _Incoming(self._sock).frame()
         except (OSError, CodecError):
             frame = None
         detail = frame.decode(errors="replace") if frame else "connection closed"
@@ -264,9 +299,9 @@ class HopListener:
             threading.Thread(target=self._serve, args=(conn,), name="hop-read",
                              daemon=True).start()
 
-    def _admit(self, conn: socket.socket) -> bool:
+    def _admit(self, conn: socket.socket, incoming: _Incoming) -> bool:
         """Checks the connection's credential ([Note: access]); answers either way."""
-        frame = _read_frame(conn)
+        frame = incoming.frame()
         token = frame.decode(errors="replace") if frame is not None else ""
         who = security.identify(self._settings, [("authorization", f"Bearer {token}")])
         ok = not self._settings.identities or (
@@ -280,9 +315,10 @@ class HopListener:
         """Reads transfers until the sender ends the connection or one is refused."""
         with conn:
             try:
-                if not self._admit(conn):
+                incoming = _Incoming(conn)
+                if not self._admit(conn, incoming):
                     return
-                while self._read_transfer(conn):
+                while self._read_transfer(incoming):
                     pass
             except Exception as error:  # refused: tell the sender why, then hang up
                 log.warning("refused a hop transfer: %s", error)
@@ -291,9 +327,9 @@ class HopListener:
                 except OSError:
                     pass
 
-    def _read_transfer(self, conn: socket.socket) -> bool:
+    def _read_transfer(self, incoming: _Incoming) -> bool:
         """Reads, validates and delivers one transfer; False at the connection's end."""
-        frame = _read_frame(conn)
+        frame = incoming.frame()
         if frame is None:
             return False
         msg = tensor_pb2.TensorChunk.FromString(frame)
@@ -308,7 +344,7 @@ class HopListener:
             tensor = wire.empty_tensor(header, limit)  # validated before allocation
             if header.name in tensors:
                 raise CodecError(f"tensor {header.name!r} sent twice")
-            if not _recv_into(conn, wire.byte_view(tensor)) and tensor.nbytes:
+            if not incoming.read_into(wire.byte_view(tensor)):
                 raise ConnectionError(f"the peer closed before tensor {header.name!r}")
             tensors[header.name] = tensor
         self._deliver(msg.transfer, tensors)
