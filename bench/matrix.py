@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **MODELS, **({"gpt": GPU_MODEL} if args.device == "cuda" else {})}
     names = [m for m in args.models.split(",") if m]
     jobs = {m: make_job(specs[m], args) for m in names}
-    systems = systems_here(args.device)
+    systems = [s for s in systems_here(args.device) if s in args.systems]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {s: [] for s in systems}
                                                         for m in names}
     env = {"OMP_NUM_THREADS": str(args.threads)}
@@ -330,9 +330,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: mlp,convnet,gpt")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where every system computes (cuda: the workers share this GPU)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma-separated subset of the systems; `single` always runs")
     add_run_flags(p, repeats=3)
     p.set_defaults(batch=16, steps=10)
     args = p.parse_args(argv)
+    chosen = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in chosen if s not in SYSTEMS]
+    if unknown:
+        p.error(f"--systems: {unknown[0]!r} is not one of {', '.join(SYSTEMS)}")
+    args.systems = ["single", *(s for s in chosen if s != "single")]
     if args.quick:
         args.steps, args.warmup, args.repeats = 2, 1, 1
     return args

@@ -21,7 +21,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import groups_doc, machine, matrix, planner_doc, replan, scaling, sim_accuracy, store
+from bench import (
+    groups_doc,
+    hop_latency,
+    machine,
+    matrix,
+    planner_doc,
+    replan,
+    scaling,
+    sim_accuracy,
+    store,
+)
 from bench.pipeline_throughput import RATIOS, SYSTEMS
 from bench.stats import fmt
 from pipefb.processes import project_env
@@ -38,6 +48,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "pipeline_throughput_b64": ("pipeline_throughput", ["--batch", "64", "--models", "gpt",
                                                         "--steps", "12"]),
     "stream_vs_tcp": ("stream_vs_tcp", []),
+    "hop_latency": ("hop_latency", []),
     "store": ("store", []),
     "backward_worker": ("backward_worker", []),
     "schedules": ("schedules", ["--workers", "4"]),
@@ -368,6 +379,7 @@ def write_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, Any]
     lines += pipeline_section(*results["pipeline_throughput_b64"], rel(
         out, doc, "pipeline_throughput_b64", "throughput.png"))
     lines += stream_section(*results["stream_vs_tcp"])
+    lines += hop_latency.doc_section(*results["hop_latency"])
     lines += store.doc_section(*results["store"], rel(out, doc, "store", "store.png"))
     lines += backward_section(*results["backward_worker"])
     lines += schedules_section(*results["schedules"], rel(out, doc, "schedules",

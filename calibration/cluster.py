@@ -58,6 +58,7 @@ def _helpers(inbox: Inbox) -> Iterator[tuple[Process, Process]]:
         stack.callback(_stop_all, children)
         srv = links.serve(inbox, address)[0]
         stack.callback(srv.stop, 0)
+        stack.callback(links.serve_hops(inbox, address).close)
         for child in children:
             child.wait_ready()
         yield children[0], children[1]

@@ -2,9 +2,11 @@
 one-way probe times, and how much later a send followed by compute arrives.
 
 - **network**: this process and a peer process (`python -m calibration --echo-to
-  ADDRESS`, `echo`) each serve a StageWorker `Activations` stream that decodes with
-  `protos.wire.decode_transfers` into a `dataplane.inbox.Inbox`, and send with
-  `dataplane.grpc_transport.GrpcTransport.send` (one `PeerStream`, `wire.encode_stream`). A
+  ADDRESS`, `echo`) each receive as a worker does, on a StageWorker `Activations` stream
+  that decodes with `protos.wire.decode_transfers` and on a hop socket
+  (`dataplane.localhop`), both into a `dataplane.inbox.Inbox`, and send with
+  `dataplane.grpc_transport.GrpcTransport.send`: over the hop socket, as workers on one
+  host do ([Note: local hops] in dataplane/localhop.py). A
   tensor goes to the peer, whose receive loop takes it from its inbox, stamps when it did
   and sends it back: a delivery is send call to the peer's `recv` return, one way. Small
   tensors give the latency, large ones the bandwidth (`calibration.fit`); the CPU of both
@@ -49,6 +51,8 @@ from calibration.fit import fit_probes
 from calibration.settings import JOB, PROBE_TIMEOUT_S, CalibrationError, Settings
 from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS, GrpcTransport, inbox_key, nbytes
 from dataplane.inbox import Inbox
+from dataplane.localhop import HopListener
+from pipefb import codec
 from pipefb.errors import Aborted
 from pipefb.memory import KINDS
 from pipefb.processes import Process
@@ -113,6 +117,14 @@ def serve(inbox: Inbox, address: str = "127.0.0.1:0") -> tuple[grpc.Server, str]
     return srv, f"{address.rsplit(':', 1)[0]}:{port}"
 
 
+def serve_hops(inbox: Inbox, address: str) -> HopListener:
+    """A hop socket beside the Receiver serving `address`, delivering into `inbox`."""
+    return HopListener.serve(
+        int(address.rsplit(":", 1)[1]),
+        lambda t, tensors: inbox.put(inbox_key(t.kind, t.step, t.stage, t.microbatch), tensors),
+        lambda: codec.DEFAULT_MAX_BYTES)
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -131,6 +143,7 @@ def echo(parent: str) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     srv, address = serve(inbox)
+    hops = serve_hops(inbox, address)
     transport = GrpcTransport(JOB, [parent], None, inbox)
     print(f"ready {address}", flush=True)
     step = 0
@@ -145,6 +158,7 @@ def echo(parent: str) -> None:
         pass
     finally:
         transport.close()
+        hops.close()
         srv.stop(0)
 
 
@@ -240,6 +254,6 @@ def network(peer: Process, inbox: Inbox, settings: Settings) -> tuple[Link, floa
         transport.flush()
     finally:
         transport.close()
-    link = fit_probes("loopback gRPC", settings.small_bytes, small, settings.large_bytes,
+    link = fit_probes("loopback hop socket", settings.small_bytes, small, settings.large_bytes,
                       large)
     return replace(link, cpu=meter.cores()), busy

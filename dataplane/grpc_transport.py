@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from dataplane.inbox import Inbox
+from dataplane.localhop import HopSender
 from offload_store import StashStore
 from offload_store.local import LocalTier
 from offload_store.staging import Arrival, HostStaging
@@ -100,7 +101,9 @@ class PeerStream:
 
 
 class GrpcTransport:
-    """Sends over one PeerStream per (peer, RPC); receives through the worker's inbox."""
+    """Sends to a peer on this host over its hop socket ([Note: local hops] in
+    dataplane/localhop.py), to any other over one PeerStream per (peer, RPC); receives
+    through the worker's inbox."""
 
     def __init__(self, job_id: str, peers: Sequence[str], store: StashStore | None,
                  inbox: Inbox, attempt: int = 0) -> None:
@@ -109,6 +112,8 @@ class GrpcTransport:
         self._stubs: dict[int, worker_pb2_grpc.StageWorkerStub] = {}
         self._channels: list[grpc.Channel] = []
         self._streams: dict[tuple[int, str], PeerStream] = {}
+        self._hops: dict[int, HopSender | None] = {}  # None: the peer is reached over gRPC
+        self.local_hops = True  # whether peers on this host are sent to over hop sockets
         self._sent = 0
         self._lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -140,6 +145,12 @@ class GrpcTransport:
     def _start(self, rank: int, method: str, transfer: tensor_pb2.Transfer,
                tensors: Tensors) -> None:
         self._check_open()
+        hop = self._hop(rank)
+        if hop is not None:
+            hop.send(transfer, tensors)
+            with self._lock:
+                self._sent += nbytes(tensors)
+            return
         with self._lock:
             stream = self._streams.get((rank, method))
             if stream is None:
@@ -151,6 +162,19 @@ class GrpcTransport:
         if self.fence_sends and self.writer is not None and self.writer.ticket:
             messages = _after_writes(self.writer, self.writer.ticket, messages)
         stream.put(messages)
+
+    def _hop(self, rank: int) -> HopSender | None:
+        """The hop connection to `rank`, opened on the first send; None where the peer is
+        not on this host or has no hop socket, and on a rank whose transfers wait for its
+        stash writes (`fence_sends`: that wait stays off the compute thread, on gRPC's)."""
+        if not self.local_hops or self.fence_sends:
+            return None
+        with self._lock:
+            if rank not in self._hops:
+                self._hops[rank] = HopSender.connect(self.peers[rank],
+                                                     f"rank {rank} at {self.peers[rank]}",
+                                                     SEND_TIMEOUT_SECONDS)
+            return self._hops[rank]
 
     def send(self, kind: Kind, rank: int, step: int, stage: int, microbatch: int, version: int,
              tensors: Tensors) -> None:
@@ -260,6 +284,10 @@ class GrpcTransport:
             sent, self._sent = self._sent, 0
         for stream in streams:
             stream.drain(SEND_TIMEOUT_SECONDS)
+        with self._lock:
+            hops = [hop for hop in self._hops.values() if hop is not None]
+        for hop in hops:
+            hop.check()
         return sent
 
     def _store(self) -> StashStore:
@@ -271,8 +299,11 @@ class GrpcTransport:
         """Ends every peer stream and closes the channels."""
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
+            hops = [hop for hop in self._hops.values() if hop is not None]
         for stream in streams:
             stream.close()
+        for hop in hops:
+            hop.close()
         for ch in self._channels:
             ch.close()
         self._closing.set()

@@ -25,7 +25,7 @@ Tensors = dict[str, torch.Tensor]
 MAX_TENSORS = 4096  # most tensors one stream may announce (a whole stage's parameters)
 
 
-def _dtype_enum(name: str) -> int:
+def dtype_enum(name: str) -> int:
     return codec.CODES[name]
 
 
@@ -58,7 +58,7 @@ def encode_stream(
             yield _sealed(msg, pieces)
             msg, pieces, room = tensor_pb2.TensorChunk(), [], codec.CHUNK_BYTES
         dtype, shape, view = codec.raw_view(tensor)  # data is copied straight from it
-        msg.headers.add(name=name, dtype=_dtype_enum(dtype), shape=shape, nbytes=len(view))
+        msg.headers.add(name=name, dtype=dtype_enum(dtype), shape=shape, nbytes=len(view))
         offset = min(room, len(view))
         pieces.append(view[:offset])
         room -= offset
@@ -84,7 +84,13 @@ class _Pending:
     filled: int = 0
 
 
-def _start_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> _Pending:
+def empty_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> torch.Tensor:
+    """The tensor `header` announces, allocated after its header is validated.
+
+    Raises:
+        CodecError: an unknown dtype, a bad shape, a size over `max_bytes`, a byte count
+            that disagrees with the shape, or no name.
+    """
     dtype = _dtype_name(header.dtype)
     shape = tuple(int(d) for d in header.shape)
     nbytes = codec.check_header(dtype, shape, max_bytes)
@@ -93,8 +99,17 @@ def _start_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> _Pending:
             f"tensor {header.name!r} declares {header.nbytes} bytes, its shape {nbytes}")
     if not header.name:
         raise CodecError("tensor header without a name")
-    tensor = torch.empty(shape, dtype=codec.DTYPES[dtype])
-    return _Pending(header.name, tensor, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return torch.empty(shape, dtype=codec.DTYPES[dtype])
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a dense tensor's memory."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _start_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> _Pending:
+    tensor = empty_tensor(header, max_bytes)
+    return _Pending(header.name, tensor, byte_view(tensor))
 
 
 def _finish(pending: _Pending, out: dict[str, torch.Tensor]) -> None:

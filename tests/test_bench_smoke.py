@@ -301,7 +301,8 @@ def test_the_page_has_every_section_and_says_where_the_gpu_tables_are(suite: Pat
     page = (suite / "docs" / "benchmarks.md").read_text()
     for heading in ("## Every system on every model (CPU", "### mlp", "### convnet", "### gpt",
                     "## Pipeline throughput, 16 samples per micro-batch",
-                    "## gRPC tensor stream vs raw TCP", "## Offload store against plain",
+                    "## gRPC tensor stream vs raw TCP", "## Same-host hop latency",
+                    "## Offload store against plain",
                     "## Backward-only worker", "## Schedules and activation policies",
                     "## Scaling", "## Planner", "## Online re-planning"):
         assert heading in page, heading

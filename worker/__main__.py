@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS
+from dataplane.localhop import HopListener
 from offload_store.shm import check_tier
 from offload_store.writer import STASH_IN_FLIGHT_BYTES
 from pipefb.allocator import keep_freed_memory
@@ -67,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               str(STASH_IN_FLIGHT_BYTES))),
                    help="stash bytes handed to the store's I/O thread and not yet written, "
                         "at most; the compute thread waits past it (0: it writes itself)")
+    p.add_argument("--local-hops", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("PIPEFB_LOCAL_HOPS", "1") != "0",
+                   help="take transfers from peers on this host over a unix socket beside "
+                        "gRPC ([Note: local hops] in dataplane/localhop.py; default on)")
     monitoring.add_metrics_flags(p)
     add_root_flag(p)
     add_data_root_flag(p)  # PIPEFB_DATA_ROOT: where datasets may read
@@ -108,6 +113,16 @@ class Registration:
                 log.warning("heartbeat failed: %s", error.code().name)
 
 
+def _serve_hops(port: int, servicer: StageWorkerServicer) -> HopListener | None:
+    """The hop socket of this worker ([Note: local hops]); None, with a warning, where the
+    hop folder cannot be written (peers on this host then send over gRPC)."""
+    try:
+        return HopListener.serve(port, servicer.deliver_hop, servicer.receive_limit)
+    except OSError as error:
+        log.warning("no hop socket (%s): peers on this host send over gRPC", error)
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
@@ -131,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     srv, port, health = server.create_server(
         lambda s: worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, s), args.listen,
         interceptors=interceptors)
+    hops = _serve_hops(port, servicer) if args.local_hops else None
     host = args.advertise or args.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
     if args.coordinator:
@@ -141,7 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     server.ready(health)
     print(f"ready {address}", flush=True)
     monitoring.announce(url)
-    server.serve_until_signal(srv, health, on_stop=servicer.stop, exit_within=EXIT_WITHIN_SECONDS)
+    try:
+        server.serve_until_signal(srv, health, on_stop=servicer.stop,
+                                  exit_within=EXIT_WITHIN_SECONDS)
+    finally:
+        if hops is not None:
+            hops.close()
 
 
 if __name__ == "__main__":

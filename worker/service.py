@@ -44,6 +44,7 @@ from worker.takeover import Source, buffers_of, local_part, migrate_stream, pull
 log = logging.getLogger(__name__)
 
 ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
+HOP_KINDS = (*ACTIVATION_KINDS, str(Kind.RECV_B), str(Kind.RECV_W))  # a hop socket's
 DRAIN_WAIT_SECONDS = 10.0  # how long Drain waits for a running step to reach an abort point
 CHECKPOINT_WAIT_SECONDS = 30.0  # how long Checkpoint waits for the running step to end
 MAX_WAIT_SECONDS = 1e6  # a caller's deadline further off than this counts as none
@@ -358,23 +359,38 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                  ) -> tensor_pb2.Ack:
         """Puts every transfer of a (long-lived) stream into the inbox as it completes."""
         total, count = 0, 0
-        current = self._assigned  # no tensor may exceed the largest this rank can expect
-        limit = current.runtime.max_receive_bytes if current else codec.CHUNK_BYTES
-        for transfer, tensors in wire.decode_transfers(messages, max_bytes=limit):
-            assigned = self._check(transfer, kinds)
-            stage = 0 if transfer.kind == str(Kind.RECV_W) else transfer.stage
-            assigned.runtime.check_received(transfer.kind, stage, tensors)
-            if transfer.kind == str(Kind.RECV_W):
-                for name, tensor in tensors.items():
-                    assigned.inbox.put(weight_key(transfer.version, name), {name: tensor})
-            else:
-                assigned.inbox.put(inbox_key(transfer.kind, transfer.step, transfer.stage,
-                                             transfer.microbatch), tensors)
+        for transfer, tensors in wire.decode_transfers(messages, max_bytes=self.receive_limit()):
+            self._accept(transfer, tensors, kinds)
             total += nbytes(tensors)
             count += len(tensors)
-            if self.metrics is not None:
-                self.metrics.received_grpc(transfer.job_id, nbytes(tensors))
         return tensor_pb2.Ack(bytes=total, tensors=count)
+
+    def receive_limit(self) -> int:
+        """The largest tensor a peer may make this worker allocate now: the largest this
+        rank can expect."""
+        current = self._assigned
+        return current.runtime.max_receive_bytes if current else codec.CHUNK_BYTES
+
+    def deliver_hop(self, transfer: tensor_pb2.Transfer, tensors: dict[str, torch.Tensor]
+                    ) -> None:
+        """Checks a transfer from a same-host peer's hop socket and puts it into the inbox
+        ([Note: local hops] in dataplane/localhop.py); one connection carries every kind."""
+        self._accept(transfer, tensors, HOP_KINDS)
+
+    def _accept(self, transfer: tensor_pb2.Transfer, tensors: dict[str, torch.Tensor],
+                kinds: tuple[str, ...]) -> None:
+        """Puts one decoded transfer into the inbox after checking it belongs here."""
+        assigned = self._check(transfer, kinds)
+        stage = 0 if transfer.kind == str(Kind.RECV_W) else transfer.stage
+        assigned.runtime.check_received(transfer.kind, stage, tensors)
+        if transfer.kind == str(Kind.RECV_W):
+            for name, tensor in tensors.items():
+                assigned.inbox.put(weight_key(transfer.version, name), {name: tensor})
+        else:
+            assigned.inbox.put(inbox_key(transfer.kind, transfer.step, transfer.stage,
+                                         transfer.microbatch), tensors)
+        if self.metrics is not None:
+            self.metrics.received_grpc(transfer.job_id, nbytes(tensors))
 
     def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
                     context: grpc.ServicerContext) -> tensor_pb2.Ack:
