@@ -156,7 +156,7 @@ def create_server(
     """
     settings = security.from_env()
     security.check_listen(address.rsplit(":", 1)[0], settings)
-    guard = (security.AccessInterceptor(settings),) if settings.identities else ()
+    guard = (security.AccessInterceptor(settings),) if settings.authenticates else ()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=(*guard, *interceptors, ErrorInterceptor()),

@@ -12,7 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -67,9 +67,24 @@ def service(cluster: LocalServices) -> Security:
     return Security(service_token=cluster.service_token_file.read_text().strip())
 
 
+def coordinator(cluster: LocalServices) -> Security:
+    """The cluster's coordinator's own credential (what it sends to workers)."""
+    return Security(coordinator_token=cluster.coordinator_token_file.read_text().strip())
+
+
 def worker_stub(cluster: LocalServices, settings: Security) -> worker_pb2_grpc.StageWorkerStub:
     return worker_pb2_grpc.StageWorkerStub(server.channel(cluster.workers()[0].address,
                                                           settings))
+
+
+def steering_calls(stub: worker_pb2_grpc.StageWorkerStub, job_id: str
+                   ) -> list[Callable[[], object]]:
+    """Calls that would end or derail a running rank of `job_id` if obeyed: a Drain of
+    any attempt, an Assign of another job, a Step far ahead."""
+    return [lambda: stub.Drain(worker_pb2.DrainRequest(job_id=job_id, reason="attack",
+                                                       attempt=1 << 30), timeout=10),
+            lambda: stub.Assign(second_rank_assignment(), timeout=10),
+            lambda: stub.Step(worker_pb2.StepRequest(job_id=job_id, step=99), timeout=10)]
 
 
 def code_of(call: object) -> grpc.StatusCode:
@@ -112,33 +127,36 @@ def test_a_user_token_cannot_pose_as_a_worker_and_a_service_one_cannot_submit(
 
 
 @pytest.mark.timeout(300)
-def test_a_user_token_on_worker_rpcs_is_refused_and_the_job_is_unharmed(
+def test_no_user_nor_worker_credential_steers_a_rank_and_the_job_is_unharmed(
         cluster: LocalServices) -> None:
-    """Mid-job, a user (the admin, even) calls Drain, Assign and Step on a rank: a worker
-    knows no user token, so each is UNAUTHENTICATED, and the job trains on exactly as
-    one process does."""
+    """Mid-job, a user (the admin, even), a client holding everything a worker holds (the
+    service credential, and the coordinator's verifier sent as a token) call Drain,
+    Assign and Step on a rank: a user token and the verifier are UNAUTHENTICATED, the
+    service credential PERMISSION_DENIED (only the coordinator's own credential steers a
+    rank), and the job trains on exactly as one process does."""
     job = make_job("mlp", "pipefb", 2, "adamw", steps=12)
-    attacker = worker_stub(cluster, Security(token=cluster.token))
+    verifier = cluster.verifier_file.read_text().strip()
+    attackers = ((Security(token=cluster.token), grpc.StatusCode.UNAUTHENTICATED),
+                 (Security(token=verifier), grpc.StatusCode.UNAUTHENTICATED),
+                 (service(cluster), grpc.StatusCode.PERMISSION_DENIED))
     with CoordinatorClient(cluster.coordinator, Security(token=cluster.token)) as client:
         job_id = client.submit(job).job_id
         follow = client.train(job_id)
         reports = [next(follow)]
-        for call in (lambda: attacker.Drain(worker_pb2.DrainRequest(
-                         job_id=job_id, reason="attack"), timeout=10),
-                     lambda: attacker.Assign(second_rank_assignment(), timeout=10),
-                     lambda: attacker.Step(worker_pb2.StepRequest(job_id=job_id, step=99),
-                                           timeout=10)):
-            assert code_of(call) is grpc.StatusCode.UNAUTHENTICATED
+        for settings, code in attackers:
+            for call in steering_calls(worker_stub(cluster, settings), job_id):
+                assert code_of(call) is code
         reports += list(follow)
-        assert client.status(job_id).state == coordinator_pb2.DONE
+        status = client.status(job_id)
+        assert status.state == coordinator_pb2.DONE and not status.restarts, status.error
         weights = client.weights(job_id)
     assert_same_training(job, reports, weights)
 
 
 def test_an_assign_naming_another_store_is_refused_and_nothing_reaches_it(
         cluster: LocalServices) -> None:
-    """Even with the service credential, an Assign cannot make a worker dial a store of
-    the caller's choosing: it stashes only in the store of its own configuration."""
+    """Even with the coordinator's credential, an Assign cannot make a worker dial a store
+    of the caller's choosing: it stashes only in the store of its own configuration."""
     with socket.socket() as trap:
         trap.bind(("127.0.0.1", 0))
         trap.listen()
@@ -146,7 +164,7 @@ def test_an_assign_naming_another_store_is_refused_and_nothing_reaches_it(
         request = second_rank_assignment()
         request.store_address = f"127.0.0.1:{trap.getsockname()[1]}"
         request.store_user, request.store_password = "pipefb", "stolen?"
-        stub = worker_stub(cluster, service(cluster))
+        stub = worker_stub(cluster, coordinator(cluster))
         with pytest.raises(grpc.RpcError) as error:
             stub.Assign(request, timeout=30)
         assert error.value.code() is grpc.StatusCode.PERMISSION_DENIED
@@ -243,18 +261,28 @@ def test_the_cli_finds_the_local_cluster_s_token_only_in_a_private_file(
         f"pipefb: error: token file {str(path)!r} is open to others (mode 644): chmod 600 it"]
 
 
-def test_workers_hold_neither_the_user_token_nor_the_store_password(
+def test_workers_hold_neither_the_user_token_nor_the_store_password_nor_the_coordinator_s(
         cluster: LocalServices) -> None:
     for proc in cluster.workers():
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
         names = {line.split(b"=", 1)[0].decode() for line in environ if line}
-        assert "PIPEFB_SERVICE_TOKEN_FILE" in names
-        assert not names & {"PIPEFB_TOKEN_FILE", "PIPEFB_STORE_PASSWORD", "PIPEFB_USERS_FILE"}
+        assert {"PIPEFB_SERVICE_TOKEN_FILE", "PIPEFB_COORDINATOR_VERIFIER_FILE"} <= names
+        assert not names & {"PIPEFB_TOKEN_FILE", "PIPEFB_STORE_PASSWORD", "PIPEFB_USERS_FILE",
+                            "PIPEFB_COORDINATOR_TOKEN_FILE"}
 
 
 @pytest.mark.parametrize(("method", "who", "allowed"), [
-    ("/pipefb.v1.StageWorker/Drain", "service", True),
+    ("/pipefb.v1.StageWorker/Drain", "coordinator", True),
+    ("/pipefb.v1.StageWorker/Drain", "service", False),
     ("/pipefb.v1.StageWorker/Drain", "admin", False),
+    ("/pipefb.v1.StageWorker/Assign", "service", False),
+    ("/pipefb.v1.StageWorker/Step", "service", False),
+    ("/pipefb.v1.StageWorker/Profile", "coordinator", True),
+    ("/pipefb.v1.StageWorker/Activations", "service", True),
+    ("/pipefb.v1.StageWorker/Migrate", "service", True),
+    ("/pipefb.v1.StageWorker/Activations", "coordinator", False),
+    ("/pipefb.v1.Coordinator/RegisterWorker", "coordinator", False),
+    ("/pipefb.v1.Coordinator/SubmitJob", "coordinator", False),
     ("/pipefb.v1.StageWorker/Assign", "alice", False),
     ("/pipefb.v1.Coordinator/RegisterWorker", "service", True),
     ("/pipefb.v1.Coordinator/RegisterWorker", "admin", False),

@@ -148,7 +148,7 @@ def worker(tmp_path: Path, keys: Credentials) -> Iterator[Process]:
 
 def test_a_profile_stops_when_its_deadline_passes_and_sigterm_ends_the_worker(
         worker: Process, keys: Credentials) -> None:
-    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.service))
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
     with pytest.raises(grpc.RpcError) as caught:
         stub.Profile(profile_request(100), timeout=3.0)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -178,7 +178,7 @@ def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process,
     one without a deadline waits until the job is drained."""
     from tests.test_worker_service import second_rank_assignment
 
-    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.service))
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
     stub.Assign(second_rank_assignment(), timeout=60)
     calls = [stub.Step.future(worker_pb2.StepRequest(job_id="win", step=5), timeout=1.0)
              for _ in range(40)]
