@@ -7,8 +7,9 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
+from functools import partial
 
 import grpc
 
@@ -28,6 +29,7 @@ from protos.server import FailedPrecondition
 
 log = logging.getLogger(__name__)
 CHECKPOINT_WAIT_SECONDS = 600.0  # Checkpoint waits at most this long for the commit
+REPORT_WAIT_SECONDS = 1.0  # a follower looks again at least this often, notified or not
 KEEP_FINISHED_JOBS = 32  # finished jobs whose status, reports and weights stay queryable
 
 
@@ -123,18 +125,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if self.driver.metrics is not None:
                 self.driver.metrics.forget(job.job_id)
 
-    def Train(self, request: coordinator_pb2.TrainRequest, context: grpc.ServicerContext
-              ) -> Iterator[coordinator_pb2.StepReport]:
+    async def Train(self, request: coordinator_pb2.TrainRequest, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[coordinator_pb2.StepReport]:
+        """Streams the job's step reports as they come, on the event loop: a follower
+        holds no thread ([Note: asyncio server] in protos/aioserver.py); a client that
+        goes away cancels it at its wait."""
         job = self._job(request.job_id, context)
         sent = 0
-        while context.is_active():
-            new, state, error = _wait_reports(job, sent)
-            yield from new
+        while True:
+            with job.cond:
+                new, state, error = job.reports[sent:], job.state, job.error
+            for report in new:
+                yield report
             sent += len(new)
             if state in TERMINAL and sent == len(job.reports):
                 if state == "FAILED":
-                    context.abort(grpc.StatusCode.ABORTED, f"job {job.job_id} failed: {error}")
+                    await context.abort(grpc.StatusCode.ABORTED,
+                                        f"job {job.job_id} failed: {error}")
                 return
+            await job.cond.changed(partial(_moved_on, job, sent), REPORT_WAIT_SECONDS)
 
     def GetJob(self, request: coordinator_pb2.GetJobRequest, context: grpc.ServicerContext
                ) -> coordinator_pb2.JobStatus:
@@ -182,16 +191,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         yield from wire.encode_stream(transfer, job.weights)
 
 
+def _moved_on(job: Job, sent: int) -> bool:
+    """Whether `job` has reports after the first `sent`, or ended (hold its lock)."""
+    return len(job.reports) > sent or job.state in TERMINAL
+
+
 def visible(job: Job, who: str) -> bool:
     """Whether the caller `who` may see and steer `job`: its submitter or the admin."""
     return who in (job.owner, security.ADMIN)
-
-
-def _wait_reports(job: Job, sent: int) -> tuple[list[coordinator_pb2.StepReport], str, str]:
-    """Waits up to a second for reports after the first `sent`, or for the job to end."""
-    with job.cond:
-        job.cond.wait_for(lambda: len(job.reports) > sent or job.state in TERMINAL, timeout=1.0)
-        return job.reports[sent:], job.state, job.error
 
 
 def _status(job: Job) -> coordinator_pb2.JobStatus:
