@@ -20,7 +20,9 @@ from coordinator.journal import Entry
 from coordinator.limits import check_worker
 from coordinator.registry import Registry
 from coordinator.reshape import migration_proto
+from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
+from pipefb.job.config import MAX_JOB_ID
 from pipefb.job.size import SizeLimits
 from pipefb.schedule.kinds import runs_in_process
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, security, tensor_pb2, wire
@@ -44,10 +46,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._lock = threading.Lock()
 
     def _job(self, job_id: str, context: grpc.ServicerContext) -> Job:
-        """The job `job_id` if the caller submitted it or is the admin; another's job is
-        as missing as an unknown id ([Note: access] in protos/security.py)."""
-        job = self._jobs.get(job_id)
-        if job is None or not visible(job, security.caller(context)):
+        """The job `job_id` (an id the caller chose, in its own namespace, or a whole id)
+        if the caller submitted it or is the admin; another's job is as missing as an
+        unknown id ([Note: access] in protos/security.py)."""
+        who = security.caller(context)
+        job = self._jobs.get(owned_id(job_id, who)) or self._jobs.get(job_id)
+        if job is None or not visible(job, who):
             raise KeyError(f"no job {job_id!r}")
         return job
 
@@ -72,13 +76,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if runs_in_process(config.schedule):
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
         costs = check_job(config, self.size_limits)
+        owner = security.caller(context)
+        chosen = owned_id(config.job_id, owner) if config.job_id else ""
         with self._lock:
-            job_id = config.job_id or self._fresh_id()
-            if job_id in self._jobs:
-                raise FailedPrecondition(f"job id {job_id!r} is already in use")
+            job_id = chosen or self._fresh_id()
+            if job_id in self._jobs:  # the caller's own namespace: [Note: job ids]
+                raise FailedPrecondition(f"job id {config.job_id!r} is already in use")
             config = own_directory(replace(config, job_id=job_id))
             claim_directory(config, self._jobs.values(), self.driver.checkpoint_root)
-            job = Job(config, layer_costs=costs, owner=security.caller(context))
+            job = Job(config, layer_costs=costs, owner=owner)
             self._forget_old_jobs()
             self._jobs[job_id] = job
         self.driver.start(job)
@@ -189,6 +195,27 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         transfer = tensor_pb2.Transfer(job_id=job.job_id, version=job.config.steps,
                                        microbatch=-1, kind="EXPORT")
         yield from wire.encode_stream(transfer, job.weights)
+
+
+def owned_id(chosen: str, owner: str) -> str:
+    """The whole id of a job id `owner` chose.
+
+    [Note: job ids] Job ids are per owner: a user's chosen id `run` is the job
+    `USER.run` (user names hold no dot, so no two users' ids meet, and random ids
+    `job-<16 hex>` hold none either), and the user may call it by either name. So whether
+    another user holds an id never shows: a submit can collide only with the caller's own
+    jobs. The admin's chosen ids are whole as given.
+
+    Raises:
+        ConfigError: the whole id would be longer than a job id may be.
+    """
+    if owner == security.ADMIN:
+        return chosen
+    whole = f"{owner}.{chosen}"
+    if len(whole) > MAX_JOB_ID:
+        raise ConfigError(f"job id {chosen!r} is too long: {owner}'s ids have at most "
+                          f"{MAX_JOB_ID - len(owner) - 1} characters")
+    return whole
 
 
 def _moved_on(job: Job, sent: int) -> bool:

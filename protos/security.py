@@ -54,6 +54,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -76,6 +77,9 @@ SERVICE = "service"  # the identity of the service credential
 COORDINATOR = "coordinator"  # the identity of the coordinator's credential, on workers
 USERS = "users"  # in POLICY: the admin and every user of the users file
 ANY = "any"  # in POLICY: every known identity
+# a user's name: no dot, so users' job id namespaces never meet ([Note: job ids] in
+# coordinator/service.py)
+_USER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 #: method prefix -> who may call it ([Note: access]); first match wins
 POLICY: tuple[tuple[str, str], ...] = (
     *((f"/pipefb.v1.StageWorker/{name}", SERVICE)
@@ -228,10 +232,11 @@ def _users(path: str) -> tuple[tuple[str, str], ...]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        if len(fields) != 2 or fields[0] in (ADMIN, SERVICE, COORDINATOR, USERS, ANY):
+        if (len(fields) != 2 or fields[0] in (ADMIN, SERVICE, COORDINATOR, USERS, ANY)
+                or not _USER_NAME.fullmatch(fields[0])):
             raise ConfigError(f"PIPEFB_USERS_FILE={path!r} line {number}: write NAME TOKEN "
-                              f"(names other than {ADMIN}, {SERVICE}, {COORDINATOR}, "
-                              f"{USERS}, {ANY})")
+                              f"(a NAME of 1 to 32 letters, digits, _ or -, other than "
+                              f"{ADMIN}, {SERVICE}, {COORDINATOR}, {USERS}, {ANY})")
         users.append((fields[0], fields[1]))
     return tuple(users)
 

@@ -13,6 +13,8 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -228,9 +230,10 @@ def test_another_submitter_s_job_and_weights_are_refused(cluster: LocalServices)
         for name, tensor in admin.weights(job_id).items():
             assert torch.equal(tensor, weights[name]), name
         chosen = alice.submit(make_job("mlp", "gpipe", 2, "sgd", job_id="alices-run"))
-        assert chosen.job_id == "alices-run"
+        assert chosen.job_id == "alice.alices-run"  # [Note: job ids]
         list(alice.train("alices-run"))
-        assert code_of(lambda: bob.weights("alices-run")) is grpc.StatusCode.NOT_FOUND
+        for name in ("alices-run", "alice.alices-run"):
+            assert code_of(partial(bob.weights, name)) is grpc.StatusCode.NOT_FOUND
     assert_same_training(job, reports, weights)
 
 
@@ -301,10 +304,43 @@ def test_a_users_file_is_checked_line_by_line(tmp_path: Path) -> None:
     assert security.from_env({"PIPEFB_USERS_FILE": str(good)}).users == (
         ("alice", "a-token"), ("bob", "b-token"))
     for text, line in (("alice", 1), ("alice a b", 1), ("ok t\nadmin x", 2),
-                       ("ok t\nservice x", 2)):
+                       ("ok t\nservice x", 2), ("ok t\ncoordinator x", 2), ("al.ice t", 1),
+                       ("a" * 33 + " t", 1)):
         bad = write_private(tmp_path / "bad", text)
         with pytest.raises(ConfigError, match=f"line {line}: write NAME TOKEN"):
             security.from_env({"PIPEFB_USERS_FILE": str(bad)})
+
+
+@pytest.mark.timeout(300)
+def test_a_chosen_id_another_user_holds_tells_nothing(cluster: LocalServices) -> None:
+    """Ids are per owner ([Note: job ids]): bob choosing the id alice holds gets what an id
+    nobody holds gets (accepted, his own job), each sees only their own under that name,
+    and only a second submit of one's own id is refused."""
+    job = make_job("mlp", "gpipe", 2, "sgd", job_id="shared-name", steps=2)
+    with user(cluster, "alice") as alice, user(cluster, "bob") as bob:
+        held = alice.submit(job).job_id
+        taken = bob.submit(job).job_id  # alice holds "shared-name"
+        fresh = bob.submit(replace(job, job_id="nobody-has-it")).job_id
+        assert (held, taken, fresh) == ("alice.shared-name", "bob.shared-name",
+                                        "bob.nobody-has-it")
+        sneaky = bob.submit(replace(job, job_id="alice.shared-name")).job_id
+        assert sneaky == "bob.alice.shared-name"  # still bob's own namespace
+        assert alice.status("shared-name").job_id == held
+        assert bob.status("shared-name").job_id == taken
+        for again, mine in ((alice, "shared-name"), (bob, "nobody-has-it")):
+            with pytest.raises(grpc.RpcError) as error:
+                again.submit(replace(job, job_id=mine))
+            assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert error.value.details() == (
+                f"FailedPrecondition: job id {mine!r} is already in use")
+        with pytest.raises(grpc.RpcError) as long:
+            bob.submit(replace(job, job_id="x" * 61))
+        assert long.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "bob's ids have at most 60 characters" in long.value.details()
+        for client, job_id in ((alice, held), (bob, taken), (bob, fresh), (bob, sneaky)):
+            client.stop(job_id)
+        for client, job_id in ((alice, held), (bob, taken), (bob, fresh), (bob, sneaky)):
+            list(client.train(job_id))  # to its end: the workers are free for what follows
 
 
 def test_a_journaled_job_keeps_its_owner() -> None:
