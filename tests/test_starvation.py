@@ -195,3 +195,67 @@ def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process,
     assert waiting.running()  # it waits for its turn until the job is drained
     assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10).drained
     assert waiting.exception(timeout=30).code() == grpc.StatusCode.ABORTED
+
+
+def test_a_running_step_whose_caller_gave_up_stops_and_the_worker_is_free(
+        worker: Process, keys: Credentials) -> None:
+    """A rank's step 0 waits for activations that never come. Its caller's 1 s deadline
+    passes (DEADLINE_EXCEEDED), then a second Step's caller cancels: each running step
+    stops at its wait within a second ([Note: callers that give up] in worker/caller.py),
+    the next Step is told why at once (it waited out its own 5 s deadline before, while
+    the step waited 300 s for the inbox), and a new Assign takes the worker at once."""
+    from tests.test_worker_service import second_rank_assignment
+
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
+    for leave in ("deadline", "cancel"):
+        stub.Assign(second_rank_assignment(), timeout=60)
+        if leave == "deadline":
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Step(worker_pb2.StepRequest(job_id="win", step=0), timeout=1.0)
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        else:
+            running = stub.Step.future(worker_pb2.StepRequest(job_id="win", step=0))
+            time.sleep(1.0)
+            assert running.running()
+            running.cancel()
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as next_step:
+            stub.Step(worker_pb2.StepRequest(job_id="win", step=1), timeout=5.0)
+        seconds = time.monotonic() - start
+        print(f"{leave}: the next Step was answered after {seconds:.2f} s")
+        assert next_step.value.code() == grpc.StatusCode.ABORTED
+        assert "step 0 stopped: its caller gave up" in next_step.value.details()
+        assert seconds < 2.0
+        start = time.monotonic()
+        assert stub.Assign(second_rank_assignment(), timeout=10).role == "combined"
+        assert time.monotonic() - start < 5.0
+        assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10).drained
+
+
+def test_an_assign_whose_caller_gave_up_installs_nothing(worker: Process,
+                                                         keys: Credentials) -> None:
+    """An Assign of a large model outlives its caller's 0.3 s deadline: it stops at its
+    next phase, says so in the worker's log, and leaves the worker unassigned (a Step of
+    that job is FAILED_PRECONDITION), free for the next Assign."""
+    from tests.test_worker_service import second_rank_assignment
+
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
+    big = second_rank_assignment()
+    big.job.job_id = "big"
+    big.job.model_config_json = '{"hidden": 2048, "depth": 8}'
+    big.job.batch_size = 4096
+    big.plan.forward_partition[:] = big.plan.backward_partition[:] = [0, 4, 9]
+    big.plan.policy[:] = ["keep"] * 9
+    big.plan.microbatch_size = 1024
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Assign(big, timeout=0.3)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 60.0
+    while "Assign of job big rank 1 stopped: its caller gave up" not in (
+            worker.log_path.read_text()):
+        assert time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.1)
+    with pytest.raises(grpc.RpcError) as step:
+        stub.Step(worker_pb2.StepRequest(job_id="big", step=0), timeout=5.0)
+    assert step.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stub.Assign(second_rank_assignment(), timeout=30).role == "combined"
