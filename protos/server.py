@@ -148,21 +148,22 @@ def wrap_handler(handler: Any, unary: Wrap, stream: Wrap, async_stream: Wrap | N
     """An RPC method handler whose behaviour is wrapped: by `unary` where it returns one
     reply (unary and client-streaming RPCs), by `stream` where it yields replies, by
     `async_stream` where an async generator yields them (the asyncio server's waiting
-    streams, [Note: asyncio server] in protos/aioserver.py).
-
-    Raises:
-        TypeError: an async generator handler and no `async_stream`.
-    """
+    streams, [Note: asyncio server] in protos/aioserver.py). Other async handlers (the
+    asyncio health service's), and async generators without `async_stream`, are left as
+    they are."""
     if handler is None:
         return None
+    functions = (handler.unary_unary, handler.stream_unary, handler.unary_stream,
+                 handler.stream_stream)
+    if any(inspect.iscoroutinefunction(f) for f in functions if f):
+        return handler
     if handler.unary_unary:
         return handler._replace(unary_unary=unary(handler.unary_unary))
     if handler.stream_unary:
         return handler._replace(stream_unary=unary(handler.stream_unary))
     if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
         if async_stream is None:
-            raise TypeError(f"{handler.unary_stream!r} is an async generator; this "
-                            "interceptor wraps none")
+            return handler
         return handler._replace(unary_stream=async_stream(handler.unary_stream))
     if handler.unary_stream:
         return handler._replace(unary_stream=stream(handler.unary_stream))
