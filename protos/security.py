@@ -12,8 +12,8 @@ every service, the CLI and the local launcher's children agree without plumbing:
   not the host they dial (one certificate for every pod, say).
 - `PIPEFB_TOKEN_FILE`: a file holding a user's bearer token, which clients send as
   `authorization: Bearer <token>`. On the coordinator it is the admin token.
-- `PIPEFB_SERVICE_TOKEN_FILE`: the service credential the coordinator and the workers
-  hold; a process that has it sends it (not the user token) on every call it makes.
+- `PIPEFB_SERVICE_TOKEN_FILE`: the service credential the workers hold and send (not
+  the user token) on every call they make; the coordinator holds it to check them.
 - `PIPEFB_USERS_FILE`: on the coordinator, more users, one `NAME TOKEN` per line.
 - `PIPEFB_COORDINATOR_TOKEN_FILE`: the coordinator's own credential, which it sends (not
   the service credential) on every call to a worker; no worker holds it.
@@ -102,7 +102,7 @@ class Security:
     mtls: bool = False  # servers require client certificates signed by `ca`
     server_name: str = ""  # the name clients check in servers' certificates
     token: str = ""  # the user's bearer token; on the coordinator, the admin's; "" for none
-    service_token: str = ""  # the coordinator's and workers' credential; "" for none
+    service_token: str = ""  # the workers' credential (the coordinator checks it); "" for none
     users: tuple[tuple[str, str], ...] = ()  # (name, token) the coordinator also accepts
     coordinator_token: str = ""  # the coordinator's credential for worker RPCs; "" for none
     coordinator_verifier: str = ""  # on workers: hex SHA-256 of it (`verifier`); "" for none
