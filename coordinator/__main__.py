@@ -17,6 +17,7 @@ from pipefb.job.dataroots import add_data_root_flag, configure_from_args
 from pipefb.runtime.checkpoint import add_root_flag
 from pipefb.sim.cluster import Cluster
 from protos import coordinator_pb2_grpc, monitoring, security, server
+from protos.aioserver import create_aio_server
 
 DRAIN_SECONDS = 20.0  # on SIGTERM: for running steps to end and a checkpoint to be written
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                     rendezvous_port=args.rendezvous_port, journal=journal)
     servicer = CoordinatorServicer(registry, driver, limits.size)
     admission = Admission(limits, servicer.unfinished)  # [Note: reserved threads]
-    srv, port, health = server.create_server(
+    srv, port, health = create_aio_server(  # [Note: asyncio server]: followers hold no thread
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen,
         interceptors=(*interceptors, admission), max_workers=limits.threads)
     servicer.resume(journal.pending())

@@ -8,7 +8,9 @@ PLANNING from either. A coordinator that stops leaves its jobs PENDING, journale
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,37 @@ class Repartitioned(RuntimeError):
     """The job paused at a step boundary and checkpointed, to go on with a new plan."""
 
 
+class JobCondition(threading.Condition):
+    """A job's condition: `notify_all` also wakes the followers awaiting it on the asyncio
+    server's loop (`changed`), so a follower holds no thread ([Note: asyncio server] in
+    protos/aioserver.py). Every change a follower waits for is notified under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._awaiting: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        for loop, event in self._awaiting:
+            loop.call_soon_threadsafe(event.set)
+
+    async def changed(self, done: Callable[[], bool], timeout: float) -> None:
+        """Returns once `done()` holds (checked under the lock), after a notify, or after
+        `timeout` seconds, without blocking the event loop."""
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self:
+            if done():
+                return
+            self._awaiting.add(waiter)  # before the lock is let go: no notify is missed
+        try:
+            await asyncio.wait_for(waiter[1].wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self:
+                self._awaiting.discard(waiter)
+
+
 @dataclass
 class Job:
     """A job's state as the coordinator tracks it; `cond` guards and signals changes."""
@@ -69,7 +102,7 @@ class Job:
     checkpoints: Path | None = None  # the job's checkpoint directory, when it uses one
     pump: StepPump | None = None  # while steps run: takes checkpoint requests
     refused: list[str] = field(default_factory=list)  # checkpoints passed over, newest first
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    cond: JobCondition = field(default_factory=JobCondition)
     owner: str = security.ADMIN  # the identity that submitted it; it and the admin see it
 
     @property

@@ -2,14 +2,16 @@
 hold of its threads, jobs and worker table; refusals are RESOURCE_EXHAUSTED with a retry
 hint (`pipefb.errors.Overloaded`).
 
-[Note: reserved threads] The sync gRPC server runs every RPC on one thread of its pool
-for the whole call, and a following `Train` stream lasts as long as its job. So the
-pool is sized `max_streams + max_calls + max_submits + RESERVED_THREADS`, and the
-`Admission` interceptor lets streams (Train, ExportWeights) hold at most `max_streams`
-threads, SubmitJob calls `max_submits` and other user calls `max_calls`; the workers'
-path (RegisterWorker, Heartbeat) and the health service are never counted, so at least
-`RESERVED_THREADS` threads are always free for heartbeats, whatever users do. A refused
-call returns at once.
+[Note: reserved threads] The coordinator runs on the asyncio gRPC server ([Note: asyncio
+server] in protos/aioserver.py): a following `Train` stream, which lasts as long as its
+job, awaits the job's step events on the event loop and holds no thread, so `max_streams`
+(and `max_streams_per_caller`) bound followers, not the thread pool. Every other call
+runs on the pool for its duration, sized `max_calls + max_submits + RESERVED_THREADS`:
+the `Admission` interceptor lets SubmitJob calls take at most `max_submits` threads and
+other user calls (ExportWeights, whose chunks are encoded on the pool, among them)
+`max_calls`; the workers' path (RegisterWorker, Heartbeat) and the health service (on
+the event loop) are never counted, so at least `RESERVED_THREADS` threads are always free
+for heartbeats, whatever users do. A refused call returns at once.
 
 A caller is the identity whose token the call carries, on the peer's host as gRPC reports
 it (`caller_of`): per-caller limits bound what one user on one host takes of the global
@@ -25,7 +27,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +36,11 @@ import grpc
 from pipefb.errors import ConfigError, Overloaded
 from pipefb.job.size import SizeLimits
 from protos import security
-from protos.server import abort, wrap_handler
+from protos.server import abort, abort_async, wrap_handler
 
 SERVICE = "/pipefb.v1.Coordinator/"
 WORKER_PATH = ("RegisterWorker", "Heartbeat")  # served from the reserved threads
-STREAMS = ("Train", "ExportWeights")  # server streams: one thread each while they last
+STREAMS = ("Train",)  # follower streams: on the event loop, no thread ([Note: reserved threads])
 RESERVED_THREADS = 8  # pool threads no user call may take ([Note: reserved threads])
 MAX_ADDRESS = 255  # characters of a worker's host:port (a DNS name is at most 253)
 MAX_NAME = 128  # characters of a worker's name
@@ -52,8 +54,8 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")  # a DNS name or 
 class Limits:
     """Operator caps of the coordinator (flags, each with an environment fallback)."""
 
-    max_streams: int = 16  # Train and ExportWeights streams at once, all callers
-    max_streams_per_caller: int = 8  # the same, one caller
+    max_streams: int = 256  # Train streams at once, all callers (they hold no thread)
+    max_streams_per_caller: int = 64  # the same, one caller
     max_calls: int = 8  # other user calls at once, all callers
     max_submits: int = 2  # SubmitJob calls at once (each builds the model to check it)
     max_jobs: int = 64  # unfinished jobs, all callers
@@ -68,13 +70,13 @@ class Limits:
     @property
     def threads(self) -> int:
         """The server's thread pool ([Note: reserved threads])."""
-        return self.max_streams + self.max_calls + self.max_submits + RESERVED_THREADS
+        return self.max_calls + self.max_submits + RESERVED_THREADS
 
 
 # flag name -> (Limits field, environment variable, type, help)
 _FLAGS: tuple[tuple[str, str, str, type, str], ...] = (
     ("--max-streams", "max_streams", "PIPEFB_MAX_STREAMS", int,
-     "Train and ExportWeights streams served at once"),
+     "Train streams (followers) served at once"),
     ("--max-streams-per-caller", "max_streams_per_caller", "PIPEFB_MAX_STREAMS_PER_CALLER",
      int, "the same, for one caller host"),
     ("--max-calls", "max_calls", "PIPEFB_MAX_CALLS", int,
@@ -202,10 +204,11 @@ class Admission(grpc.ServerInterceptor):
         if name == "RegisterWorker":
             return wrap_handler(continuation(details), self._registration, self._registration)
         if name in STREAMS:
-            return wrap_handler(continuation(details), self._call, self._stream)
+            return wrap_handler(continuation(details), self._call, self._call_stream,
+                                self._stream)
         if name == "SubmitJob":
-            return wrap_handler(continuation(details), self._submit, self._stream)
-        return wrap_handler(continuation(details), self._call, self._stream)
+            return wrap_handler(continuation(details), self._submit, self._call_stream)
+        return wrap_handler(continuation(details), self._call, self._call_stream)
 
     def _registration(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
@@ -226,25 +229,49 @@ class Admission(grpc.ServerInterceptor):
 
         return handler
 
+    def _take_call(self) -> Overloaded | None:
+        """Counts a user call in; its refusal if `max_calls` run already."""
+        with self._lock:
+            if self._calls >= self.limits.max_calls:
+                return Overloaded(f"the coordinator serves {self.limits.max_calls} calls at "
+                                  "once", CALL_RETRY_SECONDS)
+            self._calls += 1
+            return None
+
+    def _give_call(self) -> None:
+        with self._lock:
+            self._calls -= 1
+
     def _call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
-            with self._lock:
-                busy = self._calls >= self.limits.max_calls
-                if not busy:
-                    self._calls += 1
-            if busy:
-                abort(context, Overloaded(f"the coordinator serves {self.limits.max_calls} "
-                                          "calls at once", CALL_RETRY_SECONDS))
+            refusal = self._take_call()
+            if refusal is not None:
+                abort(context, refusal)
             try:
                 return fn(request, context)
             finally:
-                with self._lock:
-                    self._calls -= 1
+                self._give_call()
 
         return handler
 
-    def _stream(self, fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    def _call_stream(self, fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        """A short server stream (ExportWeights) counts as a call while it lasts."""
         def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            refusal = self._take_call()
+            if refusal is not None:
+                abort(context, refusal)
+            try:
+                yield from fn(request, context)
+            finally:
+                self._give_call()
+
+        return handler
+
+    def _stream(self, fn: Callable[..., AsyncIterator[Any]]
+                ) -> Callable[..., AsyncIterator[Any]]:
+        """A follower (an async generator on the event loop): counted against its
+        caller's and the global stream limits while it lasts."""
+        async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
             caller = caller_of(context)
             with self._lock:
                 mine, total = self._streams.get(caller, 0), sum(self._streams.values())
@@ -255,9 +282,10 @@ class Admission(grpc.ServerInterceptor):
                 if not refusal:
                     self._streams[caller] = mine + 1
             if refusal:
-                abort(context, Overloaded(refusal, STREAM_RETRY_SECONDS))
+                await abort_async(context, Overloaded(refusal, STREAM_RETRY_SECONDS))
             try:
-                yield from fn(request, context)
+                async for reply in fn(request, context):
+                    yield reply
             finally:
                 with self._lock:
                     self._streams[caller] -= 1

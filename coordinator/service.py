@@ -7,8 +7,9 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
+from functools import partial
 
 import grpc
 
@@ -19,7 +20,9 @@ from coordinator.journal import Entry
 from coordinator.limits import check_worker
 from coordinator.registry import Registry
 from coordinator.reshape import migration_proto
+from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
+from pipefb.job.config import MAX_JOB_ID
 from pipefb.job.size import SizeLimits
 from pipefb.schedule.kinds import runs_in_process
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, security, tensor_pb2, wire
@@ -28,6 +31,7 @@ from protos.server import FailedPrecondition
 
 log = logging.getLogger(__name__)
 CHECKPOINT_WAIT_SECONDS = 600.0  # Checkpoint waits at most this long for the commit
+REPORT_WAIT_SECONDS = 1.0  # a follower looks again at least this often, notified or not
 KEEP_FINISHED_JOBS = 32  # finished jobs whose status, reports and weights stay queryable
 
 
@@ -42,10 +46,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._lock = threading.Lock()
 
     def _job(self, job_id: str, context: grpc.ServicerContext) -> Job:
-        """The job `job_id` if the caller submitted it or is the admin; another's job is
-        as missing as an unknown id ([Note: access] in protos/security.py)."""
-        job = self._jobs.get(job_id)
-        if job is None or not visible(job, security.caller(context)):
+        """The job `job_id` (an id the caller chose, in its own namespace, or a whole id)
+        if the caller submitted it or is the admin; another's job is as missing as an
+        unknown id ([Note: access] in protos/security.py)."""
+        who = security.caller(context)
+        job = self._jobs.get(owned_id(job_id, who)) or self._jobs.get(job_id)
+        if job is None or not visible(job, who):
             raise KeyError(f"no job {job_id!r}")
         return job
 
@@ -70,13 +76,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if runs_in_process(config.schedule):
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
         costs = check_job(config, self.size_limits)
+        owner = security.caller(context)
+        chosen = owned_id(config.job_id, owner) if config.job_id else ""
         with self._lock:
-            job_id = config.job_id or self._fresh_id()
-            if job_id in self._jobs:
-                raise FailedPrecondition(f"job id {job_id!r} is already in use")
+            job_id = chosen or self._fresh_id()
+            if job_id in self._jobs:  # the caller's own namespace: [Note: job ids]
+                raise FailedPrecondition(f"job id {config.job_id!r} is already in use")
             config = own_directory(replace(config, job_id=job_id))
             claim_directory(config, self._jobs.values(), self.driver.checkpoint_root)
-            job = Job(config, layer_costs=costs, owner=security.caller(context))
+            job = Job(config, layer_costs=costs, owner=owner)
             self._forget_old_jobs()
             self._jobs[job_id] = job
         self.driver.start(job)
@@ -123,18 +131,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if self.driver.metrics is not None:
                 self.driver.metrics.forget(job.job_id)
 
-    def Train(self, request: coordinator_pb2.TrainRequest, context: grpc.ServicerContext
-              ) -> Iterator[coordinator_pb2.StepReport]:
+    async def Train(self, request: coordinator_pb2.TrainRequest, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[coordinator_pb2.StepReport]:
+        """Streams the job's step reports as they come, on the event loop: a follower
+        holds no thread ([Note: asyncio server] in protos/aioserver.py); a client that
+        goes away cancels it at its wait."""
         job = self._job(request.job_id, context)
         sent = 0
-        while context.is_active():
-            new, state, error = _wait_reports(job, sent)
-            yield from new
+        while True:
+            with job.cond:
+                new, state, error = job.reports[sent:], job.state, job.error
+            for report in new:
+                yield report
             sent += len(new)
             if state in TERMINAL and sent == len(job.reports):
                 if state == "FAILED":
-                    context.abort(grpc.StatusCode.ABORTED, f"job {job.job_id} failed: {error}")
+                    await context.abort(grpc.StatusCode.ABORTED,
+                                        f"job {job.job_id} failed: {error}")
                 return
+            await job.cond.changed(partial(_moved_on, job, sent), REPORT_WAIT_SECONDS)
 
     def GetJob(self, request: coordinator_pb2.GetJobRequest, context: grpc.ServicerContext
                ) -> coordinator_pb2.JobStatus:
@@ -182,16 +197,35 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         yield from wire.encode_stream(transfer, job.weights)
 
 
+def owned_id(chosen: str, owner: str) -> str:
+    """The whole id of a job id `owner` chose.
+
+    [Note: job ids] Job ids are per owner: a user's chosen id `run` is the job
+    `USER.run` (user names hold no dot, so no two users' ids meet, and random ids
+    `job-<16 hex>` hold none either), and the user may call it by either name. So whether
+    another user holds an id never shows: a submit can collide only with the caller's own
+    jobs. The admin's chosen ids are whole as given.
+
+    Raises:
+        ConfigError: the whole id would be longer than a job id may be.
+    """
+    if owner == security.ADMIN:
+        return chosen
+    whole = f"{owner}.{chosen}"
+    if len(whole) > MAX_JOB_ID:
+        raise ConfigError(f"job id {chosen!r} is too long: {owner}'s ids have at most "
+                          f"{MAX_JOB_ID - len(owner) - 1} characters")
+    return whole
+
+
+def _moved_on(job: Job, sent: int) -> bool:
+    """Whether `job` has reports after the first `sent`, or ended (hold its lock)."""
+    return len(job.reports) > sent or job.state in TERMINAL
+
+
 def visible(job: Job, who: str) -> bool:
     """Whether the caller `who` may see and steer `job`: its submitter or the admin."""
     return who in (job.owner, security.ADMIN)
-
-
-def _wait_reports(job: Job, sent: int) -> tuple[list[coordinator_pb2.StepReport], str, str]:
-    """Waits up to a second for reports after the first `sent`, or for the job to end."""
-    with job.cond:
-        job.cond.wait_for(lambda: len(job.reports) > sent or job.state in TERMINAL, timeout=1.0)
-        return job.reports[sent:], job.state, job.error
 
 
 def _status(job: Job) -> coordinator_pb2.JobStatus:

@@ -38,6 +38,7 @@ from deploy import images
 from deploy.kubeplay import Adapter, PlayPod, secrets_by_name, write_pod
 from deploy.manifests import build
 from deploy.podman import Podman
+from pipefb.secretfiles import verifier
 
 ROOT = Path(__file__).resolve().parent.parent
 HOME = Path("/var/tmp/pipefb-container")  # podman storage and the build cache, kept
@@ -107,14 +108,20 @@ def scrape(url: str) -> str:
 def host_phase(podman: Podman, notes: list[str], work: Path) -> None:
     """Redis, the coordinator and 4 workers as containers with host networking."""
     password = secrets.token_hex(16)
-    acl, auth = work / "acl", work / "auth"
-    for folder in (acl, auth):
+    acl, auth, boss_dir = work / "acl", work / "auth", work / "coordinator"
+    for folder in (acl, auth, boss_dir):
         folder.mkdir()
         shutil.chown(folder, 10001, 10001)
-    for name in ("token", "service-token"):  # the admin's token, the service credential
-        (auth / name).write_text(secrets.token_urlsafe(32))
-        shutil.chown(auth / name, 10001, 10001)
-        (auth / name).chmod(0o400)
+    boss = secrets.token_urlsafe(32)  # the coordinator's credential; workers get its hash
+    # the admin's token, the service credential, the coordinator's and its verifier
+    # (the coordinator's in a folder of its own, mounted into the coordinator only)
+    for path, text in ((auth / "token", secrets.token_urlsafe(32)),
+                       (auth / "service-token", secrets.token_urlsafe(32)),
+                       (boss_dir / "token", boss),
+                       (auth / "coordinator-verifier", verifier(boss))):
+        path.write_text(text)
+        shutil.chown(path, 10001, 10001)
+        path.chmod(0o400)
     common = ["--network", "host", "--read-only", "--cap-drop", "ALL",
               "--security-opt", "no-new-privileges", "--tmpfs", "/tmp"]
     made = podman.run_once(*common, "-e", f"PIPEFB_STORE_PASSWORD={password}",
@@ -128,21 +135,25 @@ def host_phase(podman: Podman, notes: list[str], work: Path) -> None:
                         "--port", str(redis_port), "--aclfile", "/acl/users.acl",
                         "--save", "", "--appendonly", "no", "--dir", "/tmp")
     # [Note: access]: the admin's token for the coordinator and the client, the service
-    # credential for the coordinator and the workers, the store password for the
-    # coordinator only
+    # credential for the coordinator and the workers, the coordinator's own for it and its
+    # verifier for the workers, the store password for the coordinator only
     base = ["-e", "PIPEFB_THREADS=1", "-v", f"{auth}:/auth:ro"]
     user = ["-e", "PIPEFB_TOKEN_FILE=/auth/token"]
     service = ["-e", "PIPEFB_SERVICE_TOKEN_FILE=/auth/service-token"]
+    boss_only = ["-v", f"{boss_dir}:/coordinator:ro",
+                 "-e", "PIPEFB_COORDINATOR_TOKEN_FILE=/coordinator/token"]
+    check = ["-e", "PIPEFB_COORDINATOR_VERIFIER_FILE=/auth/coordinator-verifier"]
     store = ["-e", "PIPEFB_STORE_USER=pipefb", "-e", f"PIPEFB_STORE_PASSWORD={password}"]
     coordinator = f"127.0.0.1:{grpc}"
-    podman.run_detached(*common, *base, *user, *service, *store, images.IMAGE, "python",
-                        "-m", "coordinator",
+    podman.run_detached(*common, *base, *user, *service, *boss_only, *store, images.IMAGE,
+                        "python", "-m", "coordinator",
                         "--listen", coordinator, "--store", f"127.0.0.1:{redis_port}",
                         "--metrics-port", str(metrics))
     worker_metrics = free_port()
     for i in range(WORKERS):
-        podman.run_detached(*common, *base, *service, images.IMAGE, "python", "-m", "worker",
-                            "--name", f"worker-{i}", "--listen", f"127.0.0.1:{free_port()}",
+        podman.run_detached(*common, *base, *service, *check, images.IMAGE, "python", "-m",
+                            "worker", "--name", f"worker-{i}",
+                            "--listen", f"127.0.0.1:{free_port()}",
                             "--coordinator", coordinator, "--store", f"127.0.0.1:{redis_port}",
                             "--metrics-port", str(worker_metrics) if i == 0 else "")
     submitted = podman.run_once(*common, *base, *user, images.IMAGE, "pipefb", "submit",

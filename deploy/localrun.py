@@ -32,6 +32,7 @@ from typing import IO
 import yaml
 
 from deploy.manifests import Doc, build, find, main_container, pod_spec
+from pipefb.secretfiles import verifier
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120.0  # one process's start-up, torch import included
@@ -360,13 +361,17 @@ class LocalDeployment:
 
 def local_secrets(folder: Path) -> dict[tuple[str, str], str]:
     """Fresh values of the Secrets the manifests name: the Redis password, the admin's
-    token, the service credential and a test CA's certificate (`deploy.pki`), what an
+    token, the service credential, the coordinator's and its verifier, and a test CA's
+    certificate (`deploy.pki`), what an
     operator creates in a cluster."""
     from deploy.pki import tls_secret
 
+    boss = secrets.token_urlsafe(32)  # the coordinator's credential; workers get its hash
     values = {("pipefb-redis", "password"): secrets.token_hex(16),
               ("pipefb-auth", "token"): secrets.token_urlsafe(32),
-              ("pipefb-service", "token"): secrets.token_urlsafe(32)}
+              ("pipefb-service", "token"): secrets.token_urlsafe(32),
+              ("pipefb-coordinator", "token"): boss,
+              ("pipefb-coordinator-verifier", "verifier"): verifier(boss)}
     values.update({("pipefb-tls", key): v for key, v in tls_secret(folder).items()})
     return values
 

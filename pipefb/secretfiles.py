@@ -3,6 +3,7 @@ a coordinator finds that cluster's user token ([Note: access] in protos/security
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from collections.abc import Mapping
@@ -47,3 +48,10 @@ def read_private(path: Path) -> str:
     if not token:
         raise ConfigError(f"token file {str(path)!r} is empty")
     return token
+
+
+def verifier(token: str) -> str:
+    """The hex SHA-256 of `token`: what a worker holds to recognise the coordinator's
+    credential ([Note: access] in protos/security.py). The credential is 32 random bytes,
+    so the hash gives nothing to guess from and nothing to send."""
+    return hashlib.sha256(token.encode()).hexdigest()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -50,13 +50,16 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
         names = split_method(details.method)
         return wrap_handler(continuation(details), lambda fn: self._unary(fn, names),
-                            lambda fn: self._stream(fn, names))
+                            lambda fn: self._stream(fn, names),
+                            lambda fn: self._async_stream(fn, names))
 
     def _record(self, names: tuple[str, str], started: float, context: grpc.ServicerContext,
                 failed: bool) -> None:
         """Counts the RPC with the code its client sees: CANCELLED once the client went
         away (its stream ended under the handler), else the code the handler set."""
-        if not context.is_active():
+        # an async handler's context (the asyncio server's) tells `cancelled()` instead
+        gone = not context.is_active() if hasattr(context, "is_active") else context.cancelled()
+        if gone:
             code = grpc.StatusCode.CANCELLED
         else:
             code = context.code() or (grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK)
@@ -83,6 +86,20 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             try:
                 yield from fn(request, context)
             except BaseException:  # GeneratorExit too: the stream was closed early
+                self._record(names, started, context, failed=True)
+                raise
+            self._record(names, started, context, failed=False)
+
+        return handler
+
+    def _async_stream(self, fn: Callable[..., AsyncIterator[Any]], names: tuple[str, str]
+                      ) -> Callable[..., AsyncIterator[Any]]:
+        async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
+            started = time.perf_counter()
+            try:
+                async for reply in fn(request, context):
+                    yield reply
+            except BaseException:  # CancelledError too: the client went away
                 self._record(names, started, context, failed=True)
                 raise
             self._record(names, started, context, failed=False)

@@ -12,9 +12,13 @@ every service, the CLI and the local launcher's children agree without plumbing:
   not the host they dial (one certificate for every pod, say).
 - `PIPEFB_TOKEN_FILE`: a file holding a user's bearer token, which clients send as
   `authorization: Bearer <token>`. On the coordinator it is the admin token.
-- `PIPEFB_SERVICE_TOKEN_FILE`: the service credential the coordinator and the workers
-  hold; a process that has it sends it (not the user token) on every call it makes.
+- `PIPEFB_SERVICE_TOKEN_FILE`: the service credential the workers hold and send (not
+  the user token) on every call they make; the coordinator holds it to check them.
 - `PIPEFB_USERS_FILE`: on the coordinator, more users, one `NAME TOKEN` per line.
+- `PIPEFB_COORDINATOR_TOKEN_FILE`: the coordinator's own credential, which it sends (not
+  the service credential) on every call to a worker; no worker holds it.
+- `PIPEFB_COORDINATOR_VERIFIER_FILE`: on a worker, the hex SHA-256 of that credential
+  (`verifier`): enough to recognise the coordinator, not to pose as it.
 
 Who may call what is [Note: access] below; the health service needs no token (Kubernetes
 probes call it).
@@ -30,9 +34,12 @@ Comparisons of tokens are constant-time (`hmac.compare_digest`).
 [Note: access] A server configured with any token refuses a call without a known one
 (UNAUTHENTICATED), then checks the caller's identity against the method (`POLICY`, first
 match wins; PERMISSION_DENIED otherwise):
-- every StageWorker RPC, and the coordinator's RegisterWorker and Heartbeat, take only
-  the service credential: a user token cannot Assign, Drain or feed a rank, nor pose as a
-  worker to be handed a job;
+- a worker's control RPCs (Assign, Step, Drain, Checkpoint, Profile, ExportWeights) take
+  only the coordinator's credential, which a worker checks against its SHA-256 and never
+  holds: neither a user nor another worker can assign, drain or step a rank;
+- a worker's tensor streams from its peers (Activations, Gradients, Weights, Migrate) and
+  the coordinator's RegisterWorker and Heartbeat take only the service credential: a user
+  token cannot feed a rank, nor pose as a worker to be handed a job;
 - the coordinator's other RPCs take only user tokens (the admin's, and the users file's);
   the servicer scopes jobs to the identity that submitted them (`caller`);
 - anything else (in-process servers of calibration and benchmarks) takes any known token.
@@ -47,6 +54,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -56,20 +64,27 @@ from typing import Any
 import grpc
 
 from pipefb.errors import ConfigError
-from pipefb.secretfiles import read_private, token_path
+from pipefb.secretfiles import read_private, token_path, verifier
 
 ENV = ("PIPEFB_TLS_CERT", "PIPEFB_TLS_KEY", "PIPEFB_TLS_CA", "PIPEFB_MTLS",
        "PIPEFB_TLS_SERVER_NAME", "PIPEFB_TOKEN_FILE", "PIPEFB_SERVICE_TOKEN_FILE",
-       "PIPEFB_USERS_FILE")
+       "PIPEFB_USERS_FILE", "PIPEFB_COORDINATOR_TOKEN_FILE",
+       "PIPEFB_COORDINATOR_VERIFIER_FILE")
 #: RPCs that need no token: Kubernetes' gRPC probes cannot send one
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 ADMIN = "admin"  # the identity of PIPEFB_TOKEN_FILE's token on the coordinator
 SERVICE = "service"  # the identity of the service credential
+COORDINATOR = "coordinator"  # the identity of the coordinator's credential, on workers
 USERS = "users"  # in POLICY: the admin and every user of the users file
 ANY = "any"  # in POLICY: every known identity
+# a user's name: no dot, so users' job id namespaces never meet ([Note: job ids] in
+# coordinator/service.py)
+_USER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 #: method prefix -> who may call it ([Note: access]); first match wins
 POLICY: tuple[tuple[str, str], ...] = (
-    ("/pipefb.v1.StageWorker/", SERVICE),
+    *((f"/pipefb.v1.StageWorker/{name}", SERVICE)
+      for name in ("Activations", "Gradients", "Weights", "Migrate")),
+    ("/pipefb.v1.StageWorker/", COORDINATOR),
     ("/pipefb.v1.Coordinator/RegisterWorker", SERVICE),
     ("/pipefb.v1.Coordinator/Heartbeat", SERVICE),
     ("/pipefb.v1.Coordinator/", USERS),
@@ -87,20 +102,27 @@ class Security:
     mtls: bool = False  # servers require client certificates signed by `ca`
     server_name: str = ""  # the name clients check in servers' certificates
     token: str = ""  # the user's bearer token; on the coordinator, the admin's; "" for none
-    service_token: str = ""  # the coordinator's and workers' credential; "" for none
+    service_token: str = ""  # the workers' credential (the coordinator checks it); "" for none
     users: tuple[tuple[str, str], ...] = ()  # (name, token) the coordinator also accepts
+    coordinator_token: str = ""  # the coordinator's credential for worker RPCs; "" for none
+    coordinator_verifier: str = ""  # on workers: hex SHA-256 of it (`verifier`); "" for none
 
     @property
     def client_token(self) -> str:
-        """The token this process sends: the service credential in a service, else the
-        user's."""
-        return self.service_token or self.token
+        """The token this process sends: the coordinator's credential in the coordinator
+        (it calls only workers), the service credential in a worker, else the user's."""
+        return self.coordinator_token or self.service_token or self.token
 
     @property
     def identities(self) -> tuple[tuple[str, str], ...]:
         """(identity, token) of every token a server of this process knows."""
         known = ((ADMIN, self.token), (SERVICE, self.service_token), *self.users)
         return tuple((name, token) for name, token in known if token)
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether a server of this process checks tokens: it knows any."""
+        return bool(self.identities or self.coordinator_verifier)
 
     @property
     def tls(self) -> bool:
@@ -147,14 +169,18 @@ def client_settings(address: str, env: Mapping[str, str] | None = None) -> Secur
 
 
 def require(settings: Security, service: str, *, admin: bool = False) -> None:
-    """Refuses to run a service without its credentials ([Note: access]).
+    """Refuses to run a service without its credentials ([Note: access]): the
+    coordinator (`admin`) needs the service credential, its own and the admin token; a
+    worker the service credential and the coordinator's verifier.
 
     Raises:
-        ConfigError: no service credential, or with `admin` no admin token.
+        ConfigError: naming each missing variable.
     """
-    missing = [name for name, have in (("PIPEFB_SERVICE_TOKEN_FILE", settings.service_token),
-                                       ("PIPEFB_TOKEN_FILE", settings.token or not admin))
-               if not have]
+    needs = (("PIPEFB_SERVICE_TOKEN_FILE", settings.service_token),
+             ("PIPEFB_TOKEN_FILE", settings.token or not admin),
+             ("PIPEFB_COORDINATOR_TOKEN_FILE", settings.coordinator_token or not admin),
+             ("PIPEFB_COORDINATOR_VERIFIER_FILE", settings.coordinator_verifier or admin))
+    missing = [name for name, have in needs if not have]
     if missing:
         raise ConfigError(f"{service} needs " + " and ".join(missing)
                           + " (authentication is always on; `pipefb local` makes them)")
@@ -162,7 +188,8 @@ def require(settings: Security, service: str, *, admin: bool = False) -> None:
 
 @lru_cache(maxsize=8)
 def _load(values: tuple[str, ...]) -> Security:
-    cert, key, ca, mtls, server_name, token_file, service_file, users_file = values
+    (cert, key, ca, mtls, server_name, token_file, service_file, users_file,
+     coordinator_file, verifier_file) = values
     if bool(cert) != bool(key):
         raise ConfigError("PIPEFB_TLS_CERT and PIPEFB_TLS_KEY go together: set both or neither")
     if mtls not in ("", "0", "1"):
@@ -176,7 +203,19 @@ def _load(values: tuple[str, ...]) -> Security:
                     mtls=mtls == "1", server_name=server_name,
                     token=_token(token_file, "PIPEFB_TOKEN_FILE"),
                     service_token=_token(service_file, "PIPEFB_SERVICE_TOKEN_FILE"),
-                    users=_users(users_file) if users_file else ())
+                    users=_users(users_file) if users_file else (),
+                    coordinator_token=_token(coordinator_file,
+                                             "PIPEFB_COORDINATOR_TOKEN_FILE"),
+                    coordinator_verifier=_verifier(verifier_file))
+
+
+def _verifier(path: str) -> str:
+    """The coordinator's verifier in `path`: 64 hex digits (`verifier`)."""
+    text = _token(path, "PIPEFB_COORDINATOR_VERIFIER_FILE").lower()
+    if text and not (len(text) == 64 and all(c in "0123456789abcdef" for c in text)):
+        raise ConfigError(f"PIPEFB_COORDINATOR_VERIFIER_FILE={path!r} must hold the 64 hex "
+                          "digits of the coordinator token's SHA-256")
+    return text
 
 
 def _token(path: str, name: str) -> str:
@@ -193,9 +232,11 @@ def _users(path: str) -> tuple[tuple[str, str], ...]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        if len(fields) != 2 or fields[0] in (ADMIN, SERVICE, USERS, ANY):
+        if (len(fields) != 2 or fields[0] in (ADMIN, SERVICE, COORDINATOR, USERS, ANY)
+                or not _USER_NAME.fullmatch(fields[0])):
             raise ConfigError(f"PIPEFB_USERS_FILE={path!r} line {number}: write NAME TOKEN "
-                              f"(names other than {ADMIN}, {SERVICE}, {USERS}, {ANY})")
+                              f"(a NAME of 1 to 32 letters, digits, _ or -, other than "
+                              f"{ADMIN}, {SERVICE}, {COORDINATOR}, {USERS}, {ANY})")
         users.append((fields[0], fields[1]))
     return tuple(users)
 
@@ -228,7 +269,7 @@ def check_listen(host: str, security: Security) -> None:
         return
     missing = [what for what, ok in (("TLS (PIPEFB_TLS_CERT, PIPEFB_TLS_KEY)", security.tls),
                                      ("a token (PIPEFB_TOKEN_FILE or PIPEFB_SERVICE_TOKEN_FILE)",
-                                      bool(security.identities)))
+                                      security.authenticates))
                if not ok]
     if missing:
         raise ConfigError(f"listening on {host!r}, beyond loopback, needs "
@@ -319,17 +360,23 @@ def allowed(method: str, who: str) -> bool:
     if need == ANY:
         return True
     if need == USERS:
-        return who != SERVICE
+        return who not in (SERVICE, COORDINATOR)
     return who == need
 
 
 def identify(settings: Security, metadata: Any) -> str | None:
-    """The identity whose token the call's metadata carries; None for none known."""
+    """The identity whose token the call's metadata carries; None for none known. The
+    coordinator's credential is known by its SHA-256 (`verifier`) only."""
     sent = str(dict(metadata or ()).get("authorization", "")).encode()
     found = None
     for name, token in settings.identities:  # every one compared: constant time
         if hmac.compare_digest(sent, f"Bearer {token}".encode()):
             found = name
+    if settings.coordinator_verifier:
+        offered = sent.removeprefix(b"Bearer ")
+        if hmac.compare_digest(verifier(offered.decode(errors="replace")).encode(),
+                               settings.coordinator_verifier.encode()):
+            found = COORDINATOR
     return found
 
 
@@ -337,7 +384,7 @@ def caller(context: grpc.ServicerContext) -> str:
     """The identity of the call being served ([Note: access]); ADMIN on a server that
     knows no tokens (in-process servers on loopback, which check none)."""
     settings = from_env()
-    if not settings.identities:
+    if not settings.authenticates:
         return ADMIN
     who = identify(settings, context.invocation_metadata())
     if who is None:  # the interceptor refused it already; never reached

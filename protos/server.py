@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -111,18 +112,59 @@ def _wrap_stream(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any
     return handler
 
 
+async def abort_async(context: Any, error: BaseException) -> None:
+    """`abort` for an async handler of the asyncio server ([Note: asyncio server] in
+    protos/aioserver.py); always raises."""
+    if context.code() is not None:
+        raise error  # the handler already aborted with its own status
+    if isinstance(error, grpc.RpcError) and context.cancelled():
+        raise error  # the client went away: nobody is left to tell
+    code = status_of(error)
+    if isinstance(error, Overloaded):
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY,
+                                        str(round(error.retry_after_seconds * 1000))),))
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("unexpected error in handler", exc_info=error)
+    await context.abort(code, f"{type(error).__name__}: {_message(error)}")
+
+
+def _wrap_async_stream(fn: Callable[..., AsyncIterator[Any]]
+                       ) -> Callable[..., AsyncIterator[Any]]:
+    async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            async for reply in fn(request, context):
+                yield reply
+        except Exception as error:
+            await abort_async(context, error)
+
+    return handler
+
+
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def wrap_handler(handler: Any, unary: Wrap, stream: Wrap) -> Any:
+def wrap_handler(handler: Any, unary: Wrap, stream: Wrap, async_stream: Wrap | None = None
+                 ) -> Any:
     """An RPC method handler whose behaviour is wrapped: by `unary` where it returns one
-    reply (unary and client-streaming RPCs), by `stream` where it yields replies."""
+    reply (unary and client-streaming RPCs), by `stream` where it yields replies, by
+    `async_stream` where an async generator yields them (the asyncio server's waiting
+    streams, [Note: asyncio server] in protos/aioserver.py). Other async handlers (the
+    asyncio health service's), and async generators without `async_stream`, are left as
+    they are."""
     if handler is None:
         return None
+    functions = (handler.unary_unary, handler.stream_unary, handler.unary_stream,
+                 handler.stream_stream)
+    if any(inspect.iscoroutinefunction(f) for f in functions if f):
+        return handler
     if handler.unary_unary:
         return handler._replace(unary_unary=unary(handler.unary_unary))
     if handler.stream_unary:
         return handler._replace(stream_unary=unary(handler.stream_unary))
+    if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
+        if async_stream is None:
+            return handler
+        return handler._replace(unary_stream=async_stream(handler.unary_stream))
     if handler.unary_stream:
         return handler._replace(unary_stream=stream(handler.unary_stream))
     if handler.stream_stream:
@@ -134,7 +176,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     """Turns exceptions raised by servicer methods into status codes via `STATUS_OF`."""
 
     def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
-        return wrap_handler(continuation(details), _wrap_unary, _wrap_stream)
+        return wrap_handler(continuation(details), _wrap_unary, _wrap_stream,
+                            _wrap_async_stream)
 
 
 def create_server(
@@ -156,7 +199,7 @@ def create_server(
     """
     settings = security.from_env()
     security.check_listen(address.rsplit(":", 1)[0], settings)
-    guard = (security.AccessInterceptor(settings),) if settings.identities else ()
+    guard = (security.AccessInterceptor(settings),) if settings.authenticates else ()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=(*guard, *interceptors, ErrorInterceptor()),
@@ -178,12 +221,28 @@ def create_server(
     return server, port, health_servicer
 
 
-def ready(health_servicer: health.HealthServicer) -> None:
+class Health(Protocol):
+    """What `ready` and `serve_until_signal` call of a health servicer (the thread one,
+    or `protos.aioserver.LoopHealth`)."""
+
+    def set(self, service: str, status: Any) -> None: ...
+
+    def enter_graceful_shutdown(self) -> None: ...
+
+
+class Stoppable(Protocol):
+    """What `serve_until_signal` calls of a server (a `grpc.Server`, or
+    `protos.aioserver.LoopServer`)."""
+
+    def stop(self, grace: float | None) -> threading.Event: ...
+
+
+def ready(health_servicer: Health) -> None:
     """Marks the server SERVING."""
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
 
 
-def serve_until_signal(server: grpc.Server, health_servicer: health.HealthServicer,
+def serve_until_signal(server: Stoppable, health_servicer: Health,
                        grace_seconds: float = 5.0,
                        on_stop: Callable[[], None] | None = None,
                        exit_within: float | None = None) -> None:

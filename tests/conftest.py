@@ -23,25 +23,34 @@ os.environ.setdefault("PIPEFB_TOKEN_DIR", tempfile.mkdtemp(prefix="pipefb-test-t
 
 @dataclass(frozen=True)
 class Credentials:
-    """A fresh service credential and admin token, for a test that starts a worker or a
-    coordinator itself: the environment naming their files, and the
-    `protos.security.Security` of a client calling as a service (a coordinator, a peer
-    worker) or as the admin user."""
+    """A fresh service credential, coordinator credential and admin token, for a test that
+    starts a worker or a coordinator itself: the environment naming their files (`env`
+    for a worker: the coordinator's verifier, not its token; `coordinator_env` for a
+    coordinator), and the `protos.security.Security` of a client calling as a peer worker
+    (`service`), as the coordinator calls a worker (`coordinator`) or as the admin user."""
 
     env: dict[str, str]
     service: Any
     user: Any
+    coordinator: Any
+    coordinator_env: dict[str, str]
 
 
 def credentials(folder: Path) -> Credentials:
-    """Writes a fresh service token and admin token (each 0600) into `folder`."""
-    from pipefb.secretfiles import write_private
+    """Writes a fresh service token, coordinator token and its verifier, and admin token
+    (each 0600) into `folder`."""
+    from pipefb.secretfiles import verifier, write_private
     from protos.security import Security
 
-    service, user = secrets.token_hex(16), secrets.token_hex(16)
+    service, user, boss = secrets.token_hex(16), secrets.token_hex(16), secrets.token_hex(32)
     env = {"PIPEFB_SERVICE_TOKEN_FILE": str(write_private(folder / "service-token", service)),
-           "PIPEFB_TOKEN_FILE": str(write_private(folder / "token", user))}
-    return Credentials(env, Security(service_token=service), Security(token=user))
+           "PIPEFB_TOKEN_FILE": str(write_private(folder / "token", user)),
+           "PIPEFB_COORDINATOR_VERIFIER_FILE": str(write_private(
+               folder / "coordinator-verifier", verifier(boss)))}
+    coordinator_env = {**env, "PIPEFB_COORDINATOR_TOKEN_FILE": str(write_private(
+        folder / "coordinator-token", boss))}
+    return Credentials(env, Security(service_token=service), Security(token=user),
+                       Security(coordinator_token=boss), coordinator_env)
 
 
 @contextmanager
@@ -106,3 +115,29 @@ def rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+PEER_METHODS = ("Activations", "Gradients", "Weights", "Migrate")  # a worker's peers call these
+
+
+class RoleStub:
+    """A worker's stub that calls each RPC as its legitimate caller does ([Note: access] in
+    protos/security.py): the tensor streams as a peer worker, the rest as the
+    coordinator."""
+
+    def __init__(self, coordinator: Any, peer: Any) -> None:
+        self.coordinator, self.peer = coordinator, peer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.peer if name in PEER_METHODS else self.coordinator, name)
+
+
+@contextmanager
+def role_stub(address: str, keys: Credentials) -> Iterator[RoleStub]:
+    """A `RoleStub` of the worker at `address`, with `keys`' credentials."""
+    from protos import server, worker_pb2_grpc
+
+    with server.channel(address, keys.coordinator) as boss, \
+            server.channel(address, keys.service) as peer:
+        yield RoleStub(worker_pb2_grpc.StageWorkerStub(boss),
+                       worker_pb2_grpc.StageWorkerStub(peer))

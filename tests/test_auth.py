@@ -12,7 +12,9 @@ import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -67,9 +69,24 @@ def service(cluster: LocalServices) -> Security:
     return Security(service_token=cluster.service_token_file.read_text().strip())
 
 
+def coordinator(cluster: LocalServices) -> Security:
+    """The cluster's coordinator's own credential (what it sends to workers)."""
+    return Security(coordinator_token=cluster.coordinator_token_file.read_text().strip())
+
+
 def worker_stub(cluster: LocalServices, settings: Security) -> worker_pb2_grpc.StageWorkerStub:
     return worker_pb2_grpc.StageWorkerStub(server.channel(cluster.workers()[0].address,
                                                           settings))
+
+
+def steering_calls(stub: worker_pb2_grpc.StageWorkerStub, job_id: str
+                   ) -> list[Callable[[], object]]:
+    """Calls that would end or derail a running rank of `job_id` if obeyed: a Drain of
+    any attempt, an Assign of another job, a Step far ahead."""
+    return [lambda: stub.Drain(worker_pb2.DrainRequest(job_id=job_id, reason="attack",
+                                                       attempt=1 << 30), timeout=10),
+            lambda: stub.Assign(second_rank_assignment(), timeout=10),
+            lambda: stub.Step(worker_pb2.StepRequest(job_id=job_id, step=99), timeout=10)]
 
 
 def code_of(call: object) -> grpc.StatusCode:
@@ -112,33 +129,36 @@ def test_a_user_token_cannot_pose_as_a_worker_and_a_service_one_cannot_submit(
 
 
 @pytest.mark.timeout(300)
-def test_a_user_token_on_worker_rpcs_is_refused_and_the_job_is_unharmed(
+def test_no_user_nor_worker_credential_steers_a_rank_and_the_job_is_unharmed(
         cluster: LocalServices) -> None:
-    """Mid-job, a user (the admin, even) calls Drain, Assign and Step on a rank: a worker
-    knows no user token, so each is UNAUTHENTICATED, and the job trains on exactly as
-    one process does."""
+    """Mid-job, a user (the admin, even), a client holding everything a worker holds (the
+    service credential, and the coordinator's verifier sent as a token) call Drain,
+    Assign and Step on a rank: a user token and the verifier are UNAUTHENTICATED, the
+    service credential PERMISSION_DENIED (only the coordinator's own credential steers a
+    rank), and the job trains on exactly as one process does."""
     job = make_job("mlp", "pipefb", 2, "adamw", steps=12)
-    attacker = worker_stub(cluster, Security(token=cluster.token))
+    verifier = cluster.verifier_file.read_text().strip()
+    attackers = ((Security(token=cluster.token), grpc.StatusCode.UNAUTHENTICATED),
+                 (Security(token=verifier), grpc.StatusCode.UNAUTHENTICATED),
+                 (service(cluster), grpc.StatusCode.PERMISSION_DENIED))
     with CoordinatorClient(cluster.coordinator, Security(token=cluster.token)) as client:
         job_id = client.submit(job).job_id
         follow = client.train(job_id)
         reports = [next(follow)]
-        for call in (lambda: attacker.Drain(worker_pb2.DrainRequest(
-                         job_id=job_id, reason="attack"), timeout=10),
-                     lambda: attacker.Assign(second_rank_assignment(), timeout=10),
-                     lambda: attacker.Step(worker_pb2.StepRequest(job_id=job_id, step=99),
-                                           timeout=10)):
-            assert code_of(call) is grpc.StatusCode.UNAUTHENTICATED
+        for settings, code in attackers:
+            for call in steering_calls(worker_stub(cluster, settings), job_id):
+                assert code_of(call) is code
         reports += list(follow)
-        assert client.status(job_id).state == coordinator_pb2.DONE
+        status = client.status(job_id)
+        assert status.state == coordinator_pb2.DONE and not status.restarts, status.error
         weights = client.weights(job_id)
     assert_same_training(job, reports, weights)
 
 
 def test_an_assign_naming_another_store_is_refused_and_nothing_reaches_it(
         cluster: LocalServices) -> None:
-    """Even with the service credential, an Assign cannot make a worker dial a store of
-    the caller's choosing: it stashes only in the store of its own configuration."""
+    """Even with the coordinator's credential, an Assign cannot make a worker dial a store
+    of the caller's choosing: it stashes only in the store of its own configuration."""
     with socket.socket() as trap:
         trap.bind(("127.0.0.1", 0))
         trap.listen()
@@ -146,7 +166,7 @@ def test_an_assign_naming_another_store_is_refused_and_nothing_reaches_it(
         request = second_rank_assignment()
         request.store_address = f"127.0.0.1:{trap.getsockname()[1]}"
         request.store_user, request.store_password = "pipefb", "stolen?"
-        stub = worker_stub(cluster, service(cluster))
+        stub = worker_stub(cluster, coordinator(cluster))
         with pytest.raises(grpc.RpcError) as error:
             stub.Assign(request, timeout=30)
         assert error.value.code() is grpc.StatusCode.PERMISSION_DENIED
@@ -210,9 +230,10 @@ def test_another_submitter_s_job_and_weights_are_refused(cluster: LocalServices)
         for name, tensor in admin.weights(job_id).items():
             assert torch.equal(tensor, weights[name]), name
         chosen = alice.submit(make_job("mlp", "gpipe", 2, "sgd", job_id="alices-run"))
-        assert chosen.job_id == "alices-run"
+        assert chosen.job_id == "alice.alices-run"  # [Note: job ids]
         list(alice.train("alices-run"))
-        assert code_of(lambda: bob.weights("alices-run")) is grpc.StatusCode.NOT_FOUND
+        for name in ("alices-run", "alice.alices-run"):
+            assert code_of(partial(bob.weights, name)) is grpc.StatusCode.NOT_FOUND
     assert_same_training(job, reports, weights)
 
 
@@ -243,18 +264,28 @@ def test_the_cli_finds_the_local_cluster_s_token_only_in_a_private_file(
         f"pipefb: error: token file {str(path)!r} is open to others (mode 644): chmod 600 it"]
 
 
-def test_workers_hold_neither_the_user_token_nor_the_store_password(
+def test_workers_hold_neither_the_user_token_nor_the_store_password_nor_the_coordinator_s(
         cluster: LocalServices) -> None:
     for proc in cluster.workers():
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
         names = {line.split(b"=", 1)[0].decode() for line in environ if line}
-        assert "PIPEFB_SERVICE_TOKEN_FILE" in names
-        assert not names & {"PIPEFB_TOKEN_FILE", "PIPEFB_STORE_PASSWORD", "PIPEFB_USERS_FILE"}
+        assert {"PIPEFB_SERVICE_TOKEN_FILE", "PIPEFB_COORDINATOR_VERIFIER_FILE"} <= names
+        assert not names & {"PIPEFB_TOKEN_FILE", "PIPEFB_STORE_PASSWORD", "PIPEFB_USERS_FILE",
+                            "PIPEFB_COORDINATOR_TOKEN_FILE"}
 
 
 @pytest.mark.parametrize(("method", "who", "allowed"), [
-    ("/pipefb.v1.StageWorker/Drain", "service", True),
+    ("/pipefb.v1.StageWorker/Drain", "coordinator", True),
+    ("/pipefb.v1.StageWorker/Drain", "service", False),
     ("/pipefb.v1.StageWorker/Drain", "admin", False),
+    ("/pipefb.v1.StageWorker/Assign", "service", False),
+    ("/pipefb.v1.StageWorker/Step", "service", False),
+    ("/pipefb.v1.StageWorker/Profile", "coordinator", True),
+    ("/pipefb.v1.StageWorker/Activations", "service", True),
+    ("/pipefb.v1.StageWorker/Migrate", "service", True),
+    ("/pipefb.v1.StageWorker/Activations", "coordinator", False),
+    ("/pipefb.v1.Coordinator/RegisterWorker", "coordinator", False),
+    ("/pipefb.v1.Coordinator/SubmitJob", "coordinator", False),
     ("/pipefb.v1.StageWorker/Assign", "alice", False),
     ("/pipefb.v1.Coordinator/RegisterWorker", "service", True),
     ("/pipefb.v1.Coordinator/RegisterWorker", "admin", False),
@@ -273,10 +304,43 @@ def test_a_users_file_is_checked_line_by_line(tmp_path: Path) -> None:
     assert security.from_env({"PIPEFB_USERS_FILE": str(good)}).users == (
         ("alice", "a-token"), ("bob", "b-token"))
     for text, line in (("alice", 1), ("alice a b", 1), ("ok t\nadmin x", 2),
-                       ("ok t\nservice x", 2)):
+                       ("ok t\nservice x", 2), ("ok t\ncoordinator x", 2), ("al.ice t", 1),
+                       ("a" * 33 + " t", 1)):
         bad = write_private(tmp_path / "bad", text)
         with pytest.raises(ConfigError, match=f"line {line}: write NAME TOKEN"):
             security.from_env({"PIPEFB_USERS_FILE": str(bad)})
+
+
+@pytest.mark.timeout(300)
+def test_a_chosen_id_another_user_holds_tells_nothing(cluster: LocalServices) -> None:
+    """Ids are per owner ([Note: job ids]): bob choosing the id alice holds gets what an id
+    nobody holds gets (accepted, his own job), each sees only their own under that name,
+    and only a second submit of one's own id is refused."""
+    job = make_job("mlp", "gpipe", 2, "sgd", job_id="shared-name", steps=2)
+    with user(cluster, "alice") as alice, user(cluster, "bob") as bob:
+        held = alice.submit(job).job_id
+        taken = bob.submit(job).job_id  # alice holds "shared-name"
+        fresh = bob.submit(replace(job, job_id="nobody-has-it")).job_id
+        assert (held, taken, fresh) == ("alice.shared-name", "bob.shared-name",
+                                        "bob.nobody-has-it")
+        sneaky = bob.submit(replace(job, job_id="alice.shared-name")).job_id
+        assert sneaky == "bob.alice.shared-name"  # still bob's own namespace
+        assert alice.status("shared-name").job_id == held
+        assert bob.status("shared-name").job_id == taken
+        for again, mine in ((alice, "shared-name"), (bob, "nobody-has-it")):
+            with pytest.raises(grpc.RpcError) as error:
+                again.submit(replace(job, job_id=mine))
+            assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert error.value.details() == (
+                f"FailedPrecondition: job id {mine!r} is already in use")
+        with pytest.raises(grpc.RpcError) as long:
+            bob.submit(replace(job, job_id="x" * 61))
+        assert long.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "bob's ids have at most 60 characters" in long.value.details()
+        for client, job_id in ((alice, held), (bob, taken), (bob, fresh), (bob, sneaky)):
+            client.stop(job_id)
+        for client, job_id in ((alice, held), (bob, taken), (bob, fresh), (bob, sneaky)):
+            list(client.train(job_id))  # to its end: the workers are free for what follows
 
 
 def test_a_journaled_job_keeps_its_owner() -> None:

@@ -28,7 +28,7 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.conftest import credentials, rss
+from tests.conftest import PEER_METHODS, credentials, rss
 from tests.fuzz_messages import messages, mutated
 from tests.test_worker_service import activation, second_rank_assignment, serving
 
@@ -52,8 +52,14 @@ FUZZ = settings(max_examples=FUZZ_CASES, deadline=None, database=None,
 class Target:
     """A service process under fuzzing: its process, address and stub."""
 
-    def __init__(self, proc: Process, address: str, stub: Any) -> None:
+    def __init__(self, proc: Process, address: str, stub: Any, peer: Any = None) -> None:
         self.proc, self.address, self.stub = proc, address, stub
+        self.peer = peer if peer is not None else stub  # a worker's stub as its peers call
+
+    def stub_for(self, name: str) -> Any:
+        """The stub that calls `name` as its legitimate caller does: a worker's tensor
+        streams as a peer worker, its other RPCs as the coordinator."""
+        return self.peer if name in PEER_METHODS else self.stub
 
 
 def serve(folder: Path, module: str, args: list[str], stub: Callable[[Any], Any]
@@ -61,13 +67,15 @@ def serve(folder: Path, module: str, args: list[str], stub: Callable[[Any], Any]
     """Runs `python -m module` on 127.0.0.1 (one torch thread) for the fixture's life,
     called as the coordinator calls a worker, or as the admin calls the coordinator."""
     keys = credentials(folder)
-    env = {**os.environ, "PYTHONPATH": ROOT, "PIPEFB_THREADS": "1", **keys.env}
+    env = {**os.environ, "PYTHONPATH": ROOT, "PIPEFB_THREADS": "1",
+           **(keys.env if module == "worker" else keys.coordinator_env)}
     proc = Process(f"fuzz-{module}", ["-m", module, "--listen", "127.0.0.1:0", *args],
                    folder, env)
     try:
         address = proc.wait_ready()
-        with server.channel(address, keys.service if module == "worker" else keys.user) as ch:
-            yield Target(proc, address, stub(ch))
+        with server.channel(address, keys.coordinator if module == "worker" else keys.user
+                            ) as ch, server.channel(address, keys.service) as peer:
+            yield Target(proc, address, stub(ch), stub(peer) if module == "worker" else None)
     finally:
         proc.stop()
 
@@ -120,15 +128,15 @@ def fuzz(target: Target, strategy: st.SearchStrategy[Any], call: Callable[[Any],
 
 
 def unary(name: str) -> Callable[[Target], Callable[[Any], Any]]:
-    return lambda t: lambda r: getattr(t.stub, name)(r, timeout=CALL_TIMEOUT_S)
+    return lambda t: lambda r: getattr(t.stub_for(name), name)(r, timeout=CALL_TIMEOUT_S)
 
 
 def server_stream(name: str) -> Callable[[Target], Callable[[Any], Any]]:
-    return lambda t: lambda r: list(getattr(t.stub, name)(r, timeout=CALL_TIMEOUT_S))
+    return lambda t: lambda r: list(getattr(t.stub_for(name), name)(r, timeout=CALL_TIMEOUT_S))
 
 
 def client_stream(name: str) -> Callable[[Target], Callable[[Any], Any]]:
-    return lambda t: lambda rs: getattr(t.stub, name)(iter(rs), timeout=CALL_TIMEOUT_S)
+    return lambda t: lambda rs: getattr(t.stub_for(name), name)(iter(rs), timeout=CALL_TIMEOUT_S)
 
 
 CHUNK = messages(tensor_pb2.TensorChunk.DESCRIPTOR)

@@ -36,10 +36,12 @@ DEFAULT_IS_RIGHT = {
     "PIPEFB_CACHE_DIR": "read only by `pipefb plan` / local runs (calibration cache)",
     "PIPEFB_USERS_FILE": "optional: users besides the admin (docs/deploy.md)",
 }
-# Env vars a worker must not get: the user's token and the store's service user; it takes
-# calls of the service credential only and stashes as each job's own store user
+# Env vars a worker must not get: the user's token, the coordinator's credential and the
+# store's service user; it takes calls of the coordinator's credential (checked against
+# its verifier) and of its peers' service credential, and stashes as each job's own
+# store user
 NOT_FOR_WORKERS = {"PIPEFB_TOKEN_FILE", "PIPEFB_USERS_FILE", "PIPEFB_STORE_USER",
-                   "PIPEFB_STORE_PASSWORD"}
+                   "PIPEFB_STORE_PASSWORD", "PIPEFB_COORDINATOR_TOKEN_FILE"}
 SERVICE_DIRS = ("coordinator", "worker", "offload_store", "dataplane", "protos")
 PIPEFB_CONTAINERS = {"pipefb-coordinator": "coordinator", "pipefb-worker": "worker"}
 
@@ -188,6 +190,8 @@ def test_every_env_var_the_services_read_is_set(built: dict[str, list[Doc]]) -> 
             if role == "worker":
                 needed -= NOT_FOR_WORKERS
                 assert sorted(env & NOT_FOR_WORKERS) == [], name
+            else:  # the coordinator holds its own credential, not the workers' verifier
+                needed.discard("PIPEFB_COORDINATOR_VERIFIER_FILE")
             assert sorted(needed - env) == [], name
 
 
@@ -339,11 +343,14 @@ def test_monitoring_values_pick_up_the_dashboard_and_the_podmonitor(
     assert prometheus["podMonitorNamespaceSelector"] == prometheus["podMonitorSelector"] == {}
 
 
-# [Note: access]: which token files each gRPC process gets, from which Secret
-TOKENS = {"coordinator": {"PIPEFB_TOKEN_FILE": ("/etc/pipefb-auth", "pipefb-auth"),
-                          "PIPEFB_SERVICE_TOKEN_FILE": ("/etc/pipefb-service", "pipefb-service")},
-          "worker": {"PIPEFB_SERVICE_TOKEN_FILE": ("/etc/pipefb-service", "pipefb-service")},
-          "submit": {"PIPEFB_TOKEN_FILE": ("/etc/pipefb-auth", "pipefb-auth")}}
+# [Note: access]: which token files each gRPC process gets, from which Secret (and key)
+AUTH = {"PIPEFB_TOKEN_FILE": ("/etc/pipefb-auth/token", "pipefb-auth")}
+SERVICE = {"PIPEFB_SERVICE_TOKEN_FILE": ("/etc/pipefb-service/token", "pipefb-service")}
+TOKENS = {"coordinator": {**AUTH, **SERVICE, "PIPEFB_COORDINATOR_TOKEN_FILE": (
+              "/etc/pipefb-coordinator/token", "pipefb-coordinator")},
+          "worker": {**SERVICE, "PIPEFB_COORDINATOR_VERIFIER_FILE": (
+              "/etc/pipefb-coordinator-verifier/verifier", "pipefb-coordinator-verifier")},
+          "submit": AUTH}
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
@@ -351,8 +358,10 @@ def test_every_grpc_process_gets_mtls_and_only_its_own_tokens_from_secrets(
         built: dict[str, list[Doc]], overlay: str) -> None:
     """Coordinator, workers and the submit Job: certificate, key and CA from the Secret
     pipefb-tls; the admin's token (pipefb-auth) for the coordinator and the submit Job,
-    the service credential (pipefb-service) for the coordinator and the workers; each
-    mounted read-only and named by the env, and nothing else."""
+    the service credential (pipefb-service) for the coordinator and the workers, the
+    coordinator's own (pipefb-coordinator) for it alone and its verifier
+    (pipefb-coordinator-verifier) for the workers; each mounted read-only and named by
+    the env, and nothing else."""
     want = {"PIPEFB_TLS_CERT": "/etc/pipefb-tls/tls.crt", "PIPEFB_TLS_KEY":
             "/etc/pipefb-tls/tls.key", "PIPEFB_TLS_CA": "/etc/pipefb-tls/ca.crt",
             "PIPEFB_MTLS": "1", "PIPEFB_TLS_SERVER_NAME": "pipefb"}
@@ -364,14 +373,14 @@ def test_every_grpc_process_gets_mtls_and_only_its_own_tokens_from_secrets(
         seen.append(name)
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert {k: env.get(k) for k in want} == want, name
-        tokens = {k: v for k, v in env.items() if k.endswith("TOKEN_FILE")}
-        assert tokens == {k: f"{folder}/token" for k, (folder, _) in TOKENS[name].items()}
+        tokens = {k: v for k, v in env.items() if k.endswith(("TOKEN_FILE", "VERIFIER_FILE"))}
+        assert tokens == {k: file for k, (file, _) in TOKENS[name].items()}
         volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
         secrets = {volumes[m["name"]]["secret"]["secretName"]: path
                    for path, m in mounts.items() if "secret" in volumes[m["name"]]}
         assert secrets == {"pipefb-tls": "/etc/pipefb-tls",
-                           **{s: f for f, s in TOKENS[name].values()}}, name
+                           **{s: f.rsplit("/", 1)[0] for f, s in TOKENS[name].values()}}, name
         assert all(mounts[path]["readOnly"] is True for path in secrets.values())
     assert sorted(seen) == ["coordinator", "submit", "worker"]
 

@@ -17,7 +17,8 @@ from deploy.manifests import build, find, pod_spec
 
 SUBNET = "10.89.77.0/24"
 VALUES = {("pipefb-redis", "password"): "p" * 32, ("pipefb-auth", "token"): "t" * 43,
-          ("pipefb-service", "token"): "s" * 43,
+          ("pipefb-service", "token"): "s" * 43, ("pipefb-coordinator", "token"): "c" * 43,
+          ("pipefb-coordinator-verifier", "verifier"): "d" * 64,
           ("pipefb-tls", "tls.crt"): "CERT", ("pipefb-tls", "tls.key"): "KEY",
           ("pipefb-tls", "ca.crt"): "CA"}
 

@@ -22,6 +22,7 @@ from pipefb.errors import ConfigError
 from pipefb.job.config import MAX_CONFIG_DEPTH, JobConfig, parse_json_object
 from pipefb.job.size import SizeLimits
 from protos import coordinator_pb2, coordinator_pb2_grpc, server
+from protos.aioserver import create_aio_server
 from protos.convert import job_to_proto
 from tests.conftest import rss
 
@@ -48,7 +49,7 @@ def coordinator(limits: Limits, heartbeat_timeout: float = 5.0) -> Iterator[Coor
                         max_workers=limits.max_workers)
     driver = Driver(registry, "127.0.0.1:1", worker_wait_seconds=120.0)
     servicer = CoordinatorServicer(registry, driver, limits.size)
-    srv, port, _ = server.create_server(
+    srv, port, _ = create_aio_server(  # as python -m coordinator serves it
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
         interceptors=(Admission(limits, servicer.unfinished),), max_workers=limits.threads)
     channel = server.channel(f"127.0.0.1:{port}")

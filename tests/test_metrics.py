@@ -27,6 +27,7 @@ from offload_store.server import _free_port as free_port
 from pipefb.job.config import JobConfig
 from pipefb.memory import KINDS
 from protos import coordinator_pb2, coordinator_pb2_grpc, server, worker_pb2
+from protos.aioserver import create_aio_server
 from protos.monitoring import MetricsInterceptor, port_or_none
 
 JOB = JobConfig(model="mlp", model_config={"hidden": 32, "depth": 2}, dataset="digits",
@@ -253,7 +254,7 @@ def coordinator_stub() -> Iterator[tuple[coordinator_pb2_grpc.CoordinatorStub,
     counting into its own registry."""
     registry, workers = CollectorRegistry(), Registry()
     servicer = CoordinatorServicer(workers, Driver(workers, "127.0.0.1:1"))
-    srv, port, _ = server.create_server(
+    srv, port, _ = create_aio_server(  # as python -m coordinator serves it
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
         interceptors=(MetricsInterceptor(registry),))
     with server.channel(f"127.0.0.1:{port}") as ch:
@@ -285,6 +286,9 @@ def test_interceptor_counts_ok_and_errors_with_real_codes(coordinator_stub: Any)
     assert handled("RegisterWorker", "OK") == 1
     assert handled("RegisterWorker", "INVALID_ARGUMENT") == 1
     assert handled("GetJob", "NOT_FOUND") == 1
+    deadline = time.monotonic() + 5.0  # an async stream's abort reaches the client first
+    while handled("Train", "NOT_FOUND") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert handled("Train", "NOT_FOUND") == 1
     assert handled("GetJob", "OK") is None
     timed = registry.get_sample_value("pipefb_grpc_server_handling_seconds_count", {

@@ -341,7 +341,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory, keys: Credentials
 @pytest.fixture(scope="module")
 def stubs(workers: list[str], keys: Credentials
           ) -> Iterator[list[worker_pb2_grpc.StageWorkerStub]]:
-    channels = [server.channel(a, keys.service) for a in workers]
+    channels = [server.channel(a, keys.coordinator) for a in workers]
     yield [worker_pb2_grpc.StageWorkerStub(ch) for ch in channels]
     for ch in channels:
         ch.close()

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.pki import make_ca, make_signed
 from pipefb.errors import ConfigError
+from pipefb.secretfiles import verifier
 from protos import coordinator_pb2, coordinator_pb2_grpc, security
 from tests.conftest import WORKER_THREADS
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
@@ -25,6 +26,7 @@ from tests.test_transparency import assert_same_training, make_job, run_on_clust
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-token-for-tests"
 SERVICE_TOKEN = "s3cret-service-credential-for-tests"
+COORDINATOR_TOKEN = "s3cret-coordinator-credential-for-tests"
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
 
@@ -39,15 +41,24 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     token.write_text(TOKEN + "\n")
     service = d / "service-token"
     service.write_text(SERVICE_TOKEN + "\n")
+    boss, check = d / "coordinator-token", d / "coordinator-verifier"
+    boss.write_text(COORDINATOR_TOKEN + "\n")
+    check.write_text(verifier(COORDINATOR_TOKEN) + "\n")
     return {"ca": ca[0], "cert": cert, "key": key, "rogue": rogue, "rogue_key": rogue_key,
-            "token": token, "service": service}
+            "token": token, "service": service, "coordinator": boss, "verifier": check}
+
+
+def _service_env(pki: dict[str, Path]) -> dict[str, str]:
+    """The service credentials: the shared one, the coordinator's and its verifier."""
+    return {"PIPEFB_SERVICE_TOKEN_FILE": str(pki["service"]),
+            "PIPEFB_COORDINATOR_TOKEN_FILE": str(pki["coordinator"]),
+            "PIPEFB_COORDINATOR_VERIFIER_FILE": str(pki["verifier"])}
 
 
 def _env(pki: dict[str, Path], mtls: bool) -> dict[str, str]:
     return {"PIPEFB_TLS_CERT": str(pki["cert"]), "PIPEFB_TLS_KEY": str(pki["key"]),
             "PIPEFB_TLS_CA": str(pki["ca"]), "PIPEFB_MTLS": "1" if mtls else "0",
-            "PIPEFB_TOKEN_FILE": str(pki["token"]),
-            "PIPEFB_SERVICE_TOKEN_FILE": str(pki["service"])}
+            "PIPEFB_TOKEN_FILE": str(pki["token"]), **_service_env(pki)}
 
 
 @contextmanager
@@ -79,8 +90,7 @@ def coordinator(pki: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 def test_on_loopback_the_token_works_without_tls(pki: dict[str, Path], tmp_path: Path) -> None:
     """Plaintext on 127.0.0.1 with a token: the token rides in the metadata (gRPC allows no
     call credentials there), and a call without it is refused."""
-    with _coordinator({"PIPEFB_TOKEN_FILE": str(pki["token"]),
-                       "PIPEFB_SERVICE_TOKEN_FILE": str(pki["service"])},
+    with _coordinator({"PIPEFB_TOKEN_FILE": str(pki["token"]), **_service_env(pki)},
                       tmp_path / "log") as address:
         assert list(_call(address, security.Security(token=TOKEN)).workers) == []
         with pytest.raises(grpc.RpcError) as error:
@@ -145,7 +155,8 @@ def test_a_server_beyond_loopback_without_tls_or_token_refuses_to_start(
     if missing == "tls":
         del env["PIPEFB_TLS_CERT"], env["PIPEFB_TLS_KEY"]
     else:  # on loopback as well: authentication is always on ([Note: access])
-        del env["PIPEFB_TOKEN_FILE"], env["PIPEFB_SERVICE_TOKEN_FILE"]
+        for name in ("PIPEFB_TOKEN_FILE", *_service_env(pki)):
+            del env[name]
     proc = subprocess.run([sys.executable, "-m", "worker", "--listen", "0.0.0.0:0"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
@@ -184,7 +195,7 @@ def test_a_job_trains_over_mtls_with_the_token_as_one_process_does(
     from pipefb.app.local import LocalServices
 
     env = _env(pki, mtls=True)
-    service = {"PIPEFB_SERVICE_TOKEN_FILE": env.pop("PIPEFB_SERVICE_TOKEN_FILE")}
+    service = {name: env.pop(name) for name in _service_env(pki)}
     for name, value in env.items():  # this process is a user: it holds no service credential
         monkeypatch.setenv(name, value)
     job = make_job("mlp", "pipefb", 2, "adamw")

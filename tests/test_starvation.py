@@ -62,19 +62,27 @@ def wait_state(client: CoordinatorClient, job_id: str, states: tuple[str, ...],
         time.sleep(0.05)
 
 
-def test_forty_followers_neither_starve_heartbeats_nor_fail_the_job(
+FOLLOWERS = 60  # well above the coordinator's thread pool (Limits().threads)
+
+
+def test_sixty_followers_hold_no_threads_starve_no_heartbeats_and_each_sees_every_step(
         client: CoordinatorClient) -> None:
-    steps, per_caller = 40, Limits().max_streams_per_caller
+    """60 Train streams of one caller on a running job: more than the coordinator has
+    threads, fewer than its stream limits. Each follows to the end and gets every step
+    report, heartbeats stay fresh, and the job ends DONE without a restart."""
+    limits = Limits()
+    assert limits.threads < FOLLOWERS <= limits.max_streams_per_caller
+    steps = 40
     client.submit(job("followed", steps))
-    outcomes: list[int | grpc.RpcError] = [0] * 40
+    outcomes: list[list[int] | grpc.RpcError] = [[] for _ in range(FOLLOWERS)]
 
     def follow(k: int) -> None:
         try:
-            outcomes[k] = sum(1 for _ in client.train("followed"))
+            outcomes[k] = [r.step for r in client.train("followed")]
         except grpc.RpcError as error:
             outcomes[k] = error
 
-    threads = [threading.Thread(target=follow, args=(k,)) for k in range(40)]
+    threads = [threading.Thread(target=follow, args=(k,)) for k in range(FOLLOWERS)]
     for t in threads:
         t.start()
     oldest = 0.0  # the oldest heartbeat any worker had while the job trained
@@ -84,16 +92,10 @@ def test_forty_followers_neither_starve_heartbeats_nor_fail_the_job(
     for t in threads:
         t.join(60)
     status = client.status("followed")
-    print(f"40 followers: oldest heartbeat {oldest:.2f} s while the job trained")
+    print(f"{FOLLOWERS} followers: oldest heartbeat {oldest:.2f} s while the job trained")
     assert status.state == coordinator_pb2.DONE, status.error
     assert not status.restarts and oldest < HEARTBEAT_TIMEOUT
-    followed = [o for o in outcomes if isinstance(o, int)]
-    refused = [o for o in outcomes if isinstance(o, grpc.RpcError)]
-    assert followed == [steps] * per_caller  # each got every step report
-    assert len(refused) == 40 - per_caller
-    for error in refused:
-        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert error.details().endswith(f"follows {per_caller} streams, its limit; retry in 5 s")
+    assert outcomes == [list(range(steps))] * FOLLOWERS  # each got every step, in order
 
 
 def test_a_stalled_coordinator_does_not_blame_the_workers(cluster: LocalServices,
@@ -148,7 +150,7 @@ def worker(tmp_path: Path, keys: Credentials) -> Iterator[Process]:
 
 def test_a_profile_stops_when_its_deadline_passes_and_sigterm_ends_the_worker(
         worker: Process, keys: Credentials) -> None:
-    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.service))
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
     with pytest.raises(grpc.RpcError) as caught:
         stub.Profile(profile_request(100), timeout=3.0)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -178,7 +180,7 @@ def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process,
     one without a deadline waits until the job is drained."""
     from tests.test_worker_service import second_rank_assignment
 
-    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.service))
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
     stub.Assign(second_rank_assignment(), timeout=60)
     calls = [stub.Step.future(worker_pb2.StepRequest(job_id="win", step=5), timeout=1.0)
              for _ in range(40)]
@@ -193,3 +195,67 @@ def test_step_calls_past_their_deadline_give_their_threads_back(worker: Process,
     assert waiting.running()  # it waits for its turn until the job is drained
     assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10).drained
     assert waiting.exception(timeout=30).code() == grpc.StatusCode.ABORTED
+
+
+def test_a_running_step_whose_caller_gave_up_stops_and_the_worker_is_free(
+        worker: Process, keys: Credentials) -> None:
+    """A rank's step 0 waits for activations that never come. Its caller's 1 s deadline
+    passes (DEADLINE_EXCEEDED), then a second Step's caller cancels: each running step
+    stops at its wait within a second ([Note: callers that give up] in worker/caller.py),
+    the next Step is told why at once (it waited out its own 5 s deadline before, while
+    the step waited 300 s for the inbox), and a new Assign takes the worker at once."""
+    from tests.test_worker_service import second_rank_assignment
+
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
+    for leave in ("deadline", "cancel"):
+        stub.Assign(second_rank_assignment(), timeout=60)
+        if leave == "deadline":
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Step(worker_pb2.StepRequest(job_id="win", step=0), timeout=1.0)
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        else:
+            running = stub.Step.future(worker_pb2.StepRequest(job_id="win", step=0))
+            time.sleep(1.0)
+            assert running.running()
+            running.cancel()
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as next_step:
+            stub.Step(worker_pb2.StepRequest(job_id="win", step=1), timeout=5.0)
+        seconds = time.monotonic() - start
+        print(f"{leave}: the next Step was answered after {seconds:.2f} s")
+        assert next_step.value.code() == grpc.StatusCode.ABORTED
+        assert "step 0 stopped: its caller gave up" in next_step.value.details()
+        assert seconds < 2.0
+        start = time.monotonic()
+        assert stub.Assign(second_rank_assignment(), timeout=10).role == "combined"
+        assert time.monotonic() - start < 5.0
+        assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10).drained
+
+
+def test_an_assign_whose_caller_gave_up_installs_nothing(worker: Process,
+                                                         keys: Credentials) -> None:
+    """An Assign of a large model outlives its caller's 0.3 s deadline: it stops at its
+    next phase, says so in the worker's log, and leaves the worker unassigned (a Step of
+    that job is FAILED_PRECONDITION), free for the next Assign."""
+    from tests.test_worker_service import second_rank_assignment
+
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
+    big = second_rank_assignment()
+    big.job.job_id = "big"
+    big.job.model_config_json = '{"hidden": 2048, "depth": 8}'
+    big.job.batch_size = 4096
+    big.plan.forward_partition[:] = big.plan.backward_partition[:] = [0, 4, 9]
+    big.plan.policy[:] = ["keep"] * 9
+    big.plan.microbatch_size = 1024
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Assign(big, timeout=0.3)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 60.0
+    while "Assign of job big rank 1 stopped: its caller gave up" not in (
+            worker.log_path.read_text()):
+        assert time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.1)
+    with pytest.raises(grpc.RpcError) as step:
+        stub.Step(worker_pb2.StepRequest(job_id="big", step=0), timeout=5.0)
+    assert step.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stub.Assign(second_rank_assignment(), timeout=30).role == "combined"

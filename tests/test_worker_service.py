@@ -13,15 +13,15 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipefb.processes import Process
-from protos import job_pb2, server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
-from tests.conftest import Credentials, credentials
+from protos import job_pb2, server, tensor_pb2, wire, worker_pb2
+from tests.conftest import Credentials, RoleStub, credentials, role_stub
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
-    """The worker's service credential; this module calls it as its coordinator does."""
+    """The worker's credentials; this module calls it as its coordinator and peers do."""
     return credentials(tmp_path_factory.mktemp("keys"))
 
 
@@ -37,9 +37,9 @@ def worker(tmp_path_factory: pytest.TempPathFactory, keys: Credentials) -> Itera
 
 
 @pytest.fixture(scope="module")
-def stub(worker: str, keys: Credentials) -> Iterator[worker_pb2_grpc.StageWorkerStub]:
-    with server.channel(worker, keys.service) as ch:
-        yield worker_pb2_grpc.StageWorkerStub(ch)
+def stub(worker: str, keys: Credentials) -> Iterator[RoleStub]:
+    with role_stub(worker, keys) as both:
+        yield both
 
 
 def serving(address: str) -> bool:
@@ -67,7 +67,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 @pytest.mark.parametrize("method", ["Activations", "Gradients", "Weights"])
-def test_malformed_tensor_stream_gets_invalid_argument(stub: worker_pb2_grpc.StageWorkerStub,
+def test_malformed_tensor_stream_gets_invalid_argument(stub: RoleStub,
                                                        worker: str, case: str,
                                                        method: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
@@ -76,7 +76,7 @@ def test_malformed_tensor_stream_gets_invalid_argument(stub: worker_pb2_grpc.Sta
     assert serving(worker)
 
 
-def test_wrong_receive_kind_is_invalid(stub: worker_pb2_grpc.StageWorkerStub) -> None:
+def test_wrong_receive_kind_is_invalid(stub: RoleStub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Gradients(iter([chunk()]), timeout=10)  # a RECV_F transfer on the gradient RPC
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -84,7 +84,7 @@ def test_wrong_receive_kind_is_invalid(stub: worker_pb2_grpc.StageWorkerStub) ->
 
 
 def test_tensor_for_an_unassigned_job_is_a_failed_precondition(
-        stub: worker_pb2_grpc.StageWorkerStub) -> None:
+        stub: RoleStub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Activations(iter([chunk(job="other")]), timeout=10)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -92,7 +92,7 @@ def test_tensor_for_an_unassigned_job_is_a_failed_precondition(
 
 
 def test_step_without_assignment_is_a_failed_precondition(
-        stub: worker_pb2_grpc.StageWorkerStub) -> None:
+        stub: RoleStub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Step(worker_pb2.StepRequest(job_id="nojob", step=0), timeout=10)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -101,7 +101,7 @@ def test_step_without_assignment_is_a_failed_precondition(
 @pytest.mark.parametrize(("field", "value", "named"), [
     ("model", "nope", "nope"), ("model_config_json", "{bad", "model config"),
     ("microbatches", 3, "microbatches 3"), ("schedule", "zigzag", "zigzag")])
-def test_bad_assignment_is_invalid_argument(stub: worker_pb2_grpc.StageWorkerStub, field: str,
+def test_bad_assignment_is_invalid_argument(stub: RoleStub, field: str,
                                             value: object, named: str) -> None:
     spec = job_pb2.JobSpec(job_id="j", model="mlp", dataset="digits", loss="cross_entropy",
                            optimizer="sgd", lr=0.1, batch_size=8, microbatches=4, steps=1,
@@ -153,7 +153,7 @@ REFUSED = {  # what the worker must refuse, and a word its message names
 }
 
 
-def test_only_expected_transfers_are_accepted(stub: worker_pb2_grpc.StageWorkerStub) -> None:
+def test_only_expected_transfers_are_accepted(stub: RoleStub) -> None:
     stub.Assign(second_rank_assignment(), timeout=60)
     try:
         ack = stub.Activations(iter(activation(step=1)), timeout=10)  # a step ahead: fine
@@ -167,7 +167,7 @@ def test_only_expected_transfers_are_accepted(stub: worker_pb2_grpc.StageWorkerS
         stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=30)
 
 
-def test_calls_of_another_attempt_are_fenced_off(stub: worker_pb2_grpc.StageWorkerStub,
+def test_calls_of_another_attempt_are_fenced_off(stub: RoleStub,
                                                  worker: str) -> None:
     """[Note: attempt fencing]: after a restart assigned attempt 2, a transfer or Step of
     attempt 1 (a worker back from SIGSTOP, a stream from before) is refused, a late Drain
@@ -193,7 +193,7 @@ def test_calls_of_another_attempt_are_fenced_off(stub: worker_pb2_grpc.StageWork
         assert stub.Drain(worker_pb2.DrainRequest(job_id="win", attempt=2), timeout=30).drained
 
 
-def test_migrate_serves_only_an_owner_s_paused_layers(stub: worker_pb2_grpc.StageWorkerStub
+def test_migrate_serves_only_an_owner_s_paused_layers(stub: RoleStub
                                                       ) -> None:
     """`Migrate` streams layers a combined rank owns, at the step it is paused at; a layer
     it does not own, another step or another attempt is refused; a forward rank refuses

@@ -37,6 +37,7 @@ from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
 from protos.convert import ProfileQuery, job_from_proto, plan_from_proto, profile_to_proto
 from protos.server import FailedPrecondition
+from worker.caller import Caller
 from worker.metrics import WorkerMetrics
 from worker.stepgate import StepGate
 from worker.takeover import Source, buffers_of, local_part, migrate_stream, pull
@@ -47,6 +48,7 @@ ACTIVATION_KINDS = (str(Kind.RECV_F), str(Kind.RECV_L))
 HOP_KINDS = (*ACTIVATION_KINDS, str(Kind.RECV_B), str(Kind.RECV_W))  # a hop socket's
 DRAIN_WAIT_SECONDS = 10.0  # how long Drain waits for a running step to reach an abort point
 CHECKPOINT_WAIT_SECONDS = 30.0  # how long Checkpoint waits for the running step to end
+DEADLINE_BACKSTOP_SECONDS = 1.0  # a Step's wait outlasts its caller's deadline by this
 MAX_WAIT_SECONDS = 1e6  # a caller's deadline further off than this counts as none
 MAX_LEAD = 2  # steps a transfer may be ahead of the receiving rank (sync leads by one)
 
@@ -134,6 +136,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             self._check_not_stale(job.job_id, request.attempt)
         source = (self._keep_source(job.job_id, request.source.attempt, request.resume_step)
                   if request.HasField("source") else None)
+        caller = Caller(context)  # checked between phases: [Note: callers that give up]
+        what = f"Assign of job {job.job_id} rank {request.rank}"
         inbox = Inbox()
         store = self._open_store(request, job.job_id)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
@@ -157,7 +161,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         migrated = 0
         tie_reducer: GroupAllReduce | None = None
         try:
+            caller.check(what)
             tie_reducer = _join_tie_group(request, runtime)
+            caller.check(what)
             if request.HasField("source"):
                 migrated = self._take_over(request, plan, runtime, source)
             elif request.resume_step:
@@ -166,6 +172,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 # a forward rank's file holds its buffers ([Note: buffer owners])
                 runtime.restore(verified_files(checkpoints, request.resume_step,
                                                job.to_dict()), request.resume_step)
+            caller.check(what)  # nothing is installed for a caller that left
             with self._lock:
                 # a later attempt's Assign may have finished first (a rolled-back move)
                 self._check_not_stale(job.job_id, request.attempt)
@@ -174,12 +181,15 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                                           StepGate(request.resume_step), reducer,
                                           norm_reducer, checkpoints, request.attempt,
                                           tie_reducer)
-        except BaseException:  # nothing of the refused assignment stays open
+        except BaseException as error:  # nothing of the refused assignment stays open
+            if caller.gone.is_set():
+                log.warning("%s: %s", what, error)
             transport.close()
             for group in (reducer, norm_reducer, tie_reducer):
                 if group is not None:
                     group.close()
             raise
+        caller.finished()
         if self.metrics is not None:
             self.metrics.assigned(job.job_id, runtime.role)
         log.info("assigned job %s rank %d as %s (attempt %d, from step %d)", job.job_id,
@@ -291,13 +301,24 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if self._source is not None:  # a later attempt runs: no rollback needs it now
             with self._lock:
                 self._source = None
-        with assigned.gate.turn(request.step, _time_left(context)):
-            r = assigned.runtime.run_step(request.step)
-            saved = None
-            if request.checkpoint and assigned.runtime.saves_checkpoints:
-                if assigned.checkpoints is None:
-                    raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
-                saved = _save(assigned, request.step + 1)
+        caller = Caller(context)  # [Note: callers that give up]
+        caller.on_gone(assigned.gate.wake)
+        try:
+            # the caller's deadline ends the wait through `gone` (gRPC tells it first);
+            # the wait's own timeout is the backstop, a moment later
+            left = _time_left(context)
+            wait = None if left is None else left + DEADLINE_BACKSTOP_SECONDS
+            with assigned.gate.turn(request.step, wait, caller.gone.is_set):
+                # the step runs for its caller only: once it left, the step's waits end
+                caller.on_gone(lambda: _abort_step(assigned, request.step))
+                r = assigned.runtime.run_step(request.step)
+                saved = None
+                if request.checkpoint and assigned.runtime.saves_checkpoints:
+                    if assigned.checkpoints is None:
+                        raise FailedPrecondition(f"job {request.job_id!r} takes no checkpoints")
+                    saved = _save(assigned, request.step + 1)
+        finally:
+            caller.finished()
         if self.metrics is not None:
             store = assigned.transport.store
             self.metrics.step(assigned.job_id, assigned.runtime.role, r,
@@ -355,14 +376,18 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             raise CodecError(f"step {step} is outside this rank's window {low}..{high}")
         return assigned
 
-    def _deliver(self, messages: Iterator[tensor_pb2.TensorChunk], kinds: tuple[str, ...]
-                 ) -> tensor_pb2.Ack:
-        """Puts every transfer of a (long-lived) stream into the inbox as it completes."""
+    def _deliver(self, messages: Iterator[tensor_pb2.TensorChunk], kinds: tuple[str, ...],
+                 context: grpc.ServicerContext) -> tensor_pb2.Ack:
+        """Puts every transfer of a (long-lived) stream into the inbox as it completes;
+        ends once its sender gave up ([Note: callers that give up])."""
+        caller = Caller(context)
         total, count = 0, 0
         for transfer, tensors in wire.decode_transfers(messages, max_bytes=self.receive_limit()):
+            caller.check(f"the {transfer.kind} stream of job {transfer.job_id}")
             self._accept(transfer, tensors, kinds)
             total += nbytes(tensors)
             count += len(tensors)
+        caller.finished()
         return tensor_pb2.Ack(bytes=total, tensors=count)
 
     def receive_limit(self) -> int:
@@ -394,15 +419,15 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
 
     def Activations(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
                     context: grpc.ServicerContext) -> tensor_pb2.Ack:
-        return self._deliver(request_iterator, ACTIVATION_KINDS)
+        return self._deliver(request_iterator, ACTIVATION_KINDS, context)
 
     def Gradients(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
                   context: grpc.ServicerContext) -> tensor_pb2.Ack:
-        return self._deliver(request_iterator, (str(Kind.RECV_B),))
+        return self._deliver(request_iterator, (str(Kind.RECV_B),), context)
 
     def Weights(self, request_iterator: Iterator[tensor_pb2.TensorChunk],
                 context: grpc.ServicerContext) -> tensor_pb2.Ack:
-        return self._deliver(request_iterator, (str(Kind.RECV_W),))
+        return self._deliver(request_iterator, (str(Kind.RECV_W),), context)
 
     def ExportWeights(self, request: job_pb2.ExportWeightsRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
@@ -467,6 +492,15 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 if group is not None:
                     group.close()
             self._assigned = None
+
+
+def _abort_step(assigned: Assigned, step: int) -> None:
+    """Ends the running `step`'s waits (its caller gave up): the step raises Aborted at
+    its next receive, and as any failed step it lets no later step of the attempt run."""
+    reason = f"step {step} stopped: its caller gave up (deadline passed or cancelled)"
+    log.warning("job %s rank %d: %s", assigned.job_id, assigned.rank, reason)
+    assigned.inbox.abort(reason)
+    assigned.gate.abort(reason)
 
 
 def _time_left(context: grpc.ServicerContext) -> float | None:

@@ -4,7 +4,7 @@ wait for a step boundary (Checkpoint, Drain) wait there, each until its caller's
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from pipefb.errors import Aborted
@@ -30,19 +30,21 @@ class StepGate:
             return self._running if self._running >= 0 else self._next
 
     @contextmanager
-    def turn(self, step: int, timeout: float | None = None) -> Iterator[None]:
+    def turn(self, step: int, timeout: float | None = None,
+             gone: Callable[[], bool] = lambda: False) -> Iterator[None]:
         """Waits until `step` is next, holds the turn while the body runs, then passes it.
 
         Raises:
             Aborted: the job was drained meanwhile, or `step` was not next within
-                `timeout` seconds (the caller's deadline; None: no limit).
+                `timeout` seconds (the caller's deadline; None: no limit) or before
+                `gone()` (its caller gave up; `wake` re-checks it).
         """
         with self._cond:
             ready = self._cond.wait_for(
-                lambda: self._next >= step or self._aborted is not None, timeout)
+                lambda: self._next >= step or self._aborted is not None or gone(), timeout)
             if self._aborted is not None:
                 raise Aborted(self._aborted)
-            if not ready:
+            if not ready or gone():  # a caller that left takes no turn
                 raise Aborted(f"step {step} did not get its turn before the caller's "
                               f"deadline (next: {self._next}, running: {self._running})")
             if self._next != step:
@@ -89,6 +91,11 @@ class StepGate:
         """Waits until no step runs; False if one still runs after `timeout` seconds."""
         with self._cond:
             return self._cond.wait_for(lambda: self._running < 0, timeout)
+
+    def wake(self) -> None:
+        """Wakes the waiting Step calls to look at their callers again (`turn`'s `gone`)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def abort(self, reason: str) -> None:
         """Wakes every waiting Step with Aborted."""

@@ -36,13 +36,13 @@ from types import TracebackType
 from pipefb.job.dataroots import ENV as DATA_ROOT_ENV
 from pipefb.job.dataroots import local_default
 from pipefb.processes import Process, default_threads, project_env
-from pipefb.secretfiles import token_path, write_private
+from pipefb.secretfiles import token_path, verifier, write_private
 
 SUPERVISE_SECONDS = 0.2  # with restart: how often dead processes are looked for
 STORE_USER = "pipefb"  # = offload_store.acl.SERVICE_USER (the core imports no redis code)
 # what the workers' environment leaves out: the user's credentials and the store's password
 NOT_FOR_WORKERS = ("PIPEFB_TOKEN_FILE", "PIPEFB_USERS_FILE", "PIPEFB_STORE_USER",
-                   "PIPEFB_STORE_PASSWORD")
+                   "PIPEFB_STORE_PASSWORD", "PIPEFB_COORDINATOR_TOKEN_FILE")
 # the workers' node-local shared-memory tier ([Note: local tier index] in
 # offload_store/shm.py): a private directory made in SHM_ROOT (the system's temporary
 # directory where there is none) unless the environment names one; "" turns it off
@@ -83,8 +83,16 @@ class LocalServices:
         self.token_file = Path(self.env.get("PIPEFB_TOKEN_FILE") or self.secrets / "token")
         self.service_token_file = Path(self.env.get("PIPEFB_SERVICE_TOKEN_FILE")
                                        or self.secrets / "service-token")
+        # the coordinator's own credential for worker RPCs, and its SHA-256 the workers
+        # check it against ([Note: access]): a worker's files do not let one pose as it
+        self.coordinator_token_file = Path(self.env.get("PIPEFB_COORDINATOR_TOKEN_FILE")
+                                           or self.secrets / "coordinator-token")
+        self.verifier_file = Path(self.env.get("PIPEFB_COORDINATOR_VERIFIER_FILE")
+                                  or self.secrets / "coordinator-verifier")
         self.env.update(PIPEFB_TOKEN_FILE=str(self.token_file),
-                        PIPEFB_SERVICE_TOKEN_FILE=str(self.service_token_file))
+                        PIPEFB_SERVICE_TOKEN_FILE=str(self.service_token_file),
+                        PIPEFB_COORDINATOR_TOKEN_FILE=str(self.coordinator_token_file),
+                        PIPEFB_COORDINATOR_VERIFIER_FILE=str(self.verifier_file))
         self.worker_env = {k: v for k, v in self.env.items() if k not in NOT_FOR_WORKERS}
         self.processes: list[Process] = []
         self.store = self.coordinator = ""
@@ -161,6 +169,11 @@ class LocalServices:
             write_private(self.token_file, secrets.token_hex(32))
         if not self.service_token_file.exists():
             write_private(self.service_token_file, secrets.token_hex(32))
+        if not self.coordinator_token_file.exists():
+            write_private(self.coordinator_token_file, secrets.token_hex(32))
+        if not self.verifier_file.exists():
+            write_private(self.verifier_file,
+                          verifier(self.coordinator_token_file.read_text().strip()))
 
     @property
     def token(self) -> str:

@@ -32,6 +32,7 @@ DEVICES = ("cpu", "cuda")  # cuda: each worker's current CUDA device (CUDA_VISIB
 MAX_STALENESS = 8  # bounds the weight versions and stashed steps a job may hold
 MAX_SLOWDOWN = 100.0  # fault injection: the most a slowdown may stretch compute
 MAX_RESTARTS = 100  # a crash loop ends long before; bounds what a spec may ask
+MAX_JOB_ID = 64  # characters of a job id
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # matched whole (fullmatch: no trailing newline)
 MAX_CONFIG_BYTES = 1 << 20  # a JSON config (model, dataset, optimizer, job file) at most
 MAX_CONFIG_DEPTH = 32  # nesting of objects and arrays a JSON config may have
