@@ -219,7 +219,7 @@ def test_worker_refuses_on_its_hop_socket_what_it_refuses_on_grpc(
     with pytest.raises(WorkerFailed, match="refused this worker's service credential"):
         HopSender(path, "worker", "not-the-token", 10)
     token = keys.service.service_token
-    with server.channel(address, keys.service) as ch:
+    with server.channel(address, keys.coordinator) as ch:  # control calls: the coordinator's
         stub = worker_pb2_grpc.StageWorkerStub(ch)
         stub.Assign(second_rank_assignment(), timeout=60)
         try:
@@ -230,7 +230,6 @@ def test_worker_refuses_on_its_hop_socket_what_it_refuses_on_grpc(
                 assert code in message and named in message, (case, message)
         finally:
             stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=30)
-
 
 
 def test_hop_latency_bench_quick(tmp_path: Path) -> None:
