@@ -121,7 +121,8 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
                                                * factors.get("OPT", 1.0)),
                       weight_copy_seconds_per_byte=(profile.weight_copy_seconds_per_byte
                                                     * factors.get("OPT", 1.0)))
-    store = Link(cluster.store.bandwidth / factors.get("STASH", 1.0), cluster.store.latency)
+    store = replace(cluster.store, bandwidth=cluster.store.bandwidth
+                    / factors.get("STASH", 1.0))
     hop = factors.get(LATENCY, 1.0)
 
     def slower(link: Link) -> Link:
