@@ -367,13 +367,14 @@ class Engine:
         base = step * self.stride
         woken: list[int] = []
         wait = self._busy_send(r, op) if op.sends else 0.0
-        if self.fenced[r]:  # after the stashes handed over before ([Note: copy lane])
-            at = max(at, self.lanes[r].out_free)
+        # after the stashes handed over before are written ([Note: copy lane])
+        fence = self.lanes[r].out_free if self.fenced[r] else 0.0
         for dst, nbytes, key in op.sends:
-            if self.cluster.on_loopback(r, dst):
-                self._loopback_transfer(r, dst, nbytes, base + key, at, wait)
+            if self.cluster.on_loopback(r, dst):  # a job, so it starts in time order
+                self._loopback_transfer(r, dst, nbytes, base + key, at,
+                                        max(at + wait, fence) - at)
                 continue
-            self.avail[base + key] = self._transfer(r, dst, nbytes, at)
+            self.avail[base + key] = self._transfer(r, dst, nbytes, max(at, fence))
             self.flushed[r] = max(self.flushed[r], self.links[(r, dst)])  # last byte sent
             woken += self.waiting.pop(base + key, [])
         return woken
