@@ -191,3 +191,13 @@ def test_the_planner_offloads_where_the_overlap_makes_it_nearly_free():
     assert policy[0] == "offload" and policy[2:] == ("recompute", "recompute")
     assert chosen[0][0][0] == "recompute"
     assert seconds < chosen[0][1]
+
+
+def test_a_job_with_a_memory_cap_is_planned_with_stashes_on_the_compute_lane():
+    """Its workers write stashes on the compute thread (worker.service), so its plan is
+    simulated so too; a job without a cap keeps the cluster's lane."""
+    from pipefb.planner.job import job_cluster
+
+    cluster = _cluster(2)
+    assert job_cluster(cluster, 2, memory_cap=1 << 30).stash_in_flight_bytes == 0
+    assert job_cluster(cluster, 2).stash_in_flight_bytes == STASH_IN_FLIGHT_BYTES
