@@ -286,15 +286,13 @@ class Engine:
                  schedule: bool = True) -> list[int]:
         """Runs one action on a host of its own; schedules the ranks it wakes, or returns
         them."""
-        if op.lane_bytes:
-            end, available = self._lane(r, k, step, op, start)
-            return self._finish(r, k, step, op, start, end, schedule, available=available)
-        return self._finish(r, k, step, op, start, start + op.seconds, schedule)
+        end = self._lane(r, k, step, op, start) if op.lane_bytes else start + op.seconds
+        return self._finish(r, k, step, op, start, end, schedule)
 
-    def _lane(self, r: int, k: int, step: int, op: Op, start: float) -> tuple[float, float]:
+    def _lane(self, r: int, k: int, step: int, op: Op, start: float) -> float:
         """A STASH or FETCH through rank `r`'s copy lane ([Note: copy lane] in
-        pipefb.sim.copylane): when it ends on the compute lane, and when what it makes
-        available may be used."""
+        pipefb.sim.copylane): when it ends on the compute lane (a STASH's consumers on
+        other ranks wait for its write through `written` and the fenced sends)."""
         lane, nbytes = self.lanes[r], op.lane_bytes
         combined = self.memory[r].combined
         if op.action.kind is Kind.STASH:
@@ -304,7 +302,7 @@ class Engine:
             self.flushed[r] = max(self.flushed[r], written)
             self._lane_cpu(r, begin, written - begin)
             self.written[step * self.stride + op.key] = written
-            return handed + op.seconds, handed + op.seconds
+            return handed + op.seconds
         issue = start
         last = self.fetched.get(r)
         if last is not None and last[0] == k:  # prefetched when the last FETCH ended
@@ -321,8 +319,7 @@ class Engine:
         else:
             begin, taken = lane.take(max(issue, written), nbytes)
             self._lane_cpu(r, begin, taken - begin)
-        end = max(start, taken) + op.seconds
-        return end, end
+        return max(start, taken) + op.seconds
 
     def _lane_cpu(self, r: int, begin: float, seconds: float) -> None:
         """On a loopback host, a copy's CPU from `begin`: `store.cpu` times its seconds
@@ -337,11 +334,10 @@ class Engine:
         self._after(begin, start)
 
     def _finish(self, r: int, k: int, step: int, op: Op, start: float, end: float,
-                schedule: bool = True, sent: bool = False,
-                available: float | None = None) -> list[int]:
+                schedule: bool = True, sent: bool = False) -> list[int]:
         """Ends one action: its span (from when the rank reached it: a receive's span holds
         its wait, as the runtime times it), memory, transfers (unless `sent` already) and
-        what it makes available (at `end`, or at `available` when given)."""
+        what it makes available."""
         if op.action.kind in _PREFETCH_AFTER:
             self.arrived[r] = self._missing(step, op)[1]
         elif op.action.kind is Kind.FETCH:  # the runtime prefetches the next one now
@@ -352,7 +348,7 @@ class Engine:
         base = step * self.stride
         woken = self._send(r, step, op, end - op.tail) if op.sends and not sent else []
         if op.key >= 0:
-            self.avail[base + op.key] = end if available is None else available
+            self.avail[base + op.key] = end
             woken += self.waiting.pop(base + op.key, [])
         self.pos[r] += 1
         if not schedule:
