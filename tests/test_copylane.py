@@ -70,9 +70,8 @@ def test_a_stash_that_overlaps_compute_adds_nothing_when_the_lane_is_free():
 def test_on_a_loopback_host_a_copy_takes_cpu_beside_the_compute():
     """The same list on one loopback core: write 0's 1 ms of CPU shares the core with F1
     from 4, so both run at half speed until it is done at 6 and F1 ends at 9; the take of
-    stash 0 (its lane time 9-10, under B1) is charged from when the rank reaches FETCH0
-    (17) and shares the core with B0 until 19: B0 ends at 26. Same CPU in all, on the core
-    that the compute lane also needs."""
+    stash 0, issued when FETCH1 ends (9), shares the core with B1 until 11, so B1 ends at
+    18 and B0 runs 18-26: the copies cost the compute lane their CPU, nothing more."""
     plan = replace(balanced_plan("gpipe", 1, [1.0], 2, 2), policy=("offload",))
     actions = [Action.parse(x) for x in
                "0F0 0STASH0 0F1 0STASH1 0FETCH1 0B1 0FETCH0 0B0 0OPT".split()]
@@ -82,8 +81,9 @@ def test_on_a_loopback_host_a_copy_takes_cpu_beside_the_compute():
                    schedule={0: actions})
     spans = _spans(sim, 0)
     assert spans["0F1"] == pytest.approx((4, 9))
-    assert spans["0B1"] == pytest.approx((9, 17))
-    assert spans["0B0"] == pytest.approx((17, 26))
+    assert spans["0B1"] == pytest.approx((9, 18))
+    assert spans["0FETCH0"] == pytest.approx((18, 18))  # taken in 9-10
+    assert spans["0B0"] == pytest.approx((18, 26))
     assert sim.step_seconds == pytest.approx(26 * MS)
 
 

@@ -33,10 +33,10 @@ from pipefb.sim.cluster import Link
 #   the step (the flush drains the writer): [Note: flush] in pipefb.sim.engine.
 # - Bytes in flight count as `stash_in_flight` memory until their write ends.
 # - On a loopback host a copy is CPU work (the I/O thread and Redis): a job of
-#   `store.cpu` times its seconds runs on the host's cores from its start (a prefetched
-#   take's from when the rank reaches its FETCH, since jobs start in time order: the same
-#   CPU a step, on the computes after), slowing the computes beside it; the lane's own
-#   times are not stretched by that sharing.
+#   `store.cpu` times its seconds runs on the host's cores from its start, slowing the
+#   computes beside it (so there a prefetch's take is issued as soon as its inputs are
+#   in, not when the rank reaches its FETCH); the lane's own times are not stretched by
+#   that sharing.
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from pipefb.sim.result import Record
 _TIMER = -2  # the rank field of a heap entry that runs a callback of `Engine.timers`
 _PREFETCH_AFTER = frozenset({Kind.RECV_L, Kind.RECV_B})  # receives a backward rank's
 # prefetch waits for ([Note: copy lane] in pipefb.sim.copylane)
+_PREFETCH = -10  # a waiter at or below it is rank (_PREFETCH - waiter)'s pending prefetch
 
 
 # [Note: flush]
@@ -96,6 +97,12 @@ class Engine:
         self.fetched: dict[int, tuple[int, float]] = {}
         self.arrived: dict[int, float] = {}
         self.written: dict[int, float] = {}
+        # on a loopback host a prefetch's take runs when it is issued, so that its CPU job
+        # starts then: per rank the (iteration, position, earliest issue) of the one
+        # waiting for its inputs, and by (rank, position) when each take issued ends
+        self.eager = {r for r in self.runs if self.host[r][0] in self.cluster.loopback_hosts}
+        self.pending: dict[int, tuple[int, int, float]] = {}
+        self.taken: dict[tuple[int, int], float] = {}
 
     def shared(self) -> bool:
         """Whether some host has fewer cores than ranks, or moves bytes on its cores."""
@@ -260,6 +267,9 @@ class Engine:
         return -1, ready
 
     def _schedule(self, r: int) -> None:
+        if r <= _PREFETCH:
+            self._try_prefetch(_PREFETCH - r)
+            return
         p = self.pos[r]
         if p >= len(self.runs[r]):
             return
@@ -303,6 +313,11 @@ class Engine:
             self._lane_cpu(r, begin, written - begin)
             self.written[step * self.stride + op.key] = written
             return handed + op.seconds
+        taken = self.taken.pop((r, self.pos[r]), None)
+        if taken is not None:  # issued by the last FETCH (`_try_prefetch`)
+            return max(start, taken) + op.seconds
+        if self.pending.get(r, (0, -1, 0.0))[1] == self.pos[r]:
+            del self.pending[r]
         issue = start
         last = self.fetched.get(r)
         if last is not None and last[0] == k:  # prefetched when the last FETCH ended
@@ -312,14 +327,53 @@ class Engine:
                 issue = (max(issue, self.arrived.get(r, start))
                          if before.action.kind in _PREFETCH_AFTER else start)
         issue = max(issue, self._missing(step, op)[1])  # every stash handed over
+        return max(start, self._take(r, step, op, issue)) + op.seconds
+
+    def _take(self, r: int, step: int, op: Op, issue: float) -> float:
+        """When the take of a FETCH issued at `issue` ends on rank `r`'s copy lane."""
         written = max((self.written.pop((step + offset) * self.stride + key, 0.0)
                        for offset, key in op.needs), default=0.0)
-        if combined and written > issue:
-            taken = issue  # its own stash, still being written: taken back from the writer
-        else:
-            begin, taken = lane.take(max(issue, written), nbytes)
-            self._lane_cpu(r, begin, taken - begin)
-        return max(start, taken) + op.seconds
+        if self.memory[r].combined and written > issue:
+            return issue  # its own stash, still being written: taken back from the writer
+        begin, taken = self.lanes[r].take(max(issue, written), op.lane_bytes)
+        self._lane_cpu(r, begin, taken - begin)
+        return taken
+
+    def _prefetch_next(self, r: int, k: int, end: float) -> None:
+        """After a FETCH of iteration `k` that ends at `end`, on a loopback host: issues
+        the take of the iteration's next FETCH as soon as its inputs are in."""
+        run, ops = self.runs[r], self.program.ops[r]
+        for q in range(self.pos[r] + 1, len(run)):
+            if run[q][0] != k:
+                return
+            if ops[run[q][2]].action.kind is Kind.FETCH:
+                if ops[run[q][2]].lane_bytes:
+                    self.pending[r] = (k, q, end)
+                    self._try_prefetch(r)
+                return
+
+    def _try_prefetch(self, r: int) -> None:
+        """Issues rank `r`'s pending prefetch if its stash was handed over (and, on a
+        backward rank, the receive before it arrived); else waits for what is missing."""
+        if r not in self.pending:
+            return
+        _, q, issue = self.pending[r]
+        run, ops = self.runs[r], self.program.ops[r]
+        waits = [(run[q][1], ops[run[q][2]])]
+        if not self.memory[r].combined:
+            before = ops[run[q - 1][2]]
+            if before.action.kind not in _PREFETCH_AFTER:
+                del self.pending[r]  # issued when the rank reaches it
+                return
+            waits.append((run[q - 1][1], before))
+        for step, op in waits:
+            missing, ready = self._missing(step, op)
+            if missing >= 0:
+                self.waiting[missing].append(_PREFETCH - r)
+                return
+            issue = max(issue, ready)
+        del self.pending[r]
+        self.taken[(r, q)] = self._take(r, run[q][1], waits[0][1], issue)
 
     def _lane_cpu(self, r: int, begin: float, seconds: float) -> None:
         """On a loopback host, a copy's CPU from `begin`: `store.cpu` times its seconds
@@ -342,6 +396,8 @@ class Engine:
             self.arrived[r] = self._missing(step, op)[1]
         elif op.action.kind is Kind.FETCH:  # the runtime prefetches the next one now
             self.fetched[r] = (k, end)
+            if r in self.eager:
+                self._prefetch_next(r, k, end)
         self.free[r] = end
         self.records.append((r, k, step, op.index, min(self.reached[r], start), end))
         self.memory[r].apply(step, op, end)
