@@ -22,7 +22,10 @@ manifests fails here as in a cluster:
   of this pod alone, their files decoded and owned by the pod's user and fsGroup with the
   Secret's mode (a memory-medium emptyDir is a plain directory here); a
   PersistentVolumeClaim is one directory its pods share (the test's job reads no data
-  from it);
+  from it); a hostPath is the node's: the pods play on one node, so one directory of the
+  run stands for it, shared by every pod that mounts that path, with the mode of a
+  node's /dev/shm (1777: anyone may make an entry, only its owner remove it), and the
+  host's own path is never mounted;
 - it reads env `secretKeyRef` only from a podman secret holding a flat JSON object of
   base64 values: the caller creates one per Secret (`Podman.secret`); those entries are
   kept as written;
@@ -181,7 +184,14 @@ class Adapter:
 
     def _volume(self, pod: str, spec: Doc, volume: Doc) -> Doc:
         """A Secret, ConfigMap or emptyDir volume as a host directory of this pod alone; a
-        claim as one directory every pod mounting it shares (empty here)."""
+        claim, or a hostPath, as one directory every pod mounting it shares (empty here)."""
+        if "hostPath" in volume:
+            path = volume["hostPath"]["path"]
+            folder = self.volumes / "node" / (path.strip("/").replace("/", "-") or "root")
+            folder.mkdir(parents=True, exist_ok=True)
+            folder.chmod(0o1777)  # as a node's /dev/shm
+            return {"name": volume["name"],
+                    "hostPath": {"path": str(folder), "type": "Directory"}}
         if "persistentVolumeClaim" in volume:
             folder = self.volumes / "claims" / volume["persistentVolumeClaim"]["claimName"]
             folder.mkdir(parents=True, exist_ok=True)

@@ -321,13 +321,14 @@ class LocalDeployment:
     def _volumes(self, workload: Doc, pod: str, job_changes: Mapping[str, object],
                  container: Doc) -> dict[str, Path]:
         """mountPath -> a local directory, one per volume of the pod (so its containers
-        share them): emptyDirs fresh, ConfigMaps and Secrets written out."""
+        share them): emptyDirs fresh, ConfigMaps and Secrets written out; a hostPath one
+        directory every pod shares (they all run on this one node)."""
         spec, mounts = pod_spec(workload), {}
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for mount in container.get("volumeMounts", []):
-            local = self.workdir / pod / mount["name"]
-            local.mkdir(parents=True, exist_ok=True)
             source = volumes[mount["name"]]
+            local = self.workdir / ("node" if "hostPath" in source else pod) / mount["name"]
+            local.mkdir(parents=True, exist_ok=True)
             if "configMap" in source:
                 self._write_configmap(source["configMap"]["name"], local, job_changes)
             elif "secret" in source:

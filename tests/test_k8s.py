@@ -400,3 +400,47 @@ def test_services_read_data_only_from_the_read_only_data_claim(
             volume = {v["name"]: v for v in pod_spec(workload)["volumes"]}[mount["name"]]
             assert volume["persistentVolumeClaim"] == {"claimName": "pipefb-data",
                                                        "readOnly": True}, name
+
+
+def _bytes(quantity: str) -> int:
+    """A memory quantity of the manifests ("16Gi", "512Mi") in bytes."""
+    number, unit = re.fullmatch(r"(\d+)(Gi|Mi)", quantity).groups()  # type: ignore[union-attr]
+    return int(number) << (30 if unit == "Gi" else 20)
+
+
+def test_workers_share_the_nodes_tmpfs_as_the_local_tier(built: dict[str, list[Doc]]) -> None:
+    """Every worker pod mounts its node's /dev/shm and names a directory under it as the
+    local tier, capped well inside its memory limit (tmpfs pages count there); nothing
+    else mounts a host path, and the coordinator names no tier."""
+    for overlay, docs in built.items():
+        workers = find(docs, "StatefulSet", "pipefb-worker")
+        container = main_container(workers)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        volumes = {v["name"]: v for v in pod_spec(workers)["volumes"]}
+        [(mount, volume)] = [(m, volumes[m["name"]]) for m in container["volumeMounts"]
+                             if "hostPath" in volumes[m["name"]]]
+        assert volume["hostPath"] == {"path": "/dev/shm", "type": "Directory"}, overlay
+        assert not mount.get("readOnly")  # the workers write their segments there
+        tier = env["PIPEFB_LOCAL_TIER_DIR"]
+        assert tier.startswith(mount["mountPath"] + "/") and tier != mount["mountPath"] + "/"
+        limit = _bytes(container["resources"]["limits"]["memory"])
+        assert 0 < int(env["PIPEFB_LOCAL_TIER_BYTES"]) <= limit // 4, overlay
+        hosts = [(w["metadata"]["name"], v["hostPath"]["path"]) for w in workloads(docs)
+                 for v in pod_spec(w).get("volumes", []) if "hostPath" in v]
+        assert hosts == [("pipefb-worker", "/dev/shm")], overlay
+        coordinator = main_container(find(docs, "Deployment", "pipefb-coordinator"))
+        assert {"name": "PIPEFB_LOCAL_TIER_DIR", "value": ""} in coordinator["env"]
+
+
+def test_gpu_workers_prefer_the_node_of_other_workers(built: dict[str, list[Doc]]) -> None:
+    """The GPU overlay packs workers onto a node (preferred, by the label every worker
+    pod carries, per host); the CPU overlay leaves placement to the scheduler."""
+    workers = find(built["gpu"], "StatefulSet", "pipefb-worker")
+    [term] = pod_spec(workers)["affinity"]["podAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["weight"] == 100
+    selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels(workers).items()
+    assert selector == workers["spec"]["selector"]["matchLabels"]  # workers, nothing else
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert "affinity" not in pod_spec(find(built["cpu"], "StatefulSet", "pipefb-worker"))

@@ -165,3 +165,15 @@ def test_the_manifests_probe_passes_over_mtls_and_plaintext_is_refused(
     plain = {k: v for k, v in env.items() if not k.startswith(("PIPEFB_TLS", "PIPEFB_MTLS"))}
     refused = subprocess.run(argv, env=plain, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+
+
+def test_workers_on_this_one_node_share_the_host_path_directory(
+        docs: list[dict[str, Any]], tmp_path: Path) -> None:
+    """A hostPath is the node's: every local worker gets the same directory under it as
+    its local tier (PIPEFB_LOCAL_TIER_DIR), and a pod's own volumes stay its own."""
+    run = LocalDeployment(docs, tmp_path, local_secrets(tmp_path / "pki"))
+    workers = find(docs, "StatefulSet", "pipefb-worker")
+    envs = [run._container(workers, f"pipefb-worker-{i}", {})[1] for i in range(2)]
+    tiers = {env["PIPEFB_LOCAL_TIER_DIR"] for env in envs}
+    assert tiers == {str(tmp_path / "node" / "node-shm" / "pipefb")}
+    assert envs[0]["HOME"] != envs[1]["HOME"]  # the emptyDir on /tmp

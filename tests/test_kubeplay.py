@@ -147,3 +147,18 @@ def test_init_containers_are_kept_and_secrets_regroup(pods: list[PlayPod]) -> No
     assert redis.doc["metadata"]["annotations"] == {INIT_TYPE: "always"}
     assert secrets_by_name(VALUES)["pipefb-tls"] == {"tls.crt": "CERT", "tls.key": "KEY",
                                                     "ca.crt": "CA"}
+
+
+def test_a_host_path_is_one_directory_of_the_run_every_pod_on_the_node_shares(
+        docs: list[dict[str, Any]], pods: list[PlayPod]) -> None:
+    """The workers' node /dev/shm (the local tier) becomes one sticky, world-writable
+    directory of the run that all worker pods mount, never the host's own /dev/shm."""
+    paths = {v["hostPath"]["path"] for p in pods if p.kind == "StatefulSet"
+             for v in p.doc["spec"]["volumes"] if v["name"] == "node-shm"}
+    workers = find(docs, "StatefulSet", "pipefb-worker")["spec"]["replicas"]
+    assert len(paths) == 1 and workers > 1
+    [path] = paths
+    assert path != "/dev/shm" and Path(path).is_dir()
+    assert Path(path).stat().st_mode & 0o7777 == 0o1777
+    assert not any(v["name"] == "node-shm" for p in pods if p.kind != "StatefulSet"
+                   for v in p.doc["spec"]["volumes"])

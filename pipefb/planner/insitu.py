@@ -39,6 +39,10 @@ LATENCY = "latency"  # the factor on every link's latency
 ROUNDS = 4  # fixed-point rounds (see [Note: fixed point])
 BISECTIONS = 12  # latency factor steps per round: within 2^-12 of its bracket
 MAX_LATENCY_FACTOR = 64.0  # beyond this, waits are not the links' doing: keep 1.0
+#: the store's factor stays within 1/this..this: STASH and FETCH spans are what the copy
+#: lane leaves exposed ([Note: copy lane] in pipefb.sim.copylane), which does not grow in
+#: proportion to the store's time (a take hidden but for 1 us would ask for any factor)
+MAX_STORE_FACTOR = 8.0
 #: iterations simulated: enough that the compared one (the second to last) follows a
 #: whole step, as the measured steps do (a sync step's first waits are for the last one's)
 ITERATIONS = 4
@@ -121,7 +125,8 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
                                                * factors.get("OPT", 1.0)),
                       weight_copy_seconds_per_byte=(profile.weight_copy_seconds_per_byte
                                                     * factors.get("OPT", 1.0)))
-    store = Link(cluster.store.bandwidth / factors.get("STASH", 1.0), cluster.store.latency)
+    store = replace(cluster.store, bandwidth=cluster.store.bandwidth
+                    / factors.get("STASH", 1.0))
     hop = factors.get(LATENCY, 1.0)
 
     def slower(link: Link) -> Link:
@@ -155,6 +160,7 @@ def fit(plan: Plan, profile: Profile, cluster: Cluster, measured: Mapping[str, f
         for kind in FITTED:
             if got[kind] > 0 and want[kind] > 0:
                 factors[kind] *= want[kind] / got[kind]
+        factors["STASH"] = min(max(factors["STASH"], 1 / MAX_STORE_FACTOR), MAX_STORE_FACTOR)
         factors[LATENCY] = _latency_factor(plan, profile, cluster, factors, want[LATENCY])
         fitted = scaled(profile, cluster, factors)
         sim = _simulate(plan, *fitted)

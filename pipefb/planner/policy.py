@@ -3,6 +3,7 @@ a worker over its memory cap down most cheaply (step 2 of [Note: search])."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from pipefb.plan.plan import Plan, recompute_runs
@@ -13,6 +14,8 @@ from pipefb.sim.costs import Profile, kept_bytes
 
 #: (bytes freed per second of extra time, the layers changed, their new policy)
 _Option = tuple[float, tuple[int, ...], str]
+#: an offload that lengthens the simulated step by at most this share is nearly free
+NEARLY_FREE = 0.02
 
 
 def initial_policy(space: SearchSpace, kind: str, microbatches: int) -> list[str]:
@@ -43,15 +46,29 @@ def initial_policy(space: SearchSpace, kind: str, microbatches: int) -> list[str
     return out
 
 
-def relieve(space: SearchSpace, plan: Plan, over: dict[int, int]) -> list[str] | None:
-    """The policy with one more change per over-cap worker (the ranks of `over`): a kept
-    layer offloaded, or a layer recomputed (alone or with the layer before it, as one run),
-    whichever frees the most bytes per second of extra time; None if no change frees
-    anything."""
+def relieve(space: SearchSpace, plan: Plan, over: dict[int, int],
+            nearly_free: Callable[[list[str], int], bool] | None = None
+            ) -> list[str] | None:
+    """The policy with one more change per over-cap worker (the ranks of `over`): the
+    worker's kept layer with the largest stash offloaded if `nearly_free` says the
+    simulation hides its copies behind compute ([Note: copy lane] in
+    pipefb.sim.copylane); else a kept layer offloaded, or a layer recomputed (alone or
+    with the layer before it, as one run), whichever frees the most bytes per second of
+    extra time; None if no change frees anything.
+
+    Args:
+        nearly_free: whether under a policy the simulated step is at most `NEARLY_FREE`
+            longer than the plan's and the given rank's peak lower; None: rank every
+            change by its analytic cost.
+    """
     prof = space.profile.at(plan.microbatch_size)
     policy, changed = list(plan.policy), False
     topology = plan.topology()
     for r in over:
+        free = _free_offload(policy, r, _layers_of_rank(topology, r), prof, nearly_free)
+        if free is not None:
+            policy[free], changed = "offload", True
+            continue
         options = _options(plan, policy, _layers_of_rank(topology, r), prof,
                            space.cluster.store)
         if options:
@@ -60,6 +77,18 @@ def relieve(space: SearchSpace, plan: Plan, over: dict[int, int]) -> list[str] |
                 policy[j] = new
             changed = True
     return policy if changed else None
+
+
+def _free_offload(policy: list[str], rank: int, layers: list[int], prof: Profile,
+                  nearly_free: Callable[[list[str], int], bool] | None) -> int | None:
+    """The kept layer of `layers` (those of `rank`) with the largest stash if offloading
+    it is nearly free and lowers the rank's peak (one simulation), else None."""
+    kept = [i for i in layers if policy[i] == "keep" and prof.layers[i].saved_bytes > 0]
+    if nearly_free is None or not kept:
+        return None
+    i = max(kept, key=lambda j: prof.layers[j].saved_bytes)
+    trial = [("offload" if j == i else p) for j, p in enumerate(policy)]
+    return i if nearly_free(trial, rank) else None
 
 
 def _options(plan: Plan, policy: list[str], layers: list[int], prof: Profile, store: Link

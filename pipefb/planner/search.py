@@ -20,9 +20,11 @@ into forward and backward roles:
    cheaper one balances as well;
 2. policy: combined kinds keep everything; PipeFB offloads each layer unless re-running
    its forward is cheaper than moving its saved tensors through the store; while a worker's
-   simulated peak exceeds its cap, its layers switch to offload or recompute, whichever
-   frees more bytes per second of extra time, the partition is re-balanced, and the plan
-   simulated again;
+   simulated peak exceeds its cap, its kept layer with the largest stash is offloaded if
+   the simulation says that is nearly free (the copy lane hides its copies behind compute,
+   `NEARLY_FREE`), else its layers switch to offload or recompute, whichever frees more
+   bytes per second of extra time; the partition is re-balanced, and the plan simulated
+   again;
 3. an analytic estimate ranks the candidates; the best ones are simulated (as many as an
    event budget allows, and at least the best of each schedule kind: the estimate ignores
    the caps, so a kind's best estimate may lose most to fitting its memory);
@@ -73,7 +75,7 @@ from pipefb.planner.candidates import (
     microbatch_choices,
 )
 from pipefb.planner.estimate import estimate
-from pipefb.planner.policy import initial_policy, relieve
+from pipefb.planner.policy import NEARLY_FREE, initial_policy, relieve
 from pipefb.schedule import KINDS, schedule_kind
 from pipefb.sim.cluster import Cluster
 from pipefb.sim.costs import Profile
@@ -109,8 +111,18 @@ class _Planner:
         return initial_policy(self.space, kind, microbatches)
 
     def relieve(self, plan: Plan, over: dict[int, int]) -> list[str] | None:
-        """`pipefb.planner.policy.relieve` in this search's space."""
-        return relieve(self.space, plan, over)
+        """`pipefb.planner.policy.relieve` in this search's space; with a copy lane, an
+        offload is tried by simulation first ([Note: search], step 2)."""
+        base = self.simulate(plan)
+        if not self.space.cluster.stash_in_flight_bytes or not isinstance(base, Simulation):
+            return relieve(self.space, plan, over)
+
+        def nearly_free(policy: list[str], rank: int) -> bool:
+            trial = self.simulate(replace(plan, policy=tuple(policy)))  # same partition
+            return (isinstance(trial, Simulation)
+                    and trial.step_seconds <= base.step_seconds * (1 + NEARLY_FREE)
+                    and trial.peak_memory[rank] < base.peak_memory[rank])
+        return relieve(self.space, plan, over, nearly_free)
 
     def candidates(self, kinds: list[tuple[str, str]], microbatches: Sequence[int]
                    ) -> list[Plan]:

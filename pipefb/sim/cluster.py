@@ -18,6 +18,10 @@ simulator take it as plain data. Sizes and rates accept units::
     links:
       - {between: [gpu0, gpu1], bandwidth: 300GB/s, latency: 2us}
     store: {bandwidth: 12GB/s, latency: 30us}      # the offload store, per worker
+                                   # (in_flight: 256MiB -> each worker's stash bytes
+                                   # handed to its copy lane and not yet written, at most,
+                                   # the workers' --stash-in-flight-bytes; 0: stashes are
+                                   # written on the compute lane; default 256MiB)
     overheads: {action: 20us, step: 1ms}           # per executed action; per step and worker
                                    # (step_cpu: 0.5ms -> on a loopback host each worker's
                                    # step also keeps a core busy that long: its Step call,
@@ -49,6 +53,7 @@ _UNITS = {"": 1.0, "b": 1.0, "k": 1e3, "kb": 1e3, "kib": 2.0**10, "m": 1e6, "mb"
           "tib": 2.0**40}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 MIN_OVERSUBSCRIBED = 0.5  # a host's `oversubscribed` speed may not say it loses more
+STASH_IN_FLIGHT_BYTES = 256 << 20  # = offload_store.writer.STASH_IN_FLIGHT_BYTES
 MAX_TRANSFER_CPU = 8.0  # cores one transfer may keep busy (a sanity bound on `Link.cpu`)
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)(/s)?\s*$")
 
@@ -159,6 +164,9 @@ class Cluster:
     #: after the send, at most until that compute ends ([Note: busy senders] in
     #: pipefb.sim.engine)
     busy_send: float = 0.0
+    #: the most stash bytes a worker hands to its copy lane and has not yet written; 0:
+    #: stashes are written on the compute lane ([Note: copy lane] in pipefb.sim.copylane)
+    stash_in_flight_bytes: int = STASH_IN_FLIGHT_BYTES
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -186,6 +194,9 @@ class Cluster:
             if not MIN_OVERSUBSCRIBED <= speed <= 1.0:
                 raise ConfigError(f"host {host!r}: oversubscribed {speed!r} must be in "
                                   f"{MIN_OVERSUBSCRIBED}..1")
+        if self.stash_in_flight_bytes < 0:
+            raise ConfigError(f"store in_flight {self.stash_in_flight_bytes!r} must be >= 0 "
+                              "bytes")
 
     @property
     def size(self) -> int:
@@ -250,7 +261,12 @@ class Cluster:
         if "network" in top:
             kwargs["network"] = Link.parse(top["network"], f"{source}.network")
         if "store" in top:
-            kwargs["store"] = Link.parse(top["store"], f"{source}.store")
+            store = dict(_mapping(top["store"], f"{source}.store",
+                                  {"bandwidth", "latency", "cpu", "in_flight"}))
+            if "in_flight" in store:
+                kwargs["stash_in_flight_bytes"] = int(parse_quantity(
+                    store.pop("in_flight"), f"{source}.store.in_flight", "bytes"))
+            kwargs["store"] = Link.parse(store, f"{source}.store")
         return Cluster(
             workers, links=links, host_cores=hosts, loopback_hosts=frozenset(loopback),
             host_oversubscribed=oversubscribed,
@@ -296,7 +312,9 @@ class Cluster:
                          **({"memory": w.memory} if math.isfinite(w.memory) else {})}
                         for w in self.workers],
             "network": link(self.network),
-            "store": link(self.store),
+            "store": {**link(self.store),
+                      **({"in_flight": self.stash_in_flight_bytes}
+                         if self.stash_in_flight_bytes != STASH_IN_FLIGHT_BYTES else {})},
             "overheads": {"action": self.action_overhead, "step": self.step_overhead,
                           **({"step_cpu": self.step_cpu} if self.step_cpu else {}),
                           **({"busy_send": self.busy_send} if self.busy_send else {})},

@@ -19,10 +19,12 @@ from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
 # - SEND_F, SEND_B, SEND_L and PUSH_W cost the sender only the action overhead; the bytes
 #   then cross the link between the two workers, one transfer at a time per direction
 #   (FIFO), arriving `latency + bytes / bandwidth` after they start.
-# - STASH puts the stashed bytes into the store (the worker waits: latency + bytes over
-#   the store bandwidth); FETCH waits for every matching STASH, then takes the bytes back.
-#   On a combined worker, the fetch of the next micro-batch overlaps the backward before
-#   it (the runtime prefetches).
+# - STASH and FETCH move the stashed bytes through the rank's copy lane, beside its
+#   compute, at the store link's latency + bytes over bandwidth ([Note: copy lane] in
+#   pipefb.sim.copylane): a STASH holds the compute lane only while the bytes in flight
+#   are at their cap (a cap of 0: for its whole write), a FETCH only for what is left of
+#   its prefetched take. A STASH whose FETCH comes right after it moves nothing
+#   ([Note: back-to-back stash] in pipefb.runtime.exchange).
 # - RECV_* and RECV_W wait for the arrival; every action adds the cluster's action
 #   overhead, every iteration its step overhead (and, on a loopback host, its Step call's
 #   CPU beside it: [Note: step calls] in pipefb.sim.engine). On a loopback host a send

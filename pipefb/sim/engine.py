@@ -11,6 +11,7 @@ from pipefb.errors import ScheduleError
 from pipefb.plan.plan import Plan
 from pipefb.schedule import Action, Kind, Schedule, iteration
 from pipefb.sim.cluster import Link
+from pipefb.sim.copylane import CopyLane
 from pipefb.sim.costmodel import COMPUTE, SENDS, STORE_KINDS, Costs
 from pipefb.sim.hosts import Host, Job
 from pipefb.sim.memorymodel import RankMemory
@@ -18,6 +19,9 @@ from pipefb.sim.program import Op, Program
 from pipefb.sim.result import Record
 
 _TIMER = -2  # the rank field of a heap entry that runs a callback of `Engine.timers`
+_PREFETCH_AFTER = frozenset({Kind.RECV_L, Kind.RECV_B})  # receives a backward rank's
+# prefetch waits for ([Note: copy lane] in pipefb.sim.copylane)
+_PREFETCH = -10  # a waiter at or below it is rank (_PREFETCH - waiter)'s pending prefetch
 
 
 # [Note: flush]
@@ -26,7 +30,8 @@ _TIMER = -2  # the rank field of a heap entry that runs a callback of `Engine.ti
 # starts no earlier than that: on a link, when its last byte is sent (latency not
 # included); on a loopback host, when the transfer's CPU job ends (the hand-off is work of
 # both processes, so it leaves as it arrives). This binds where a step ends with a send: a
-# backward-only worker's PUSH_W of the new weights after its OPT.
+# backward-only worker's PUSH_W of the new weights after its OPT. The flush also waits
+# for the step's stash writes on the copy lane ([Note: copy lane] in pipefb.sim.copylane).
 #
 # [Note: step calls]
 # Each step of each worker is a Step call from the coordinator (`coordinator.stepping`):
@@ -81,8 +86,23 @@ class Engine:
         self.heap: list[tuple[float, int, int, str, int]] = []
         self.timers: dict[int, Callable[[float], None]] = {}  # by heap sequence number
         self.records: list[Record] = []
-        self.last_b: dict[int, float] = {}
         self.seq = 0
+        # [Note: copy lane]: each rank's lane; forward ranks whose sends wait for their
+        # writes; per rank the iteration and end of its last FETCH, and when its last
+        # receive arrived; when each stash's write ends, by its slot in `avail`
+        t = costs.topology
+        self.lanes = {r: CopyLane(self.cluster.store, self.cluster.stash_in_flight_bytes)
+                      for r in self.runs}
+        self.fenced = {r: t.is_split and r not in t.backward_workers for r in self.runs}
+        self.fetched: dict[int, tuple[int, float]] = {}
+        self.arrived: dict[int, float] = {}
+        self.written: dict[int, float] = {}
+        # on a loopback host a prefetch's take runs when it is issued, so that its CPU job
+        # starts then: per rank the (iteration, position, earliest issue) of the one
+        # waiting for its inputs, and by (rank, position) when each take issued ends
+        self.eager = {r for r in self.runs if self.host[r][0] in self.cluster.loopback_hosts}
+        self.pending: dict[int, tuple[int, int, float]] = {}
+        self.taken: dict[tuple[int, int], float] = {}
 
     def shared(self) -> bool:
         """Whether some host has fewer cores than ranks, or moves bytes on its cores."""
@@ -145,7 +165,7 @@ class Engine:
             op = ops[r][i]
             if p == 0 or self.runs[r][p - 1][0] != k:
                 self._step_calls(r, t)
-            if op.prefetched:  # runs beside the backward: see _execute
+            if op.lane_bytes:  # the copy lane's: see _lane
                 self._execute(r, k, step, op, t)
                 continue
             self.free[r] = math.inf  # busy until the job ends
@@ -247,6 +267,9 @@ class Engine:
         return -1, ready
 
     def _schedule(self, r: int) -> None:
+        if r <= _PREFETCH:
+            self._try_prefetch(_PREFETCH - r)
+            return
         p = self.pos[r]
         if p >= len(self.runs[r]):
             return
@@ -273,22 +296,111 @@ class Engine:
                  schedule: bool = True) -> list[int]:
         """Runs one action on a host of its own; schedules the ranks it wakes, or returns
         them."""
-        seconds = op.seconds
-        if op.prefetched:
-            overhead = self.cluster.action_overhead
-            seconds = overhead + max(0.0, seconds - overhead - self.last_b.get(r, 0.0))
-        return self._finish(r, k, step, op, start, start + seconds, schedule)
+        end = self._lane(r, k, step, op, start) if op.lane_bytes else start + op.seconds
+        return self._finish(r, k, step, op, start, end, schedule)
+
+    def _lane(self, r: int, k: int, step: int, op: Op, start: float) -> float:
+        """A STASH or FETCH through rank `r`'s copy lane ([Note: copy lane] in
+        pipefb.sim.copylane): when it ends on the compute lane (a STASH's consumers on
+        other ranks wait for its write through `written` and the fenced sends)."""
+        lane, nbytes = self.lanes[r], op.lane_bytes
+        combined = self.memory[r].combined
+        if op.action.kind is Kind.STASH:
+            handed = lane.room(start, nbytes)
+            begin, written = lane.write(handed, nbytes)
+            self.memory[r].written(written, nbytes)
+            self.flushed[r] = max(self.flushed[r], written)
+            self._lane_cpu(r, begin, written - begin)
+            self.written[step * self.stride + op.key] = written
+            return handed + op.seconds
+        taken = self.taken.pop((r, self.pos[r]), None)
+        if taken is not None:  # issued by the last FETCH (`_try_prefetch`)
+            return max(start, taken) + op.seconds
+        if self.pending.get(r, (0, -1, 0.0))[1] == self.pos[r]:
+            del self.pending[r]
+        issue = start
+        last = self.fetched.get(r)
+        if last is not None and last[0] == k:  # prefetched when the last FETCH ended
+            issue = last[1]
+            if not combined:  # a backward rank's waits for the receive just before
+                before = self.program.ops[r][self.runs[r][self.pos[r] - 1][2]]
+                issue = (max(issue, self.arrived.get(r, start))
+                         if before.action.kind in _PREFETCH_AFTER else start)
+        issue = max(issue, self._missing(step, op)[1])  # every stash handed over
+        return max(start, self._take(r, step, op, issue)) + op.seconds
+
+    def _take(self, r: int, step: int, op: Op, issue: float) -> float:
+        """When the take of a FETCH issued at `issue` ends on rank `r`'s copy lane."""
+        written = max((self.written.pop((step + offset) * self.stride + key, 0.0)
+                       for offset, key in op.needs), default=0.0)
+        if self.memory[r].combined and written > issue:
+            return issue  # its own stash, still being written: taken back from the writer
+        begin, taken = self.lanes[r].take(max(issue, written), op.lane_bytes)
+        self._lane_cpu(r, begin, taken - begin)
+        return taken
+
+    def _prefetch_next(self, r: int, k: int, end: float) -> None:
+        """After a FETCH of iteration `k` that ends at `end`, on a loopback host: issues
+        the take of the iteration's next FETCH as soon as its inputs are in."""
+        run, ops = self.runs[r], self.program.ops[r]
+        for q in range(self.pos[r] + 1, len(run)):
+            if run[q][0] != k:
+                return
+            if ops[run[q][2]].action.kind is Kind.FETCH:
+                if ops[run[q][2]].lane_bytes:
+                    self.pending[r] = (k, q, end)
+                    self._try_prefetch(r)
+                return
+
+    def _try_prefetch(self, r: int) -> None:
+        """Issues rank `r`'s pending prefetch if its stash was handed over (and, on a
+        backward rank, the receive before it arrived); else waits for what is missing."""
+        if r not in self.pending:
+            return
+        _, q, issue = self.pending[r]
+        run, ops = self.runs[r], self.program.ops[r]
+        waits = [(run[q][1], ops[run[q][2]])]
+        if not self.memory[r].combined:
+            before = ops[run[q - 1][2]]
+            if before.action.kind not in _PREFETCH_AFTER:
+                del self.pending[r]  # issued when the rank reaches it
+                return
+            waits.append((run[q - 1][1], before))
+        for step, op in waits:
+            missing, ready = self._missing(step, op)
+            if missing >= 0:
+                self.waiting[missing].append(_PREFETCH - r)
+                return
+            issue = max(issue, ready)
+        del self.pending[r]
+        self.taken[(r, q)] = self._take(r, run[q][1], waits[0][1], issue)
+
+    def _lane_cpu(self, r: int, begin: float, seconds: float) -> None:
+        """On a loopback host, a copy's CPU from `begin`: `store.cpu` times its seconds
+        ([Note: copy lane] in pipefb.sim.copylane)."""
+        name = self.host[r][0]
+        if name not in self.cluster.loopback_hosts or seconds <= 0:
+            return
+        work = self.cluster.store.cpu * seconds
+
+        def start(at: float) -> None:
+            self._start_job(name, at, work, _nothing)
+        self._after(begin, start)
 
     def _finish(self, r: int, k: int, step: int, op: Op, start: float, end: float,
                 schedule: bool = True, sent: bool = False) -> list[int]:
         """Ends one action: its span (from when the rank reached it: a receive's span holds
         its wait, as the runtime times it), memory, transfers (unless `sent` already) and
         what it makes available."""
-        if op.action.kind is Kind.B:
-            self.last_b[r] = end - start
+        if op.action.kind in _PREFETCH_AFTER:
+            self.arrived[r] = self._missing(step, op)[1]
+        elif op.action.kind is Kind.FETCH:  # the runtime prefetches the next one now
+            self.fetched[r] = (k, end)
+            if r in self.eager:
+                self._prefetch_next(r, k, end)
         self.free[r] = end
         self.records.append((r, k, step, op.index, min(self.reached[r], start), end))
-        self.memory[r].apply(step, op)
+        self.memory[r].apply(step, op, end)
         base = step * self.stride
         woken = self._send(r, step, op, end - op.tail) if op.sends and not sent else []
         if op.key >= 0:
@@ -307,11 +419,14 @@ class Engine:
         base = step * self.stride
         woken: list[int] = []
         wait = self._busy_send(r, op) if op.sends else 0.0
+        # after the stashes handed over before are written ([Note: copy lane])
+        fence = self.lanes[r].out_free if self.fenced[r] else 0.0
         for dst, nbytes, key in op.sends:
-            if self.cluster.on_loopback(r, dst):
-                self._loopback_transfer(r, dst, nbytes, base + key, at, wait)
+            if self.cluster.on_loopback(r, dst):  # a job, so it starts in time order
+                self._loopback_transfer(r, dst, nbytes, base + key, at,
+                                        max(at + wait, fence) - at)
                 continue
-            self.avail[base + key] = self._transfer(r, dst, nbytes, at)
+            self.avail[base + key] = self._transfer(r, dst, nbytes, max(at, fence))
             self.flushed[r] = max(self.flushed[r], self.links[(r, dst)])  # last byte sent
             woken += self.waiting.pop(base + key, [])
         return woken

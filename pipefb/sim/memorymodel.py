@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 # (ratio x owned bytes); kept weight versions (PipeDream stashing, async PipeFB); in-flight
 # activations (received inputs until F, outputs until sent, gradients likewise); stashed
 # saved tensors (keep until B; offload until STASH and from FETCH to B; recompute: the
-# input of each run).
+# input of each run); stashes handed to the copy lane until their write ends
+# (`stash_in_flight`, [Note: copy lane] in pipefb.sim.copylane).
 
 
 class RankMemory:
@@ -42,6 +43,7 @@ class RankMemory:
         self.version = 0
         self.forward_versions: dict[tuple[int, int], int] = {}
         self.kept: set[int] = set()
+        self.writing: list[tuple[float, int]] = []  # (end, bytes) of writes in flight
         self._note()
 
     def deltas(self, a: Action) -> tuple[tuple[str, int], ...]:
@@ -59,8 +61,12 @@ class RankMemory:
             out.append(("stashed", sum(c.kept_bytes(i) for i in layers)))
         elif a.kind is Kind.SEND_F:
             out.append(("activations", -c.send_bytes(a)))
-        elif a.kind in (Kind.STASH, Kind.FETCH):
-            out.append(("stashed", c.stash_bytes(a) * (-1 if a.kind is Kind.STASH else 1)))
+        elif a.kind is Kind.FETCH:
+            out.append(("stashed", c.stash_bytes(a)))
+        elif a.kind is Kind.STASH:
+            out.append(("stashed", -c.stash_bytes(a)))
+            if c.cluster.stash_in_flight_bytes:  # until its write ends: `written`
+                out.append(("stash_in_flight", c.stash_bytes(a)))
         elif a.kind is Kind.RECV_B:
             out.append(("activations", c.boundary_bytes(t.backward_partition[a.stage + 1])))
         elif a.kind is Kind.B:
@@ -86,8 +92,20 @@ class RankMemory:
         if self.total > self.peak:
             self.peak, self.at_peak = self.total, dict(self.now)
 
-    def apply(self, step: int, op: Op) -> None:
-        """Runs the memory effect of one action of training step `step`."""
+    def written(self, end: float, nbytes: int) -> None:
+        """Counts `nbytes` of a stash in flight until its write ends at `end` ([Note: copy
+        lane] in pipefb.sim.copylane)."""
+        self.writing.append((end, nbytes))
+
+    def apply(self, step: int, op: Op, now: float = 0.0) -> None:
+        """Runs the memory effect of one action of training step `step` ending at `now`,
+        after the writes that ended by then left the in-flight bytes."""
+        if self.writing:
+            done = sum(n for end, n in self.writing if end <= now)
+            if done:
+                self.writing = [(end, n) for end, n in self.writing if end > now]
+                self.now["stash_in_flight"] -= done
+                self.total -= done
         for kind, delta in op.deltas:
             self.now[kind] += delta
             self.total += delta

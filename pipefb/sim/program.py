@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from pipefb.schedule import Action, Kind, Schedule, Topology
 from pipefb.schedule.deps import requirements
 from pipefb.schedule.ir import STAGE_KINDS
-from pipefb.sim.costmodel import COMPUTE, SENDS, STORE_KINDS, Costs, stage_of
+from pipefb.sim.costmodel import COMPUTE, SENDS, Costs, stage_of
 from pipefb.sim.memorymodel import RankMemory
 
 
@@ -24,12 +25,12 @@ class Op:
     index: int  # position in the rank's list
     microbatch: int
     compute: bool
-    seconds: float  # busy time, overhead included (FETCH on combined: before overlap)
+    seconds: float  # compute-lane time, overhead included
     needs: tuple[tuple[int, int], ...]
     key: int  # what this action makes available (-1: nothing)
     sends: tuple[tuple[int, int, int], ...]  # (destination rank, bytes, key) of transfers
     deltas: tuple[tuple[str, int], ...]
-    prefetched: bool  # FETCH on a combined rank (overlaps the backward before it)
+    lane_bytes: int  # bytes a STASH or FETCH moves on the copy lane ([Note: copy lane])
     tail: float = 0.0  # seconds at the end that run after `sends` left ([Note: early sends])
 
 
@@ -66,6 +67,7 @@ class Program:
                              for r, actions in schedule.items()}
         self.keeps_versions = {r: _keeps_versions(r, actions, costs.topology, staleness)
                                for r, actions in schedule.items()}
+        self.back_to_back = {r: _back_to_back(actions) for r, actions in schedule.items()}
         self.ops = {r: [self._op(r, i, a, memory[r]) for i, a in enumerate(actions)]
                     for r, actions in schedule.items()}
         self.index = {r: {a.base: i for i, a in enumerate(actions)}
@@ -104,8 +106,8 @@ class Program:
             seconds += c.compute(r, a)
             if a.kind is Kind.OPT and self.keeps_versions[r]:
                 seconds += c.weight_copy(r, a.stage)
-        elif a.kind in STORE_KINDS:
-            seconds += c.cluster.store.seconds(c.stash_bytes(a))
+        elif a.kind is Kind.STASH and not c.cluster.stash_in_flight_bytes:
+            seconds += c.cluster.store.seconds(c.stash_bytes(a))  # on the compute lane
         # local needs too: an unvalidated list may put them after (a deadlock)
         needs = tuple((offset, self.family(stage, "push", r), False) if kind is Kind.PUSH_W
                       else (offset, self.family(kind, stage), kind not in STAGE_KINDS)
@@ -138,12 +140,17 @@ class Program:
                        for dst, nbytes, family in shape.sends])
         key = -1 if shape.family < 0 else shape.family * width + mb + 1
         runs = self.runs_weights[r]
+        if i in self.back_to_back[r]:  # [Note: back-to-back stash]: nothing moves
+            return Op(a.base, i, mb, False, self.costs.cluster.action_overhead, needs, key,
+                      sends, (), 0)
         if runs is not None and a.kind is Kind.SEND_B:  # [Note: early sends]: the B sent
             sends, key = (), -1
         elif runs is not None and shape.early is not None:
             return self._early(a, i, mb, shape, needs, runs.get(mb, 0))
+        lane = a.kind is Kind.FETCH or (a.kind is Kind.STASH
+                                         and bool(self.costs.cluster.stash_in_flight_bytes))
         return Op(a.base, i, mb, a.kind in COMPUTE, shape.seconds, needs, key, sends,
-                  shape.deltas, a.kind is Kind.FETCH and self.topology.is_combined)
+                  shape.deltas, self.costs.stash_bytes(a) if lane else 0)
 
     def _early(self, a: Action, i: int, mb: int, shape: Shape,
                needs: tuple[tuple[int, int], ...], halves: int) -> Op:
@@ -156,7 +163,7 @@ class Program:
                        for k, d in shape.deltas)
         key, sent = (f * self.width + mb + 1 for f in (shape.family, family))
         return Op(a.base, i, mb, True, shape.seconds + (halves - 1) * weights, needs, key,
-                  ((dst, nbytes, sent),), deltas, False, tail=halves * weights)
+                  ((dst, nbytes, sent),), deltas, 0, tail=halves * weights)
 
 
 # [Note: early sends]
@@ -167,6 +174,18 @@ class Program:
 # each after, all left at the last B; the saved tensors of a micro-batch are freed with
 # its halves) and its SEND_B only costs the overhead. A profile without
 # `weight_grad_seconds` (analytic) sends after the whole B.
+
+
+def _back_to_back(actions: list[Action]) -> set[int]:
+    """Positions of the STASHes whose FETCH comes right after them, and of those
+    FETCHes: the runtime skips both, the saved tensors stay ([Note: back-to-back stash]
+    in pipefb.runtime.exchange)."""
+    out: set[int] = set()
+    for i, (a, b) in enumerate(pairwise(actions)):
+        if (a.kind is Kind.STASH and b.kind is Kind.FETCH and a.stage == b.stage
+                and a.microbatch == b.microbatch and a.lead == b.lead):
+            out |= {i, i + 1}
+    return out
 
 
 def _weight_halves_run(costs: Costs, r: int, actions: list[Action]) -> dict[int, int] | None:
