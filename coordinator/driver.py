@@ -151,7 +151,7 @@ class Driver:
                         raise
                     self.recovery.restart(job, ranks, error)
                     ranks = None
-            self._finish(job, ranks)
+            final = self._finish(job, ranks)
         except Stopped as stopped:
             final = ("STOPPED", str(stopped))
         except Drained as paused:
@@ -162,16 +162,18 @@ class Driver:
         finally:
             self._end(job, ranks, final)
 
-    def _finish(self, job: Job, ranks: Ranks) -> None:
-        """After the last step: the in-situ fit, the model's weights, the store's check."""
+    def _finish(self, job: Job, ranks: Ranks) -> tuple[str, str] | None:
+        """After the last step: the in-situ fit, the model's weights, the store's check;
+        the state the job ends with (DONE, set by `_end` once the ranks are drained)."""
         if job.costs is not None and job.reports:
             fit_in_situ(job)
-        if job.state == "RUNNING":
-            job.weights = collect_weights(job, ranks)
-            check_store_empty(self.store_address, job.job_id)
-            if job.attempt:  # late stashes of a worker stopped in an earlier attempt
-                clear_store(self.store_address, job.job_id)
-            job.set_state("DONE")
+        if job.state != "RUNNING":
+            return None
+        job.weights = collect_weights(job, ranks)
+        check_store_empty(self.store_address, job.job_id)
+        if job.attempt:  # late stashes of a worker stopped in an earlier attempt
+            clear_store(self.store_address, job.job_id)
+        return ("DONE", "")
 
     def _failure(self, job: Job, ranks: Ranks | None, error: Exception) -> str:
         """The failed job's message, naming dead ranks, whose workers are forgotten."""

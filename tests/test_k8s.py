@@ -35,6 +35,10 @@ SECRET = ("pipefb-redis", "password")
 DEFAULT_IS_RIGHT = {
     "PIPEFB_CACHE_DIR": "read only by `pipefb plan` / local runs (calibration cache)",
     "PIPEFB_USERS_FILE": "optional: users besides the admin (docs/deploy.md)",
+    "PIPEFB_STORE_SOCKET": "a local cluster's Redis unix socket; on Kubernetes Redis is "
+                           "another pod, reached over TCP",
+    "PIPEFB_LOCAL_HOPS": "on by default, and only a peer at a loopback address gets a hop "
+                         "socket: pods reach each other at their pod addresses",
 }
 # Env vars a worker must not get: the user's token, the coordinator's credential and the
 # store's service user; it takes calls of the coordinator's credential (checked against
@@ -190,8 +194,11 @@ def test_every_env_var_the_services_read_is_set(built: dict[str, list[Doc]]) -> 
             if role == "worker":
                 needed -= NOT_FOR_WORKERS
                 assert sorted(env & NOT_FOR_WORKERS) == [], name
-            else:  # the coordinator holds its own credential, not the workers' verifier
-                needed.discard("PIPEFB_COORDINATOR_VERIFIER_FILE")
+            else:  # the coordinator holds its own credential, not the workers' verifier,
+                needed.discard("PIPEFB_COORDINATOR_VERIFIER_FILE")  # and no tier (its
+                needed.discard("PIPEFB_LOCAL_TIER_BYTES")  # PIPEFB_LOCAL_TIER_DIR is "")
+                assert {"name": "PIPEFB_LOCAL_TIER_DIR", "value": ""} in main_container(
+                    find(docs, _kind(docs, name), name))["env"], name
             assert sorted(needed - env) == [], name
 
 
