@@ -29,6 +29,7 @@ import torch
 from bench import machine
 from bench.output import args_json, write_results
 from bench.stats import fmt, summary
+from bench.store import recv_into
 from calibration.links import serve, serve_hops
 from dataplane.grpc_transport import SWITCH_INTERVAL_SECONDS, GrpcTransport, inbox_key
 from dataplane.inbox import Inbox
@@ -93,18 +94,8 @@ def _tcp_echo(ports: Any, size: int) -> None:
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = memoryview(bytearray(size))
-    while _recv_exact(conn, buf):
+    while recv_into(conn, buf):
         conn.sendall(buf)
-
-
-def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def tcp_probe() -> None:
         conn.sendall(raw)
-        _recv_exact(conn, raw)
+        recv_into(conn, raw)
 
     probes = {"hop": probe(True), "grpc": probe(False), "tcp": tcp_probe}
     times: dict[str, dict[str, list[float]]] = {g: {p: [] for p in PATHS}

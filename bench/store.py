@@ -128,7 +128,7 @@ def _tcp_peer(listener: socket.socket) -> None:
             op, n = HEADER.unpack(head)
             if op == b"P":
                 held = held if len(held) == n else bytearray(n)
-                _recv_into(conn, memoryview(held))
+                recv_into(conn, memoryview(held))
                 conn.sendall(b"k")
             else:
                 conn.sendall(held)
@@ -137,10 +137,10 @@ def _tcp_peer(listener: socket.socket) -> None:
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     """`n` bytes, or b"" when the peer closed first."""
     buf = bytearray(n)
-    return bytes(buf) if _recv_into(conn, memoryview(buf)) else b""
+    return bytes(buf) if recv_into(conn, memoryview(buf)) else b""
 
 
-def _recv_into(conn: socket.socket, view: memoryview) -> bool:
+def recv_into(conn: socket.socket, view: memoryview) -> bool:
     """Fills `view` from the socket; False when the peer closed first."""
     got = 0
     while got < len(view):
@@ -197,7 +197,7 @@ class RoundTrips:
 
         def fetch() -> torch.Tensor:
             self.sock.sendall(HEADER.pack(b"G", t.nbytes))
-            _recv_into(self.sock, _bytes_of(back))
+            recv_into(self.sock, _bytes_of(back))
             return back
         return self._timed(put, fetch)
 

@@ -141,3 +141,16 @@ def role_stub(address: str, keys: Credentials) -> Iterator[RoleStub]:
             server.channel(address, keys.service) as peer:
         yield RoleStub(worker_pb2_grpc.StageWorkerStub(boss),
                        worker_pb2_grpc.StageWorkerStub(peer))
+
+
+def assert_submit_refused(client: Any, spec: Any, fields: dict[str, Any], message: str) -> None:
+    """Submits the JobSpec `spec` with `fields` set: refused with INVALID_ARGUMENT and one
+    line that holds `message`."""
+    import grpc
+
+    for name, value in fields.items():
+        setattr(spec, name, value)
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.SubmitJob(spec, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details() and "\n" not in info.value.details()

@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 
@@ -23,6 +22,7 @@ from pipefb.profile.measure import measure_profile
 from pipefb.runtime.layersplit import LayerSplit
 from pipefb.runtime.reference import SingleProcess
 from protos.convert import job_to_proto
+from tests.conftest import assert_submit_refused
 from tests.test_device import needs_cuda
 from tests.test_transparency import assert_same_training, make_job, reference, run_on_cluster
 
@@ -143,13 +143,8 @@ BAD = [({"precision": "fp8"}, "unknown precision 'fp8'"),
 @pytest.mark.parametrize(("fields", "message"), BAD)
 def test_submit_refuses_bad_precisions_naming_the_value(
         client: Any, fields: dict[str, Any], message: str) -> None:
-    spec = job_to_proto(make_job("mlp", "1f1b", 2, "sgd"))
-    for name, value in fields.items():
-        setattr(spec, name, value)
-    with pytest.raises(grpc.RpcError) as info:
-        client.stub.SubmitJob(spec, timeout=30)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in info.value.details() and "\n" not in info.value.details()
+    assert_submit_refused(client, job_to_proto(make_job("mlp", "1f1b", 2, "sgd")), fields,
+                          message)
 
 
 def test_submit_takes_fp16_on_the_cpu(client: Any) -> None:

@@ -270,13 +270,10 @@ def test_a_heartbeat_under_an_id_a_restarted_coordinator_gave_another_worker_is_
     assert not registry.heartbeat(first + 1, "127.0.0.1:1002")
 
 
-def test_a_clipped_scheduled_job_replays_with_the_lr_and_norm_of_each_step(
-        client: CoordinatorClient, restarting: LocalServices) -> None:
-    """worker-3 owns backward stage 0 and takes part in the norm exchange; killed mid-run,
-    the replay from the checkpoint sets each step's lr from its number and exchanges the
-    norms in the new attempt's group ([Note: global norm] in pipefb/runtime/clipping.py)."""
-    job = recoverable_job("kill-clipped", lr_schedule="cosine", warmup_steps=10,
-                          min_lr=0.001, clip_grad_norm=0.05)
+def killed_and_replayed(client: CoordinatorClient, restarting: LocalServices, job: JobConfig
+                        ) -> tuple[list[Any], list[Any]]:
+    """Runs `job` with worker-3 (backward stage 0) SIGKILLed at step 8, checks the replay
+    ends as the uninterrupted run does; one process's steps and the job's step reports."""
     client.submit(job)
     running_at(client, job.job_id, 8)
     os.kill(restarting.process("worker-3").pid, signal.SIGKILL)
@@ -286,6 +283,17 @@ def test_a_clipped_scheduled_job_replays_with_the_lr_and_norm_of_each_step(
         want = list(SingleProcess(replace(job, schedule="single", checkpoint_every=0,
                                           checkpoint_dir="", max_restarts=0)).run())
     reports = list(client.train(job.job_id))
+    return want, reports
+
+
+def test_a_clipped_scheduled_job_replays_with_the_lr_and_norm_of_each_step(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """worker-3 owns backward stage 0 and takes part in the norm exchange; killed mid-run,
+    the replay from the checkpoint sets each step's lr from its number and exchanges the
+    norms in the new attempt's group ([Note: global norm] in pipefb/runtime/clipping.py)."""
+    job = recoverable_job("kill-clipped", lr_schedule="cosine", warmup_steps=10,
+                          min_lr=0.001, clip_grad_norm=0.05)
+    want, reports = killed_and_replayed(client, restarting, job)
     assert [r.lr for r in reports] == [s.lr for s in want]
     assert [r.grad_norm for r in reports] == [s.grad_norm for s in want]
 
@@ -298,15 +306,7 @@ def test_a_recovered_fp16_job_replays_with_the_loss_scale_of_its_checkpoint(
     process with torch's GradScaler, and the weights are the uninterrupted run's."""
     job = recoverable_job("kill-fp16", precision="fp16", initial_loss_scale=2.0**20,
                           loss_scale_window=2)
-    client.submit(job)
-    running_at(client, job.job_id, 8)
-    os.kill(restarting.process("worker-3").pid, signal.SIGKILL)
-    status = finished(client, job.job_id)
-    assert_equals_uninterrupted(client, restarting, job, status)
-    with worker_threads():
-        want = list(SingleProcess(replace(job, schedule="single", checkpoint_every=0,
-                                          checkpoint_dir="", max_restarts=0)).run())
-    reports = list(client.train(job.job_id))
+    want, reports = killed_and_replayed(client, restarting, job)
     assert any(s.skipped for s in want[10:]) and not all(s.skipped for s in want)
     assert [r.skipped for r in reports] == [s.skipped for s in want]
     assert [r.loss_scale for r in reports] == [s.loss_scale for s in want]
