@@ -23,7 +23,7 @@ from pipefb.runtime.clipping import GlobalNormClip
 from pipefb.runtime.reference import SingleProcess
 from protos.convert import job_to_proto
 from tests.conftest import assert_submit_refused, worker_threads
-from tests.test_migration import other, wait_running
+from tests.test_migration import trained_with_a_move
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
 
 MAX_NORM = 0.05  # well below the mlp's gradient norms (about 0.3 to 1.5): every step clips
@@ -152,14 +152,7 @@ def test_a_moved_job_keeps_its_schedule_and_clipping(client: Any) -> None:
     lr from the step number): training goes on as in one process."""
     job = make_job("mlp", "pipefb", 4, "adamw", **{**SCHEDULED, "steps": 12},
                    job_id="clip-move")
-    client.submit(job)
-    status = wait_running(client, "clip-move", 3)
-    fwd = other(list(status.plan.forward_partition), [[0, 1, 5], [0, 3, 5]])
-    bwd = other(list(status.plan.backward_partition), [[0, 3, 5], [0, 1, 5]])
-    client.repartition("clip-move", fwd, bwd)
-    reports = list(client.train("clip-move"))
-    [move] = client.status("clip-move").migrations
-    assert 3 <= move.step < job.steps and not move.rolled_back
+    reports = trained_with_a_move(client, job)
     want = single_steps(job)
     assert [r.step for r in reports] == list(range(job.steps))
     assert [r.lr for r in reports] == [s.lr for s in want]

@@ -29,7 +29,7 @@ from pipefb.runtime.reference import SingleProcess
 from protos import coordinator_pb2
 from protos.convert import job_from_proto, job_to_proto
 from tests.conftest import assert_submit_refused, worker_threads
-from tests.test_migration import other, wait_running
+from tests.test_migration import trained_with_a_move
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
 
 FP16: dict[str, Any] = {"precision": "fp16", "initial_loss_scale": 2.0**20,
@@ -120,15 +120,7 @@ def test_a_moved_fp16_job_keeps_its_loss_scale(client: Any) -> None:
     """A layer move re-assigns every rank with attempt + 1; each owner takes the scale of
     its paused attempt, so training goes on as in one process."""
     job = fp16_job("pipefb", 4, steps=12, job_id="fp16-move")
-    client.submit(job)
-    status = wait_running(client, "fp16-move", 3)
-    # 5 layers: embedding, two blocks, head, loss
-    fwd = other(list(status.plan.forward_partition), [[0, 1, 5], [0, 3, 5]])
-    bwd = other(list(status.plan.backward_partition), [[0, 3, 5], [0, 1, 5]])
-    client.repartition("fp16-move", fwd, bwd)
-    reports = list(client.train("fp16-move"))
-    [move] = client.status("fp16-move").migrations
-    assert 3 <= move.step < job.steps and not move.rolled_back
+    reports = trained_with_a_move(client, job)
     want, want_weights = single_weights(job)
     assert [r.step for r in reports] == list(range(job.steps))
     assert [r.skipped for r in reports] == [s.skipped for s in want]

@@ -52,6 +52,20 @@ def other(current: list[int], choices: list[list[int]]) -> list[int]:
     return next(c for c in choices if c != current)
 
 
+def trained_with_a_move(client: Any, job: Any) -> list[Any]:
+    """Runs the 5-layer PipeFB `job` on 4 workers, moving its forward and backward layers
+    once it runs step 3; its step reports, after checking the move went through."""
+    client.submit(job)
+    status = wait_running(client, job.job_id, 3)
+    fwd = other(list(status.plan.forward_partition), [[0, 1, 5], [0, 3, 5]])
+    bwd = other(list(status.plan.backward_partition), [[0, 3, 5], [0, 1, 5]])
+    client.repartition(job.job_id, fwd, bwd)
+    reports = list(client.train(job.job_id))
+    [move] = client.status(job.job_id).migrations
+    assert 3 <= move.step < job.steps and not move.rolled_back
+    return reports
+
+
 def test_a_move_of_forward_and_backward_layers_trains_as_without_it(
         client: Any, cluster: Any) -> None:
     """No checkpoint directory: the layers go rank to rank over the Migrate stream."""
