@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
-from types import FrameType
 
 from offload_store.acl import acl_file
 from offload_store.server import RedisServer
 from offload_store.store import PASSWORD_ENV
+from pipefb.processes import StopSignal
 
 POLL_S = 1.0  # how often to check that the server is still alive
 
@@ -69,13 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         write_acl(args.write_acl, args.password)
         print(f"wrote {args.write_acl}", flush=True)
         return 0
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = StopSignal()
     with RedisServer(maxmemory=args.maxmemory, port=args.port or None,
                      password=args.password, unix_socket=args.unix_socket) as server:
         address = server.address

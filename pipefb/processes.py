@@ -30,7 +30,9 @@ def die_with_parent() -> None:
 # Runs a `python -m MODULE ARGS` child after asking for SIGTERM on the parent's death,
 # in the child itself: a preexec_fn would make Python fork (not vfork), and a parent that
 # holds gRPC channels (the CLI, a supervisor relaunching) can then abort in the child.
-_BOOT = ("import sys; from pipefb.processes import die_with_parent; die_with_parent(); "
+# SIGUSR1 makes it write every thread's Python stack to its log (a stuck child explains itself).
+_BOOT = ("import sys, signal, faulthandler; faulthandler.register(signal.SIGUSR1); "
+         "from pipefb.processes import die_with_parent; die_with_parent(); "
          "import runpy; module = sys.argv[1]; sys.argv = [module, *sys.argv[2:]]; "
          "runpy.run_module(module, run_name='__main__', alter_sys=True)")
 
@@ -43,6 +45,38 @@ def project_env(env: dict[str, str] | None = None) -> dict[str, str]:
         p for p in (str(Path(__file__).resolve().parent.parent), out.get("PYTHONPATH", ""))
         if p)
     return out
+
+
+class StopSignal:
+    """SIGTERM and SIGINT, caught for a main loop that polls `received`.
+
+    The handler only appends to a list: Python runs a signal handler in the main thread
+    between two bytecodes, possibly while that thread holds a lock (inside
+    `threading.Event.wait`, say), so a handler that takes a lock (`Event.set`) can
+    deadlock the process that it was meant to stop.
+    """
+
+    POLL_S = 0.05  # how long `wait` sleeps between looks at the list
+
+    def __init__(self) -> None:
+        self._got: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self._got.append(signum))
+
+    @property
+    def received(self) -> bool:
+        """Whether a stop signal has come."""
+        return bool(self._got)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleeps until a stop signal has come (True) or `timeout` seconds pass (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._got:
+            left = self.POLL_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(self.POLL_S, left))
+        return True
 
 
 def python_argv(args: list[str]) -> list[str]:

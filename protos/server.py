@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -26,6 +25,7 @@ from pipefb.errors import (
     StoreFullError,
     WorkerFailed,
 )
+from pipefb.processes import StopSignal
 from protos import security
 
 log = logging.getLogger(__name__)
@@ -252,10 +252,7 @@ def serve_until_signal(server: Stoppable, health_servicer: Health,
     in flight get `grace_seconds` to finish. With `exit_within`, the process ends that many
     seconds after the signal even if the clean-up is still stuck (a thread blocked on a
     peer that died, a channel that does not close): a stopping worker must not linger."""
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    StopSignal().wait()
     if exit_within is not None:
         watchdog = threading.Timer(exit_within, _exit_now, args=(exit_within,))
         watchdog.daemon = True

@@ -134,9 +134,19 @@ def test_sigterm_ends_workers_waiting_on_a_dead_peer(tmp_path: Path) -> None:
     while time.monotonic() < deadline and any(alive(p["pid"]) for p in manifest.values()):
         time.sleep(0.2)
     left = [name for name, p in manifest.items() if alive(p["pid"])]
+    stacks = stacks_of([manifest[name] for name in left])
     for name in left:  # nothing outlives the test
         os.kill(manifest[name]["pid"], signal.SIGKILL)
-    assert not left
+    assert not left, stacks
+
+
+def stacks_of(processes: list[dict]) -> str:
+    """The Python stacks that stuck local-cluster children write to their logs on SIGUSR1
+    (`pipefb.processes` registers it), so a failure says where each one waits."""
+    for p in processes:
+        os.kill(p["pid"], signal.SIGUSR1)
+    time.sleep(1)
+    return "\n".join(Path(p["log"]).read_text()[-3000:] for p in processes)
 
 
 @pytest.mark.parametrize("victim", ["coordinator"])
