@@ -38,6 +38,7 @@ import signal
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -139,7 +140,9 @@ def echo(parent: str) -> None:
     inbox = Inbox(timeout_seconds=PROBE_TIMEOUT_S * 10)
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        inbox.abort("stopped")
+        # on another thread: the handler runs on the main thread, which may hold the
+        # inbox's lock inside `recv` at that moment (see pipefb.processes.StopSignal)
+        threading.Thread(target=inbox.abort, args=("stopped",), daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
     srv, address = serve(inbox)
