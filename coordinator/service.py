@@ -21,9 +21,9 @@ from coordinator.limits import check_worker
 from coordinator.registry import Registry
 from coordinator.reshape import migration_proto
 from pipefb.errors import ConfigError
-from pipefb.job.checks import check_job
 from pipefb.job.config import MAX_JOB_ID
 from pipefb.job.size import SizeLimits
+from pipefb.runtime.splitcheck import check_submit
 from pipefb.schedule.kinds import runs_in_process
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, security, tensor_pb2, wire
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
@@ -75,7 +75,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         config = job_from_proto(request)
         if runs_in_process(config.schedule):
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
-        costs = check_job(config, self.size_limits)
+        costs = check_submit(config, self.size_limits)
         owner = security.caller(context)
         chosen = owned_id(config.job_id, owner) if config.job_id else ""
         with self._lock:
@@ -108,7 +108,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         for entry in entries:
             step = entry.step if entry.config.mode == "sync" else 0  # async: from step 0
             try:
-                costs = check_job(entry.config, self.size_limits)
+                costs = check_submit(entry.config, self.size_limits)
             except ValueError as error:  # ConfigError too: e.g. a model plugin is gone
                 log.error("journaled job %s cannot resume: %s", entry.config.job_id, error)
                 continue

@@ -33,8 +33,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipefb.errors import ConfigError, NonFiniteLoss
-from pipefb.job.checks import check_job
 from pipefb.job.config import DEVICES, SCHEDULES, JobConfig, job_device, parse_json_object
+from pipefb.runtime.splitcheck import check_submit
 
 if TYPE_CHECKING:
     from pipefb.sim.costs import Profile
@@ -288,7 +288,7 @@ def cmd_local_train(args: argparse.Namespace) -> int:
 
     configure_local_data_roots()
     job = job_from_args(args)
-    check_job(job)
+    check_submit(job)
     job_device(job)  # every process of a local run shares this machine's devices
     if args.threads < 0:
         raise ConfigError(f"--threads {args.threads} must be >= 0")
@@ -312,7 +312,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from calibration.cluster import local_cluster
 
         cluster = local_cluster(job.workers)
-    check_job(replace(job, workers=cluster.size))
+    check_submit(replace(job, workers=cluster.size))
     cluster = job_cluster(cluster, cluster.size, memory_cap=job.memory_cap)
     profile = _plan_profile(job, args, cluster.size)
     from pipefb.planner.job import plan_job

@@ -57,8 +57,11 @@ class TensorSpec:
         """Returns a valid example: standard normal values if floating, zeros otherwise.
 
         Zeros are a valid index for every embedding and a valid class for every loss, so
-        integer examples never fail a bounds check.
+        integer examples never fail a bounds check. On the meta device it is a shape
+        without storage (the submit check traces layers there: nothing is allocated).
         """
+        if torch.device(device).type == "meta":
+            return torch.empty(self.shape, dtype=self.dtype, device="meta")
         if not self.is_floating:
             return self.zeros(device)
         return torch.randn(self.shape, dtype=self.dtype, generator=generator).to(device)
