@@ -21,11 +21,13 @@ class CheckedModel:
         layers: the layer sequence on the meta device (loss included).
         specs: each layer's input specs, propagated from a micro-batch's.
         costs: the placeholder planner's cost of each layer.
+        warnings: what the job will do unlike one process, one line each (it runs).
     """
 
     layers: list[torch.nn.Module]
     specs: list[list[TensorSpec]]
     costs: list[float]
+    warnings: list[str]
 
 
 def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float]:
@@ -100,7 +102,33 @@ def check_model(config: JobConfig, limits: SizeLimits | None = None) -> CheckedM
                 f"{config.workers} workers make {stages} stages but the model has only "
                 f"{len(layers)} layers (loss included)"
             )
-    return CheckedModel(layers, specs, layer_costs(layers))
+    return CheckedModel(layers, specs, layer_costs(layers),
+                        [w for w in [group_statistics_warning(config, layers, specs)] if w])
+
+
+def group_statistics_warning(config: JobConfig, layers: list[torch.nn.Module],
+                             specs: list[list[TensorSpec]]) -> str | None:
+    """The line that says a job with several pipeline groups does not end with one
+    process's buffer statistics, or None: each group's forwards update the statistics of
+    their own micro-batches only (BatchNorm's running mean and variance; [Note: mutated
+    buffers] in pipefb.runtime.layersplit), and the exported, checkpointed and evaluated
+    ones are group 0's. The parameters and losses are not affected (a training forward
+    normalises by its micro-batch's own statistics)."""
+    from pipefb.job.shapes import written_buffers
+
+    if config.groups == 1:
+        return None
+    written = [f"{i} ({type(layer).__name__})" for i, (layer, layer_specs)
+               in enumerate(zip(layers, specs, strict=True)) if written_buffers(layer, layer_specs)]
+    if not written:
+        return None
+    groups = (f"with {config.groups} groups" if config.groups > 1
+              else "if the planner picks several groups")
+    return (f"model {config.model!r}: layer{'s' * (len(written) > 1)} {', '.join(written)} "
+            f"update{'s' * (len(written) == 1)} buffers in the forward (running statistics); "
+            f"{groups} each group's statistics follow only its own micro-batches, and the "
+            "exported, checkpointed and evaluated ones are group 0's, not where one process "
+            "leaves them (parameters and training losses are not affected)")
 
 
 def check_tied_parameters(config: JobConfig, layers: list[torch.nn.Module]) -> None:

@@ -43,12 +43,13 @@ _DATA_ERRORS = (DataDependentOutputException, DynamicOutputShapeException,
                 GuardOnDataDependentSymNode)
 
 
-def check_submit(config: JobConfig, limits: SizeLimits | None = None) -> list[float]:
-    """Everything `pipefb.job.checks.check_job` checks, then every layer's split
+def check_submit(config: JobConfig, limits: SizeLimits | None = None) -> CheckedModel:
+    """Everything `pipefb.job.checks.check_model` checks, then every layer's split
     ([Note: split at submit]) unless the job runs in one process.
 
     Returns:
-        The placeholder planner's cost of each layer (loss included).
+        The checked model: the placeholder planner's cost of each layer (loss included)
+        and the lines to warn the job's submitter with.
 
     Raises:
         ConfigError: as `check_job`, or one line naming the first layer whose split
@@ -57,7 +58,7 @@ def check_submit(config: JobConfig, limits: SizeLimits | None = None) -> list[fl
     model = check_model(config, limits)
     if not runs_in_process(config.schedule):
         check_splits(config, model)
-    return model.costs
+    return model
 
 
 def check_splits(config: JobConfig, model: CheckedModel) -> None:
