@@ -79,6 +79,7 @@ class Job:
 
     config: JobConfig
     layer_costs: list[float] = field(default_factory=list)  # from check_job at submit
+    warnings: list[str] = field(default_factory=list)  # from check_submit: lines for the user
     planner: dict[str, Any] = field(default_factory=dict)  # plan "auto": the search summary
     costs: tuple[Profile, Cluster] | None = None  # plan "auto": what it was planned with
     state: str = "PENDING"

@@ -21,9 +21,9 @@ from coordinator.limits import check_worker
 from coordinator.registry import Registry
 from coordinator.reshape import migration_proto
 from pipefb.errors import ConfigError
-from pipefb.job.checks import check_job
 from pipefb.job.config import MAX_JOB_ID
 from pipefb.job.size import SizeLimits
+from pipefb.runtime.splitcheck import check_submit
 from pipefb.schedule.kinds import runs_in_process
 from protos import coordinator_pb2, coordinator_pb2_grpc, job_pb2, security, tensor_pb2, wire
 from protos.convert import job_from_proto, job_to_proto, plan_to_proto
@@ -75,7 +75,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         config = job_from_proto(request)
         if runs_in_process(config.schedule):
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
-        costs = check_job(config, self.size_limits)
+        checked = check_submit(config, self.size_limits)
         owner = security.caller(context)
         chosen = owned_id(config.job_id, owner) if config.job_id else ""
         with self._lock:
@@ -84,7 +84,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise FailedPrecondition(f"job id {config.job_id!r} is already in use")
             config = own_directory(replace(config, job_id=job_id))
             claim_directory(config, self._jobs.values(), self.driver.checkpoint_root)
-            job = Job(config, layer_costs=costs, owner=owner)
+            job = Job(config, layer_costs=checked.costs, owner=owner,
+                      warnings=checked.warnings)
             self._forget_old_jobs()
             self._jobs[job_id] = job
         self.driver.start(job)
@@ -108,7 +109,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         for entry in entries:
             step = entry.step if entry.config.mode == "sync" else 0  # async: from step 0
             try:
-                costs = check_job(entry.config, self.size_limits)
+                costs = check_submit(entry.config, self.size_limits).costs
             except ValueError as error:  # ConfigError too: e.g. a model plugin is gone
                 log.error("journaled job %s cannot resume: %s", entry.config.job_id, error)
                 continue
@@ -237,6 +238,7 @@ def _status(job: Job) -> coordinator_pb2.JobStatus:
         migrations=[migration_proto(m) for m in job.migrations])
     status.start_step = job.start_step
     status.refused_checkpoints.extend(job.refused)
+    status.warnings.extend(job.warnings)
     if job.plan is not None:
         status.plan.CopyFrom(plan_to_proto(job.plan))
     if job.planner:

@@ -256,7 +256,7 @@ class StopJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json", "attempt", "restarts", "migrations", "checkpointed", "start_step", "refused_checkpoints")
+    __slots__ = ("job_id", "state", "step", "spec", "plan", "error", "worker_ids", "planner_json", "attempt", "restarts", "migrations", "checkpointed", "start_step", "refused_checkpoints", "warnings")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class JobStatus(_message.Message):
     CHECKPOINTED_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     step: int
@@ -285,7 +286,8 @@ class JobStatus(_message.Message):
     checkpointed: int
     start_step: int
     refused_checkpoints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ..., attempt: _Optional[int] = ..., restarts: _Optional[_Iterable[str]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., checkpointed: _Optional[int] = ..., start_step: _Optional[int] = ..., refused_checkpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., plan: _Optional[_Union[_job_pb2.Plan, _Mapping]] = ..., error: _Optional[str] = ..., worker_ids: _Optional[_Iterable[int]] = ..., planner_json: _Optional[str] = ..., attempt: _Optional[int] = ..., restarts: _Optional[_Iterable[str]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., checkpointed: _Optional[int] = ..., start_step: _Optional[int] = ..., refused_checkpoints: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

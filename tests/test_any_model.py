@@ -21,7 +21,9 @@ from pipefb.job.checks import check_job
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.runtime.checkpoint import load_rank
 from pipefb.runtime.evaluate import evaluate
-from protos.convert import plan_from_proto
+from pipefb.runtime.splitcheck import check_submit
+from protos.convert import job_to_proto, plan_from_proto
+from tests.conftest import assert_submit_refused
 from tests.test_migration import wait_running
 from tests.test_transparency import (
     STEPS,
@@ -254,6 +256,19 @@ REFUSED = {
                        "not fit: layer 1 (WrongWidth) does not take [2, 16] torch.float32: a "
                        "and b must have same reduction dim, but got [2, 16] X [32, 10].",
 }
+# model -> the line of a refusal by the split's trace at submit ([Note: split at submit] in
+# pipefb.runtime.splitcheck): the shape check passes them and `single` trains them
+SPLIT = "cannot be split into its forward and backward parts"
+UNSPLIT = {
+    "zoo_value_backward": f"model 'zoo_value_backward': layer 1 (ClipGrad) {SPLIT}: its forward "
+                          "or backward reads tensor values (Python control flow on a tensor, "
+                          ".item() or .tolist()), which the split's trace, on shapes alone, "
+                          "cannot follow; compute it with tensor ops (torch.where, clamp)",
+    "zoo_detached": f"model 'zoo_detached': layer 1 (Detached) {SPLIT}: its backward does not "
+                    "take exactly one gradient, its output's: the output is not "
+                    "differentiable in its input and parameters (a detach?), or the forward "
+                    "also writes into another tensor that needs a gradient",
+}
 
 
 @pytest.mark.parametrize("model", sorted(REFUSED))
@@ -262,6 +277,27 @@ def test_a_model_that_cannot_run_is_refused_at_submit_in_one_line(model: str) ->
     with pytest.raises(ConfigError) as caught:
         check_job(make_job(model, "1f1b", 2, "adamw", **extra))
     assert str(caught.value) == REFUSED[model]
+
+
+@pytest.mark.parametrize("model", sorted(UNSPLIT))
+@pytest.mark.parametrize(("schedule", "workers"), [("pipefb", 4), ("1f1b", 2)])
+def test_a_model_whose_split_does_not_trace_is_refused_at_submit(
+        client: Any, model: str, schedule: str, workers: int) -> None:
+    """Shapes propagate through it, so only the split's trace finds it: at submit, not on
+    the workers' Assign; `single` trains it."""
+    check_job(make_job(model, schedule, workers, "adamw", **DIGITS))  # the shape check passes
+    assert_submit_refused(client, job_to_proto(make_job(model, "1f1b", 2, "adamw", **DIGITS)),
+                          {"schedule": schedule, "workers": workers},
+                          f"ConfigError: {UNSPLIT[model]}")
+    check_submit(make_job(model, "single", 1, "adamw", **DIGITS))
+
+
+def test_the_cli_refuses_a_model_whose_split_does_not_trace_in_one_line(
+        plugin_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["local", "train", "--model", "zoo_value_backward", "--dataset", "digits",
+                 "--loss", "cross_entropy", "--schedule", "pipefb", "--workers", "4",
+                 "--batch-size", "8", "--microbatches", "4", "--steps", "1"]) == 2
+    assert capsys.readouterr().err == f"pipefb: error: {UNSPLIT['zoo_value_backward']}\n"
 
 
 @pytest.mark.parametrize("model", ["zoo_pair", "zoo_max_norm_late"])

@@ -33,8 +33,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipefb.errors import ConfigError, NonFiniteLoss
-from pipefb.job.checks import check_job
 from pipefb.job.config import DEVICES, SCHEDULES, JobConfig, job_device, parse_json_object
+from pipefb.runtime.splitcheck import check_submit
 
 if TYPE_CHECKING:
     from pipefb.sim.costs import Profile
@@ -282,13 +282,19 @@ def configure_local_data_roots() -> None:
     configure(DataRoots.parse(local_default()))
 
 
+def warn(lines: Sequence[str]) -> None:
+    """Prints each of a submit's warnings as one `pipefb: warning:` line on stderr."""
+    for line in lines:
+        print(f"pipefb: warning: {line}", file=sys.stderr)
+
+
 def cmd_local_train(args: argparse.Namespace) -> int:
     """`pipefb local train`: a fresh local cluster (or one process for `single`)."""
     from pipefb.app.train import run_local
 
     configure_local_data_roots()
     job = job_from_args(args)
-    check_job(job)
+    warn(check_submit(job).warnings)
     job_device(job)  # every process of a local run shares this machine's devices
     if args.threads < 0:
         raise ConfigError(f"--threads {args.threads} must be >= 0")
@@ -312,7 +318,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from calibration.cluster import local_cluster
 
         cluster = local_cluster(job.workers)
-    check_job(replace(job, workers=cluster.size))
+    warn(check_submit(replace(job, workers=cluster.size)).warnings)
     cluster = job_cluster(cluster, cluster.size, memory_cap=job.memory_cap)
     profile = _plan_profile(job, args, cluster.size)
     from pipefb.planner.job import plan_job
@@ -363,6 +369,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job = job_from_args(args, base)
     with CoordinatorClient(args.coordinator) as client:
         status = client.submit(job)
+        warn(status.warnings)
         print(status.job_id)
         if args.follow:
             for report in client.train(status.job_id):

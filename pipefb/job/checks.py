@@ -2,15 +2,45 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pipefb.errors import ConfigError
 from pipefb.job.config import AUTO, JobConfig, layer_costs, layer_policies, slowdowns
+from pipefb.job.shapes import TensorSpec
 from pipefb.job.size import SizeLimits, check_activations, check_parameters, meta_layers
 from pipefb.schedule.kinds import runs_in_process, schedule_kind
 
 
+@dataclass(frozen=True)
+class CheckedModel:
+    """A job's model as `check_model` built and checked it.
+
+    Attributes:
+        layers: the layer sequence on the meta device (loss included).
+        specs: each layer's input specs, propagated from a micro-batch's.
+        costs: the placeholder planner's cost of each layer.
+        warnings: what the job will do unlike one process, one line each (it runs).
+    """
+
+    layers: list[torch.nn.Module]
+    specs: list[list[TensorSpec]]
+    costs: list[float]
+    warnings: list[str]
+
+
 def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float]:
+    """`check_model`'s checks; returns the placeholder planner's cost of each layer (loss
+    included), so the model need not be built again to plan.
+
+    Raises:
+        ConfigError: as `check_model`.
+    """
+    return check_model(config, limits).costs
+
+
+def check_model(config: JobConfig, limits: SizeLimits | None = None) -> CheckedModel:
     """Checks every name and config by building the model (on the meta device: shapes,
     no storage), loss and dataset once, and its size against `limits` before anything
     of the model is allocated ([Note: size at submit] in pipefb.job.size).
@@ -21,8 +51,7 @@ def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float
             `SizeLimits` defaults.
 
     Returns:
-        The placeholder planner's cost of each layer (loss included), so the model need
-        not be built again to plan.
+        The model's layers, their input specs and their costs.
 
     Raises:
         ConfigError: naming the bad value (unknown name, bad option, too many stages), or
@@ -73,7 +102,33 @@ def check_job(config: JobConfig, limits: SizeLimits | None = None) -> list[float
                 f"{config.workers} workers make {stages} stages but the model has only "
                 f"{len(layers)} layers (loss included)"
             )
-    return layer_costs(layers)
+    return CheckedModel(layers, specs, layer_costs(layers),
+                        [w for w in [group_statistics_warning(config, layers, specs)] if w])
+
+
+def group_statistics_warning(config: JobConfig, layers: list[torch.nn.Module],
+                             specs: list[list[TensorSpec]]) -> str | None:
+    """The line that says a job with several pipeline groups does not end with one
+    process's buffer statistics, or None: each group's forwards update the statistics of
+    their own micro-batches only (BatchNorm's running mean and variance; [Note: mutated
+    buffers] in pipefb.runtime.layersplit), and the exported, checkpointed and evaluated
+    ones are group 0's. The parameters and losses are not affected (a training forward
+    normalises by its micro-batch's own statistics)."""
+    from pipefb.job.shapes import written_buffers
+
+    if config.groups == 1:
+        return None
+    written = [f"{i} ({type(layer).__name__})" for i, (layer, layer_specs)
+               in enumerate(zip(layers, specs, strict=True)) if written_buffers(layer, layer_specs)]
+    if not written:
+        return None
+    groups = (f"with {config.groups} groups" if config.groups > 1
+              else "if the planner picks several groups")
+    return (f"model {config.model!r}: layer{'s' * (len(written) > 1)} {', '.join(written)} "
+            f"update{'s' * (len(written) == 1)} buffers in the forward (running statistics); "
+            f"{groups} each group's statistics follow only its own micro-batches, and the "
+            "exported, checkpointed and evaluated ones are group 0's, not where one process "
+            "leaves them (parameters and training losses are not affected)")
 
 
 def check_tied_parameters(config: JobConfig, layers: list[torch.nn.Module]) -> None:

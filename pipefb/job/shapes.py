@@ -57,8 +57,11 @@ class TensorSpec:
         """Returns a valid example: standard normal values if floating, zeros otherwise.
 
         Zeros are a valid index for every embedding and a valid class for every loss, so
-        integer examples never fail a bounds check.
+        integer examples never fail a bounds check. On the meta device it is a shape
+        without storage (the submit check traces layers there: nothing is allocated).
         """
+        if torch.device(device).type == "meta":
+            return torch.empty(self.shape, dtype=self.dtype, device="meta")
         if not self.is_floating:
             return self.zeros(device)
         return torch.randn(self.shape, dtype=self.dtype, generator=generator).to(device)
@@ -169,11 +172,22 @@ def writes_its_input(layer: nn.Module, input_specs: Sequence[TensorSpec],
 def written_parameters(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> list[str]:
     """The parameters a layer's forward writes in place (`nn.Embedding(max_norm=...)`
     renormalises its rows), found by a run on fake tensors."""
+    return _written(layer, input_specs, dict(layer.named_parameters()))
+
+
+def written_buffers(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> list[str]:
+    """The buffers a layer's forward writes in place (BatchNorm's running statistics),
+    found by a run on fake tensors."""
+    return _written(layer, input_specs, dict(layer.named_buffers()))
+
+
+def _written(layer: nn.Module, input_specs: Sequence[TensorSpec],
+             real: dict[str, torch.Tensor]) -> list[str]:
+    """Which of `real` (the layer's parameters or buffers by name) its forward writes."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        real = dict(layer.named_parameters())
-        device = next(iter(real.values())).device if real else torch.device("cpu")
-        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t)
-                                          for n, t in _state(layer).items()}
+        weights = _state(layer)
+        device = next(iter(weights.values())).device if weights else torch.device("cpu")
+        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in weights.items()}
         before = {n: state[n]._version for n in real}
         inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in input_specs)
         try:

@@ -51,7 +51,16 @@ TANGENT_PREFIX = "tangents"
 
 
 class SplitError(ValueError):
-    """A layer whose forward/backward cannot be split (the message names the layer)."""
+    """A layer whose forward/backward cannot be split (the message names the layer).
+
+    Attributes:
+        reason: what is wrong, in the words of the layer's author (no graph-node names):
+            the submit check's refusal ends with it (`pipefb.runtime.splitcheck`).
+    """
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 
@@ -212,6 +221,8 @@ def val_spec(node: fx.Node) -> tuple[TensorSpec, tuple[int, ...] | None]:
     """The traced spec of a node and its strides when they are dense."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
-        raise SplitError(f"saved value {node.name!r} is {type(val).__name__}, not a tensor")
+        raise SplitError(f"saved value {node.name!r} is {type(val).__name__}, not a tensor",
+                         "its backward keeps a value that is not a tensor (a size or number "
+                         "its forward computed), which the stash cannot carry")
     stride = tuple(int(s) for s in val.stride())
     return spec_of(val), stride if is_dense(tuple(val.shape), stride) else None

@@ -37,6 +37,11 @@ from pipefb.runtime.capture import (
 
 __all__ = ["DeferredGrads", "LayerSplit", "SplitError", "StashError", "is_random"]
 
+# the reason of a split whose graphs are not in the form the split runs
+_UNLIKE = ("its traced forward and backward are not (output, saved tensors) and "
+           "(saved tensors, output gradient) -> one gradient per input and parameter")
+
+
 class StashError(SpecError):
     """A stash that does not fit the traced layer (the bad name or value is named)."""
 
@@ -201,6 +206,11 @@ class LayerSplit:
         grads = _run(weights_graph, deferred.args)
         return self._param_grads(grads[: len(deferred.params)], deferred.params)
 
+    def cut(self) -> None:
+        """Cuts the backward into its input-grad and weight-grad halves now (the first
+        `backward_input` would), so a graph the cut cannot take shows at once."""
+        self._halves  # noqa: B018 (a cached property: reading it cuts)
+
     @cached_property
     def _halves(self) -> tuple[fx.GraphModule, fx.GraphModule, list[int]]:
         return split_backward(self.backward_graph, len(self.param_names) + len(self.buffer_names))
@@ -262,10 +272,15 @@ class LayerSplit:
                                                             strict=True)) if t._version != v]
                 if any(k < len(params) for k in written):
                     raise SplitError(f"layer {type(self.layer).__name__} writes into its "
-                                     "parameters in its forward: not supported")
+                                     "parameters in its forward: not supported",
+                                     "it writes into its parameters in its forward")
                 self.mutated_buffers = [k - len(params) for k in written]
                 return graphs
-        raise SplitError(f"layer {type(self.layer).__name__} has no gradient to split")
+        raise SplitError(f"layer {type(self.layer).__name__} has no gradient to split",
+                         "its backward does not take exactly one gradient, its output's: "
+                         "the output is not differentiable in its input and parameters (a "
+                         "detach?), or the forward also writes into another tensor that "
+                         "needs a gradient")
 
     def _functional(self, clone: bool, copy_inputs: bool) -> Callable[..., torch.Tensor]:
         """The layer as a function of `(*params, *buffers, *inputs)`; with `copy_inputs`,
@@ -287,7 +302,9 @@ class LayerSplit:
         """The spec and strides of the single tangent of the backward graph."""
         tangents = _tangents(self.backward_graph)
         if len(tangents) != 1:
-            raise SplitError(f"backward graph takes {len(tangents)} tangents, expected 1")
+            raise SplitError(f"backward graph takes {len(tangents)} tangents, expected 1",
+                             f"its backward takes {len(tangents)} gradients, not one (its "
+                             "output's)")
         return val_spec(tangents[0])
 
     def _saved_slots(self) -> list[SavedSlot]:
@@ -298,9 +315,11 @@ class LayerSplit:
         outs = outs[len(self.mutated_buffers):]  # the buffers' new values come first
         n_grads = len(cast("Sequence[object]", self.backward_graph.graph.output_node().args[0]))
         if n_grads != len(primals):
-            raise SplitError(f"backward returns {n_grads} grads for {len(primals)} primals")
+            raise SplitError(f"backward returns {n_grads} grads for {len(primals)} primals",
+                             _UNLIKE)
         if len(outs) - len(saved) != 1 or [o.name for o in outs[1:]] != [n.name for n in saved]:
-            raise SplitError(f"forward outputs {[o.name for o in outs]} are not (output, *{saved})")
+            raise SplitError(f"forward outputs {[o.name for o in outs]} are not (output, *{saved})",
+                             _UNLIKE)
         n_p, n_w = len(self.param_names), len(self.param_names) + len(self.buffer_names)
         only = weight_only_nodes(self.forward_graph.graph, n_w)
         slots: list[SavedSlot] = []

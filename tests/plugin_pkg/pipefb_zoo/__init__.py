@@ -341,3 +341,43 @@ def max_norm_frozen(config: dict[str, Any]) -> list[nn.Module]:
     embedding = nn.Embedding(256, d, max_norm=1.0)
     embedding.requires_grad_(False)
     return [embedding, Block(d), nn.Linear(d, 256)]
+
+
+class _NormalisedGrad(torch.autograd.Function):
+    """Identity forward; the backward scales a gradient whose largest entry exceeds 1 down
+    to 1, deciding in Python on the gradient's values."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        largest = grad.abs().max()
+        if largest > 1.0:
+            return grad / largest
+        return grad
+
+
+class ClipGrad(nn.Module):
+    """A custom autograd function whose backward branches on the gradient's values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NormalisedGrad.apply(x)
+
+
+def value_backward(config: dict[str, Any]) -> list[nn.Module]:
+    """Trains in one process; its second layer's backward cannot be traced on shapes."""
+    return [nn.Linear(64, 16), ClipGrad(), nn.Linear(16, 10)]
+
+
+class Detached(nn.Module):
+    """Cuts the graph: its output carries no gradient back to its input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x).detach()
+
+
+def detached(config: dict[str, Any]) -> list[nn.Module]:
+    """Trains in one process (the last layer learns); the middle layer has no backward."""
+    return [nn.Linear(64, 16), Detached(), nn.Linear(16, 10)]
