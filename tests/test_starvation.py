@@ -1,6 +1,7 @@
 """Attacks on a running cluster's coordinator and workers, with real processes on
 127.0.0.1: many followers of a training job, a coordinator stopped past the heartbeat
-timeout, a Profile whose caller gave up, SIGTERM during a Profile."""
+timeout, a Profile whose caller gave up, SIGTERM during a Profile, a tensor stream past
+its deadline."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import CoordinatorClient
@@ -20,9 +23,10 @@ from coordinator.limits import Limits
 from pipefb.app.local import LocalServices
 from pipefb.job.config import JobConfig
 from pipefb.processes import Process
-from protos import coordinator_pb2, server, worker_pb2, worker_pb2_grpc
-from protos.convert import ProfileQuery
-from tests.conftest import WORKER_THREADS, Credentials, credentials
+from pipefb.runtime.reference import SingleProcess
+from protos import coordinator_pb2, job_pb2, server, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
+from protos.convert import ProfileQuery, job_from_proto
+from tests.conftest import WORKER_THREADS, Credentials, credentials, worker_threads
 
 HEARTBEAT_TIMEOUT = 3.0  # short, so a stall past it keeps the test short
 
@@ -259,3 +263,71 @@ def test_an_assign_whose_caller_gave_up_installs_nothing(worker: Process,
         stub.Step(worker_pb2.StepRequest(job_id="big", step=0), timeout=5.0)
     assert step.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert stub.Assign(second_rank_assignment(), timeout=30).role == "combined"
+
+
+@pytest.fixture()
+def pair(tmp_path: Path, keys: Credentials) -> Iterator[list[Process]]:
+    """Two worker processes of their own (registered nowhere): the two ranks of a job the
+    test drives as its coordinator does."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           **keys.env}
+    procs = [Process(f"rank-{r}", ["-m", "worker", "--listen", "127.0.0.1:0", "--threads",
+                                   str(WORKER_THREADS)], tmp_path, env) for r in range(2)]
+    for proc in procs:
+        proc.wait_ready()
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def test_a_tensor_stream_past_its_deadline_ends_and_the_job_is_unharmed(
+        pair: list[Process], keys: Credentials) -> None:
+    """A peer's Activations stream to rank 1 sends half of step 0's first transfer, then
+    stalls past its 1 s deadline: the stream ends DEADLINE_EXCEEDED, the half transfer
+    never reaches the inbox (rank 0's own delivery of it is no duplicate, nor zeros), and
+    the 2-rank job then trains its 2 steps as one process does, losses and weights."""
+    from tests.test_worker_service import second_rank_assignment
+
+    addresses = [p.address for p in pair]
+    boss = [worker_pb2_grpc.StageWorkerStub(server.channel(a, keys.coordinator))
+            for a in addresses]
+    for rank in (0, 1):
+        assign = second_rank_assignment()
+        assign.job.steps, assign.rank, assign.peers[:] = 2, rank, addresses
+        boss[rank].Assign(assign, timeout=60)
+    (half,) = wire.encode_stream(tensor_pb2.Transfer(job_id="win", kind="RECV_F", stage=1),
+                                 {"x": torch.ones(2, 128)})  # one message of 1024 bytes
+
+    def stalled() -> Iterator[tensor_pb2.TensorChunk]:
+        yield tensor_pb2.TensorChunk(transfer=half.transfer, headers=half.headers,
+                                     data=half.data[:512])  # 512 of its 1024 bytes
+        time.sleep(2.5)  # past the deadline
+        yield tensor_pb2.TensorChunk(data=half.data[512:])
+
+    peer = worker_pb2_grpc.StageWorkerStub(server.channel(addresses[1], keys.service))
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        peer.Activations(stalled(), timeout=1.0)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 2.0  # at its deadline, not at its next message
+    losses: list[float] = []
+    for step in (0, 1):
+        calls = [stub.Step.future(worker_pb2.StepRequest(job_id="win", step=step), timeout=60)
+                 for stub in boss]
+        replies = [call.result() for call in calls]
+        losses.append(sum(replies[1].losses) / len(replies[1].losses))
+    weights: dict[str, torch.Tensor] = {}
+    for stub in boss:
+        weights.update(wire.decode_stream(stub.ExportWeights(
+            job_pb2.ExportWeightsRequest(job_id="win"), timeout=30))[1])
+    job = job_from_proto(second_rank_assignment().job)
+    with worker_threads():
+        single = SingleProcess(replace(job, steps=2, schedule="single"))
+        want = [s.loss for s in single.run()]
+        want_weights = single.weights()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0)
+    assert sorted(weights) == sorted(want_weights)
+    for name, tensor in want_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+    for stub in boss:
+        assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=30).drained
