@@ -11,7 +11,10 @@ the `Admission` interceptor lets SubmitJob calls take at most `max_submits` thre
 other user calls (ExportWeights, whose chunks are encoded on the pool, among them)
 `max_calls`; the workers' path (RegisterWorker, Heartbeat) and the health service (on
 the event loop) are never counted, so at least `RESERVED_THREADS` threads are always free
-for heartbeats, whatever users do. A refused call returns at once.
+for a worker's first registration, whatever users do. A refused call returns at once.
+Heartbeats have a server of their own besides ([Note: workers' path] in
+coordinator/workerpath.py): gRPC's cap on the calls the main port serves at once
+(`max_rpcs`) counts every kind before any limit here sees them.
 
 [Note: callers] A caller is who the call's token proves it is (`caller_of`): a user (the
 admin or a users-file name) is one caller wherever it calls from, so two users on one
@@ -60,6 +63,8 @@ class Limits:
 
     max_streams: int = 256  # Train streams at once, all callers (they hold no thread)
     max_streams_per_caller: int = 64  # the same, one caller
+    max_rpcs: int = 4096  # calls of any kind the main server serves at once (gRPC's own
+    # cap, a bound on memory; heartbeats have a server of their own: coordinator/workerpath.py)
     max_calls: int = 8  # other user calls at once, all callers
     max_submits: int = 2  # SubmitJob calls at once (each builds the model to check it)
     max_jobs: int = 64  # unfinished jobs, all callers
@@ -83,6 +88,8 @@ _FLAGS: tuple[tuple[str, str, str, type, str], ...] = (
      "Train streams (followers) served at once"),
     ("--max-streams-per-caller", "max_streams_per_caller", "PIPEFB_MAX_STREAMS_PER_CALLER",
      int, "the same, for one caller (a user, wherever it calls from)"),
+    ("--max-rpcs", "max_rpcs", "PIPEFB_MAX_RPCS", int,
+     "calls of any kind served at once on the main port (gRPC refuses the rest)"),
     ("--max-calls", "max_calls", "PIPEFB_MAX_CALLS", int,
      "other user calls served at once"),
     ("--max-submits", "max_submits", "PIPEFB_MAX_SUBMITS", int, "SubmitJob calls at once"),
