@@ -46,7 +46,8 @@ from protos import security
 from protos.server import abort, abort_async, wrap_handler
 
 SERVICE = "/pipefb.v1.Coordinator/"
-WORKER_PATH = ("RegisterWorker", "Heartbeat")  # served from the reserved threads
+WORKER_PATH = ("RegisterWorker", "Heartbeat")  # on this port from the reserved threads; also on
+# the workers' own port ([Note: workers' path] in coordinator/workerpath.py)
 STREAMS = ("Train",)  # follower streams: on the event loop, no thread ([Note: reserved threads])
 RESERVED_THREADS = 8  # pool threads no user call may take ([Note: reserved threads])
 MAX_ADDRESS = 255  # characters of a worker's host:port (a DNS name is at most 253)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.driver import Driver
 from coordinator.limits import Admission, Limits, check_worker
@@ -419,3 +420,49 @@ def test_per_caller_limits_follow_the_user_not_the_host(
         finally:
             for call in floods + served:
                 call.cancel()
+
+
+def test_the_workers_port_serves_workers_only(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' own port ([Note: workers' path] in coordinator/workerpath.py): a worker
+    (the service credential) registers and heartbeats there, and the reply of a
+    registration names that port; a user token is PERMISSION_DENIED, no token
+    UNAUTHENTICATED, a user RPC and the health service UNIMPLEMENTED."""
+    from coordinator.workerpath import serve_worker_path
+
+    tokens = {name: secrets.token_hex(16) for name in ("admin", "service")}
+    monkeypatch.setenv("PIPEFB_TOKEN_FILE", str(write_private(tmp_path / "a", tokens["admin"])))
+    monkeypatch.setenv("PIPEFB_SERVICE_TOKEN_FILE",
+                       str(write_private(tmp_path / "s", tokens["service"])))
+    with coordinator(Limits()) as c:
+        admission = Admission(Limits(), c.servicer.unfinished)
+        workers, port = serve_worker_path(c.servicer, "127.0.0.1:0", admission)
+        try:
+            def stub(token: Security | None) -> coordinator_pb2_grpc.CoordinatorStub:
+                channel = (server.channel(f"127.0.0.1:{port}", token) if token else
+                           grpc.insecure_channel(f"127.0.0.1:{port}"))
+                return coordinator_pb2_grpc.CoordinatorStub(channel)
+
+            worker = stub(Security(service_token=tokens["service"]))
+            request = coordinator_pb2.RegisterWorkerRequest(address="127.0.0.1:2000", name="w")
+            reply = worker.RegisterWorker(request, timeout=10)
+            assert reply.heartbeat_port == port
+            main = coordinator_pb2_grpc.CoordinatorStub(server.channel(
+                c.address, Security(service_token=tokens["service"])))
+            assert main.RegisterWorker(request, timeout=10).heartbeat_port == port
+            assert worker.Heartbeat(coordinator_pb2.HeartbeatRequest(
+                worker_id=reply.worker_id, address="127.0.0.1:2000"), timeout=10).known
+            beat = coordinator_pb2.HeartbeatRequest(worker_id=reply.worker_id)
+            for token, code in ((Security(token=tokens["admin"]),
+                                 grpc.StatusCode.PERMISSION_DENIED),
+                                (None, grpc.StatusCode.UNAUTHENTICATED)):
+                assert code_of(refused(stub(token).Heartbeat, beat)) == code
+            assert code_of(refused(stub(Security(token=tokens["admin"])).GetJob,
+                                   coordinator_pb2.GetJobRequest(job_id="x"))
+                           ) == grpc.StatusCode.UNIMPLEMENTED
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                assert code_of(refused(health.Check, health_pb2.HealthCheckRequest())
+                               ) == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            workers.stop(0).wait()
