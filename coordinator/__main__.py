@@ -83,12 +83,13 @@ def main(argv: list[str] | None = None) -> None:
                     rendezvous_port=args.rendezvous_port, journal=journal)
     servicer = CoordinatorServicer(registry, driver, limits.size)
     admission = Admission(limits, servicer.unfinished)  # [Note: reserved threads]
+    # first, so that every RegisterWorkerReply names its port
+    workers, _ = serve_worker_path(  # [Note: workers' path]: heartbeats on a port of their own
+        servicer, args.worker_listen or f"{host}:0", admission)
     srv, port, health = create_aio_server(  # [Note: asyncio server]: followers hold no thread
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen,
         interceptors=(*interceptors, admission), max_workers=limits.threads,
         max_concurrent_rpcs=limits.max_rpcs)
-    workers, _ = serve_worker_path(  # [Note: workers' path]: heartbeats on a port of their own
-        servicer, args.worker_listen or f"{host}:0", admission)
     servicer.resume(journal.pending())
     server.ready(health)
     print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)
