@@ -13,6 +13,7 @@ from coordinator.limits import Admission, add_limit_flags, from_args
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.registry import Registry
 from coordinator.service import CoordinatorServicer
+from coordinator.workerpath import serve_worker_path
 from pipefb.job.dataroots import add_data_root_flag, configure_from_args
 from pipefb.runtime.checkpoint import add_root_flag
 from pipefb.sim.cluster import Cluster
@@ -27,6 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__)
     p.add_argument("--listen", default=os.environ.get("PIPEFB_LISTEN", "127.0.0.1:0"),
                    help="host:port to serve on (port 0: any free port)")
+    p.add_argument("--worker-listen", default=os.environ.get("PIPEFB_WORKER_LISTEN", ""),
+                   help="host:port of the workers' own server (heartbeats, registrations; "
+                        "default: the listen host, any free port)")
     p.add_argument("--store", default=os.environ.get("PIPEFB_STORE", ""), required=False,
                    help="host:port of the offload store (Redis)")
     p.add_argument("--cluster", type=Path, default=None,
@@ -79,14 +83,19 @@ def main(argv: list[str] | None = None) -> None:
                     rendezvous_port=args.rendezvous_port, journal=journal)
     servicer = CoordinatorServicer(registry, driver, limits.size)
     admission = Admission(limits, servicer.unfinished)  # [Note: reserved threads]
+    # first, so that every RegisterWorkerReply names its port
+    workers, _ = serve_worker_path(  # [Note: workers' path]: heartbeats on a port of their own
+        servicer, args.worker_listen or f"{host}:0", admission)
     srv, port, health = create_aio_server(  # [Note: asyncio server]: followers hold no thread
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen,
-        interceptors=(*interceptors, admission), max_workers=limits.threads)
+        interceptors=(*interceptors, admission), max_workers=limits.threads,
+        max_concurrent_rpcs=limits.max_rpcs)
     servicer.resume(journal.pending())
     server.ready(health)
     print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)
     monitoring.announce(url)
     server.serve_until_signal(srv, health, on_stop=lambda: driver.drain_all(DRAIN_SECONDS))
+    workers.stop(1.0).wait()
 
 
 if __name__ == "__main__":

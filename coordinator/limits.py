@@ -11,11 +11,18 @@ the `Admission` interceptor lets SubmitJob calls take at most `max_submits` thre
 other user calls (ExportWeights, whose chunks are encoded on the pool, among them)
 `max_calls`; the workers' path (RegisterWorker, Heartbeat) and the health service (on
 the event loop) are never counted, so at least `RESERVED_THREADS` threads are always free
-for heartbeats, whatever users do. A refused call returns at once.
+for a worker's first registration, whatever users do. A refused call returns at once.
+Heartbeats have a server of their own besides ([Note: workers' path] in
+coordinator/workerpath.py): gRPC's cap on the calls the main port serves at once
+(`max_rpcs`) counts every kind before any limit here sees them.
 
-A caller is the identity whose token the call carries, on the peer's host as gRPC reports
-it (`caller_of`): per-caller limits bound what one user on one host takes of the global
-ones, so two users on one machine (or behind one address) do not share theirs.
+[Note: callers] A caller is who the call's token proves it is (`caller_of`): a user (the
+admin or a users-file name) is one caller wherever it calls from, so two users on one
+machine (or behind one NAT or proxy) do not share a budget and one user calling from many
+hosts does not get one per host. The workers' service credential is one secret shared by
+all of them, so a worker is that identity on its host ("service@ipv4:10.0.0.7"): each
+worker host registers at its own rate. A server that knows no tokens (in-process servers
+of tests and benchmarks) tells callers apart by host only.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from protos import security
 from protos.server import abort, abort_async, wrap_handler
 
 SERVICE = "/pipefb.v1.Coordinator/"
-WORKER_PATH = ("RegisterWorker", "Heartbeat")  # served from the reserved threads
+WORKER_PATH = ("RegisterWorker", "Heartbeat")  # on this port from the reserved threads; also on
+# the workers' own port ([Note: workers' path] in coordinator/workerpath.py)
 STREAMS = ("Train",)  # follower streams: on the event loop, no thread ([Note: reserved threads])
 RESERVED_THREADS = 8  # pool threads no user call may take ([Note: reserved threads])
 MAX_ADDRESS = 255  # characters of a worker's host:port (a DNS name is at most 253)
@@ -56,6 +64,8 @@ class Limits:
 
     max_streams: int = 256  # Train streams at once, all callers (they hold no thread)
     max_streams_per_caller: int = 64  # the same, one caller
+    max_rpcs: int = 4096  # calls of any kind the main server serves at once (gRPC's own
+    # cap, a bound on memory; heartbeats have a server of their own: coordinator/workerpath.py)
     max_calls: int = 8  # other user calls at once, all callers
     max_submits: int = 2  # SubmitJob calls at once (each builds the model to check it)
     max_jobs: int = 64  # unfinished jobs, all callers
@@ -78,16 +88,18 @@ _FLAGS: tuple[tuple[str, str, str, type, str], ...] = (
     ("--max-streams", "max_streams", "PIPEFB_MAX_STREAMS", int,
      "Train streams (followers) served at once"),
     ("--max-streams-per-caller", "max_streams_per_caller", "PIPEFB_MAX_STREAMS_PER_CALLER",
-     int, "the same, for one caller host"),
+     int, "the same, for one caller (a user, wherever it calls from)"),
+    ("--max-rpcs", "max_rpcs", "PIPEFB_MAX_RPCS", int,
+     "calls of any kind served at once on the main port (gRPC refuses the rest)"),
     ("--max-calls", "max_calls", "PIPEFB_MAX_CALLS", int,
      "other user calls served at once"),
     ("--max-submits", "max_submits", "PIPEFB_MAX_SUBMITS", int, "SubmitJob calls at once"),
     ("--max-jobs", "max_jobs", "PIPEFB_MAX_JOBS", int, "unfinished jobs"),
     ("--max-jobs-per-caller", "max_jobs_per_caller", "PIPEFB_MAX_JOBS_PER_CALLER", int,
-     "unfinished jobs of one caller host"),
+     "unfinished jobs of one caller (a user)"),
     ("--registrations-per-second", "registrations_per_second",
      "PIPEFB_REGISTRATIONS_PER_SECOND", float,
-     "RegisterWorker calls per second of one caller host"),
+     "RegisterWorker calls per second of one worker host"),
     ("--max-workers", "max_workers", "PIPEFB_MAX_WORKERS", int, "workers registered"),
     ("--worker-expiry", "worker_expiry_seconds", "PIPEFB_WORKER_EXPIRY", float,
      "seconds of silence after which an idle worker is forgotten"),
@@ -154,13 +166,16 @@ def check_worker(address: str, name: str) -> None:
 
 
 def caller_of(context: grpc.ServicerContext) -> str:
-    """The caller's identity (its token's, [Note: access] in protos/security.py) at the
-    calling host as gRPC names the peer ("ipv4:127.0.0.1:5000" -> "alice@ipv4:127.0.0.1");
-    the host alone for a call with no known token (the authentication refuses it)."""
+    """The caller of a call ([Note: callers]): a user's name ("alice", "admin") wherever it
+    calls from; the service credential at its host as gRPC names the peer
+    ("ipv4:10.0.0.7:5000" -> "service@ipv4:10.0.0.7"); the host alone for a call with no
+    known token (a server that checks none)."""
     peer: str = context.peer() or ""
     host = peer.rpartition(":")[0] or peer
     who = security.identify(security.from_env(), context.invocation_metadata())
-    return f"{who}@{host}" if who is not None else host
+    if who is None:
+        return host
+    return f"{who}@{host}" if who in (security.SERVICE, security.COORDINATOR) else who
 
 
 class _Bucket:

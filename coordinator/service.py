@@ -44,6 +44,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.size_limits = size_limits or SizeLimits()  # what one job may ask for
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        self.heartbeat_port = 0  # the workers' own server, once started ([Note: workers'
+        # path] in coordinator/workerpath.py); 0: none, heartbeats come to this port
 
     def _job(self, job_id: str, context: grpc.ServicerContext) -> Job:
         """The job `job_id` (an id the caller chose, in its own namespace, or a whole id)
@@ -63,7 +65,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         worker_id = self.registry.register(request.address, request.name)
         self.driver.profiles.forget(request.address)  # a new process: profile it anew
         return coordinator_pb2.RegisterWorkerReply(
-            worker_id=worker_id, heartbeat_seconds=self.registry.heartbeat_seconds)
+            worker_id=worker_id, heartbeat_seconds=self.registry.heartbeat_seconds,
+            heartbeat_port=self.heartbeat_port)
 
     def Heartbeat(self, request: coordinator_pb2.HeartbeatRequest,
                   context: grpc.ServicerContext) -> coordinator_pb2.HeartbeatReply:

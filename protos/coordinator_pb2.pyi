@@ -42,12 +42,14 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_seconds")
+    __slots__ = ("worker_id", "heartbeat_seconds", "heartbeat_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     heartbeat_seconds: float
-    def __init__(self, worker_id: _Optional[int] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
+    heartbeat_port: int
+    def __init__(self, worker_id: _Optional[int] = ..., heartbeat_seconds: _Optional[float] = ..., heartbeat_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "address")

@@ -186,10 +186,11 @@ def create_server(
     *,
     max_workers: int = 32,
     interceptors: tuple[grpc.ServerInterceptor, ...] = (),
+    health_service: bool = True,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Creates and starts a server with the health service (NOT_SERVING until `ready`),
-    over TLS and behind the token check when the environment configures them
-    ([Note: transport security] in `protos.security`).
+    """Creates and starts a server with the health service (NOT_SERVING until `ready`;
+    not served with `health_service` False), over TLS and behind the token check when the
+    environment configures them ([Note: transport security] in `protos.security`).
 
     Returns:
         The server, the port it bound (useful with port 0) and its health servicer.
@@ -212,7 +213,8 @@ def create_server(
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if health_service:
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = (server.add_secure_port(address, settings.server_credentials()) if settings.tls
             else server.add_insecure_port(address))
     if port == 0:

@@ -5,14 +5,17 @@ count and time, each refusal one clear status with a retry hint, nothing lost.""
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.driver import Driver
 from coordinator.limits import Admission, Limits, check_worker
@@ -21,9 +24,11 @@ from coordinator.service import CoordinatorServicer
 from pipefb.errors import ConfigError
 from pipefb.job.config import MAX_CONFIG_DEPTH, JobConfig, parse_json_object
 from pipefb.job.size import SizeLimits
+from pipefb.secretfiles import write_private
 from protos import coordinator_pb2, coordinator_pb2_grpc, server
 from protos.aioserver import create_aio_server
 from protos.convert import job_to_proto
+from protos.security import Security
 from tests.conftest import rss
 
 TINY = JobConfig(model="mlp", dataset="digits", schedule="gpipe", workers=2, steps=2)
@@ -41,9 +46,10 @@ class Coordinator:
 
 
 @contextmanager
-def coordinator(limits: Limits, heartbeat_timeout: float = 5.0) -> Iterator[Coordinator]:
-    """A Coordinator server on 127.0.0.1 with `limits`; no store, no workers (jobs stay
-    PENDING until the end, when they are drained)."""
+def coordinator(limits: Limits, heartbeat_timeout: float = 5.0, listen: str = "127.0.0.1"
+                ) -> Iterator[Coordinator]:
+    """A Coordinator server on `listen` (loopback) with `limits`; no store, no workers
+    (jobs stay PENDING until the end, when they are drained)."""
     registry = Registry(timeout_seconds=heartbeat_timeout,
                         expire_seconds=limits.worker_expiry_seconds,
                         max_workers=limits.max_workers)
@@ -51,7 +57,8 @@ def coordinator(limits: Limits, heartbeat_timeout: float = 5.0) -> Iterator[Coor
     servicer = CoordinatorServicer(registry, driver, limits.size)
     srv, port, _ = create_aio_server(  # as python -m coordinator serves it
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
-        interceptors=(Admission(limits, servicer.unfinished),), max_workers=limits.threads)
+        f"{listen}:0", interceptors=(Admission(limits, servicer.unfinished),),
+        max_workers=limits.threads)
     channel = server.channel(f"127.0.0.1:{port}")
     try:
         yield Coordinator(f"127.0.0.1:{port}", coordinator_pb2_grpc.CoordinatorStub(channel),
@@ -362,3 +369,100 @@ def test_simultaneous_submits_beyond_the_limit_are_refused_and_none_is_lost() ->
         while stopped in c.servicer.unfinished() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert c.stub.SubmitJob(job_to_proto(TINY), timeout=60).state == coordinator_pb2.PENDING
+
+
+def follow(stub: coordinator_pb2_grpc.CoordinatorStub, job: str, count: int
+           ) -> list[grpc.Future]:
+    """`count` Train streams of `job` opened at once (each waits for the PENDING job)."""
+    return [stub.Train(coordinator_pb2.TrainRequest(job_id=job)) for _ in range(count)]
+
+
+def test_per_caller_limits_follow_the_user_not_the_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alice and bob on one machine, alice calling over IPv4 and IPv6 (two peer hosts):
+    alice's flood of 12 followers gets her 3 (`max_streams_per_caller`) whichever host
+    they come from, the other 9 RESOURCE_EXHAUSTED with a retry hint, while bob's 3 are
+    served; the same for unfinished jobs (2 each). [Note: callers] in coordinator/limits.py."""
+    tokens = {name: secrets.token_hex(16) for name in ("admin", "alice", "bob")}
+    monkeypatch.setenv("PIPEFB_TOKEN_FILE", str(write_private(tmp_path / "admin",
+                                                              tokens["admin"])))
+    monkeypatch.setenv("PIPEFB_USERS_FILE", str(write_private(
+        tmp_path / "users", f"alice {tokens['alice']}\nbob {tokens['bob']}\n")))
+    limits = Limits(max_streams=8, max_streams_per_caller=3, max_jobs_per_caller=2)
+    with coordinator(limits, listen="localhost") as c:
+        port = c.address.rsplit(":", 1)[1]
+
+        def stub(host: str, user: str) -> coordinator_pb2_grpc.CoordinatorStub:
+            channel = server.channel(f"{host}:{port}", Security(token=tokens[user]))
+            return coordinator_pb2_grpc.CoordinatorStub(channel)
+
+        alice = [stub("127.0.0.1", "alice"), stub("[::1]", "alice")]
+        bob = stub("127.0.0.1", "bob")
+        jobs = [a.SubmitJob(job_to_proto(TINY), timeout=30).job_id for a in alice]
+        error = refused(alice[1].SubmitJob, job_to_proto(TINY))
+        assert code_of(error) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "alice has 2 unfinished jobs, its limit; retry in 10 s" in error.details()
+        bobs = bob.SubmitJob(job_to_proto(TINY), timeout=30).job_id
+        start = time.monotonic()
+        floods = follow(alice[0], jobs[0], 2) + follow(alice[1], jobs[1], 10)
+        time.sleep(1.0)
+        served = follow(bob, bobs, 3)
+        time.sleep(1.5)
+        assert time.monotonic() - start < 10.0
+        try:
+            assert sum(call.running() for call in floods) == limits.max_streams_per_caller
+            assert all(call.running() for call in served)  # bob's budget is his own
+            refusals = [call for call in floods if not call.running()]
+            for call in refusals:
+                assert code_of(call) == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "alice follows 3 streams, its limit; retry in 5 s" in call.details()
+                assert pushback_ms(call) == 5000  # type: ignore[arg-type]
+        finally:
+            for call in floods + served:
+                call.cancel()
+
+
+def test_the_workers_port_serves_workers_only(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' own port ([Note: workers' path] in coordinator/workerpath.py): a worker
+    (the service credential) registers and heartbeats there, and the reply of a
+    registration names that port; a user token is PERMISSION_DENIED, no token
+    UNAUTHENTICATED, a user RPC and the health service UNIMPLEMENTED."""
+    from coordinator.workerpath import serve_worker_path
+
+    tokens = {name: secrets.token_hex(16) for name in ("admin", "service")}
+    monkeypatch.setenv("PIPEFB_TOKEN_FILE", str(write_private(tmp_path / "a", tokens["admin"])))
+    monkeypatch.setenv("PIPEFB_SERVICE_TOKEN_FILE",
+                       str(write_private(tmp_path / "s", tokens["service"])))
+    with coordinator(Limits()) as c:
+        admission = Admission(Limits(), c.servicer.unfinished)
+        workers, port = serve_worker_path(c.servicer, "127.0.0.1:0", admission)
+        try:
+            def stub(token: Security | None) -> coordinator_pb2_grpc.CoordinatorStub:
+                channel = (server.channel(f"127.0.0.1:{port}", token) if token else
+                           grpc.insecure_channel(f"127.0.0.1:{port}"))
+                return coordinator_pb2_grpc.CoordinatorStub(channel)
+
+            worker = stub(Security(service_token=tokens["service"]))
+            request = coordinator_pb2.RegisterWorkerRequest(address="127.0.0.1:2000", name="w")
+            reply = worker.RegisterWorker(request, timeout=10)
+            assert reply.heartbeat_port == port
+            main = coordinator_pb2_grpc.CoordinatorStub(server.channel(
+                c.address, Security(service_token=tokens["service"])))
+            assert main.RegisterWorker(request, timeout=10).heartbeat_port == port
+            assert worker.Heartbeat(coordinator_pb2.HeartbeatRequest(
+                worker_id=reply.worker_id, address="127.0.0.1:2000"), timeout=10).known
+            beat = coordinator_pb2.HeartbeatRequest(worker_id=reply.worker_id)
+            for token, code in ((Security(token=tokens["admin"]),
+                                 grpc.StatusCode.PERMISSION_DENIED),
+                                (None, grpc.StatusCode.UNAUTHENTICATED)):
+                assert code_of(refused(stub(token).Heartbeat, beat)) == code
+            assert code_of(refused(stub(Security(token=tokens["admin"])).GetJob,
+                                   coordinator_pb2.GetJobRequest(job_id="x"))
+                           ) == grpc.StatusCode.UNIMPLEMENTED
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                assert code_of(refused(health.Check, health_pb2.HealthCheckRequest())
+                               ) == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            workers.stop(0).wait()

@@ -1,6 +1,7 @@
 """Attacks on a running cluster's coordinator and workers, with real processes on
 127.0.0.1: many followers of a training job, a coordinator stopped past the heartbeat
-timeout, a Profile whose caller gave up, SIGTERM during a Profile."""
+timeout, a Profile whose caller gave up, SIGTERM during a Profile, a tensor stream past
+its deadline."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import CoordinatorClient
@@ -20,18 +23,30 @@ from coordinator.limits import Limits
 from pipefb.app.local import LocalServices
 from pipefb.job.config import JobConfig
 from pipefb.processes import Process
-from protos import coordinator_pb2, server, worker_pb2, worker_pb2_grpc
-from protos.convert import ProfileQuery
-from tests.conftest import WORKER_THREADS, Credentials, credentials
+from pipefb.runtime.reference import SingleProcess
+from protos import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    job_pb2,
+    server,
+    tensor_pb2,
+    wire,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from protos.convert import ProfileQuery, job_from_proto
+from protos.security import Security
+from tests.conftest import WORKER_THREADS, Credentials, credentials, worker_threads
 
 HEARTBEAT_TIMEOUT = 3.0  # short, so a stall past it keeps the test short
+MAX_RPCS = 100  # the coordinator's main port serves this many calls at once (gRPC's cap)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServices]:
-    """Redis, a coordinator whose workers count as dead after HEARTBEAT_TIMEOUT s, and
-    2 workers."""
-    env = {"PIPEFB_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT)}
+    """Redis, a coordinator whose workers count as dead after HEARTBEAT_TIMEOUT s and
+    whose main port serves MAX_RPCS calls at once, and 2 workers."""
+    env = {"PIPEFB_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT), "PIPEFB_MAX_RPCS": str(MAX_RPCS)}
     with LocalServices(2, tmp_path_factory.mktemp("starvation"), threads=WORKER_THREADS,
                        extra_env=env) as c:
         yield c
@@ -112,6 +127,86 @@ def test_a_stalled_coordinator_does_not_blame_the_workers(cluster: LocalServices
     assert status.state == coordinator_pb2.DONE, status.error
     assert not status.restarts and status.step == 200
     assert all(w.alive for w in client.workers())
+
+
+def test_a_flood_past_the_main_port_s_cap_leaves_heartbeats_alone(
+        cluster: LocalServices, client: CoordinatorClient) -> None:
+    """While a job runs, user Train streams and health Watch streams of nobody (no token)
+    hold every call the coordinator's main port serves (MAX_RPCS), and nobody keeps
+    opening more (50 a second, at most 400) so a slot that frees is taken again: for 2 x
+    the heartbeat timeout a call there is RESOURCE_EXHAUSTED by gRPC itself, a worker's
+    Heartbeat among them. The workers heartbeat on their own port ([Note: workers' path]
+    in coordinator/workerpath.py), so the job trains on through the flood, ends DONE
+    without a restart, and its losses and weights are those of one process."""
+    config = job("flooded", 300)
+    client.submit(config)
+    wait_state(client, "flooded", ("RUNNING",), step=2)
+    follower = client.stub.Train(coordinator_pb2.TrainRequest(job_id="flooded"))
+    reports: list[coordinator_pb2.StepReport] = []
+
+    def read() -> None:
+        for report in follower:
+            reports.append(report)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    users = [client.stub.Train(coordinator_pb2.TrainRequest(job_id="flooded"))
+             for _ in range(40)]
+    nobody = grpc.insecure_channel(cluster.coordinator)
+    watchers: list[grpc.Future] = []
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.wait(0.02) and len(watchers) < 400:
+            watchers.append(health_pb2_grpc.HealthStub(nobody).Watch(
+                health_pb2.HealthCheckRequest()))
+
+    token = cluster.service_token_file.read_text().strip()  # a worker's credential
+    worker = coordinator_pb2_grpc.CoordinatorStub(server.channel(
+        cluster.coordinator, Security(service_token=token)))
+    logs = [cluster.process(f"worker-{k}").log_path for k in range(2)]
+    before = [len(log.read_bytes()) for log in logs]
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    refused = 0
+    try:
+        time.sleep(2.0)
+        during, start = len(reports), time.monotonic()
+        while time.monotonic() - start < 2 * HEARTBEAT_TIMEOUT:
+            try:
+                worker.Heartbeat(coordinator_pb2.HeartbeatRequest(worker_id=0), timeout=5)
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                refused += 1
+            time.sleep(0.5)
+        during = len(reports) - during
+    finally:
+        stop.set()
+        flooder.join(10)
+        for call in (*watchers, *users):
+            call.cancel()
+        nobody.close()
+    failed = [line for log, size in zip(logs, before, strict=True)
+              for line in log.read_bytes()[size:].decode().splitlines() if "heartbeat" in line]
+    reader.join(120)
+    status = wait_state(client, "flooded", ("DONE", "FAILED"))
+    print(f"{during} steps trained during the {2 * HEARTBEAT_TIMEOUT:.0f} s flood of "
+          f"{len(watchers)} watchers and 40 followers; the main port refused {refused} of "
+          f"12 heartbeats")
+    assert refused >= 10 and during > 0  # the flood held the cap; the job ran through it
+    assert failed == []  # no worker's heartbeat failed during the flood
+    assert status.state == coordinator_pb2.DONE, status.error
+    assert not status.restarts and reports[-1].step == 299
+    with worker_threads():
+        single = SingleProcess(replace(config, schedule="single"))
+        want = {s.step: s.loss for s in single.run()}
+        want_weights = single.weights()
+    torch.testing.assert_close(torch.tensor([r.loss for r in reports]),
+                               torch.tensor([want[r.step] for r in reports]),
+                               rtol=1e-5, atol=0)
+    weights = client.weights("flooded")
+    for name, tensor in want_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def profile_request(repeats: int) -> object:
@@ -259,3 +354,123 @@ def test_an_assign_whose_caller_gave_up_installs_nothing(worker: Process,
         stub.Step(worker_pb2.StepRequest(job_id="big", step=0), timeout=5.0)
     assert step.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert stub.Assign(second_rank_assignment(), timeout=30).role == "combined"
+
+
+@pytest.fixture()
+def pair(tmp_path: Path, keys: Credentials) -> Iterator[list[Process]]:
+    """Two worker processes of their own (registered nowhere): the two ranks of a job the
+    test drives as its coordinator does."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           **keys.env}
+    procs = [Process(f"rank-{r}", ["-m", "worker", "--listen", "127.0.0.1:0", "--threads",
+                                   str(WORKER_THREADS)], tmp_path, env) for r in range(2)]
+    for proc in procs:
+        proc.wait_ready()
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def test_a_tensor_stream_past_its_deadline_ends_and_the_job_is_unharmed(
+        pair: list[Process], keys: Credentials) -> None:
+    """A peer's Activations stream to rank 1 sends half of step 0's first transfer, then
+    stalls past its 1 s deadline: the stream ends DEADLINE_EXCEEDED, the half transfer
+    never reaches the inbox (rank 0's own delivery of it is no duplicate, nor zeros), and
+    the 2-rank job then trains its 2 steps as one process does, losses and weights."""
+    from tests.test_worker_service import second_rank_assignment
+
+    addresses = [p.address for p in pair]
+    boss = [worker_pb2_grpc.StageWorkerStub(server.channel(a, keys.coordinator))
+            for a in addresses]
+    for rank in (0, 1):
+        assign = second_rank_assignment()
+        assign.job.steps, assign.rank, assign.peers[:] = 2, rank, addresses
+        boss[rank].Assign(assign, timeout=60)
+    (half,) = wire.encode_stream(tensor_pb2.Transfer(job_id="win", kind="RECV_F", stage=1),
+                                 {"x": torch.ones(2, 128)})  # one message of 1024 bytes
+
+    def stalled() -> Iterator[tensor_pb2.TensorChunk]:
+        yield tensor_pb2.TensorChunk(transfer=half.transfer, headers=half.headers,
+                                     data=half.data[:512])  # 512 of its 1024 bytes
+        time.sleep(2.5)  # past the deadline
+        yield tensor_pb2.TensorChunk(data=half.data[512:])
+
+    peer = worker_pb2_grpc.StageWorkerStub(server.channel(addresses[1], keys.service))
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        peer.Activations(stalled(), timeout=1.0)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 2.0  # at its deadline, not at its next message
+    losses: list[float] = []
+    for step in (0, 1):
+        calls = [stub.Step.future(worker_pb2.StepRequest(job_id="win", step=step), timeout=60)
+                 for stub in boss]
+        replies = [call.result() for call in calls]
+        losses.append(sum(replies[1].losses) / len(replies[1].losses))
+    weights: dict[str, torch.Tensor] = {}
+    for stub in boss:
+        weights.update(wire.decode_stream(stub.ExportWeights(
+            job_pb2.ExportWeightsRequest(job_id="win"), timeout=30))[1])
+    job = job_from_proto(second_rank_assignment().job)
+    with worker_threads():
+        single = SingleProcess(replace(job, steps=2, schedule="single"))
+        want = [s.loss for s in single.run()]
+        want_weights = single.weights()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0)
+    assert sorted(weights) == sorted(want_weights)
+    for name, tensor in want_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+    for stub in boss:
+        assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=30).drained
+
+
+def lone_rank_assignment(address: str) -> worker_pb2.AssignRequest:
+    """The only rank of a 1-rank gpipe job whose step computes for many seconds with no
+    send or receive: 32 micro-batches through 8 layers of 2048 x 2048."""
+    from tests.test_worker_service import second_rank_assignment
+
+    big = second_rank_assignment()
+    big.job.job_id, big.job.workers = "alone", 1
+    big.job.model_config_json = '{"hidden": 2048, "depth": 8}'
+    big.job.batch_size, big.job.microbatches = 4096, 32
+    big.plan.microbatches, big.plan.microbatch_size = 32, 128
+    big.plan.forward_partition[:] = big.plan.backward_partition[:] = [0, 9]
+    big.plan.policy[:] = ["keep"] * 9
+    big.plan.ClearField("assignment")
+    big.plan.assignment.add(rank=0, role="combined", stage=0)
+    big.rank, big.peers[:] = 0, [address]
+    return big
+
+
+def test_a_computing_step_whose_caller_gave_up_stops_at_its_next_action(
+        worker: Process, keys: Credentials) -> None:
+    """A step that only computes (no receive to end) outlives its caller's 2 s deadline:
+    it stops before its next micro-batch's action ([Note: callers that give up] in
+    worker/caller.py), so the worker is idle within a second or two (it computed on for
+    the whole step before, tens of seconds), the next Step is ABORTED naming why, and the
+    next Assign takes the worker."""
+    from tests.test_worker_service import second_rank_assignment
+
+    stub = worker_pb2_grpc.StageWorkerStub(server.channel(worker.address, keys.coordinator))
+    stub.Assign(lone_rank_assignment(worker.address), timeout=120)
+    start = cpu_seconds(worker.pid)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Step(worker_pb2.StepRequest(job_id="alone", step=0), timeout=2.0)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    busy = cpu_seconds(worker.pid) - start
+    time.sleep(1.5)  # the step notices before its next action
+    before = cpu_seconds(worker.pid)
+    time.sleep(2.0)
+    idle = cpu_seconds(worker.pid) - before
+    print(f"the step used {busy:.2f} CPU s before its deadline, {idle:.2f} CPU s in 2 s "
+          "from 1.5 s after it")
+    assert busy > 0.5 and idle < 0.15  # it computed, then stopped
+    with pytest.raises(grpc.RpcError) as next_step:
+        stub.Step(worker_pb2.StepRequest(job_id="alone", step=1), timeout=5.0)
+    assert next_step.value.code() == grpc.StatusCode.ABORTED
+    assert "step 0 stopped: its caller gave up" in next_step.value.details()
+    start = time.monotonic()  # no step runs: the Assign need not wait for one to end
+    assert stub.Assign(second_rank_assignment(), timeout=30).role == "combined"
+    print(f"the next Assign took {time.monotonic() - start:.2f} s")
+    assert time.monotonic() - start < 3.0
+    assert stub.Drain(worker_pb2.DrainRequest(job_id="win"), timeout=10).drained

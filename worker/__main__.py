@@ -79,38 +79,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Registration:
-    """Registers with the coordinator and heartbeats; re-registers if forgotten."""
+    """Registers with the coordinator and heartbeats to the workers' own port it names
+    ([Note: workers' path] in coordinator/workerpath.py); re-registers if forgotten."""
 
     def __init__(self, coordinator: str, address: str, name: str) -> None:
+        self.coordinator = coordinator
         self.stub = coordinator_pb2_grpc.CoordinatorStub(server.channel(coordinator))
+        self.beats, self.beats_address = self.stub, coordinator  # where heartbeats go
         self.request = coordinator_pb2.RegisterWorkerRequest(address=address, name=name)
         self.worker_id = -1
         self.interval = 1.0
         self.stopped = threading.Event()
 
     def register(self, timeout: float = 60.0) -> None:
-        """Registers, retrying while the coordinator is not up yet."""
+        """Registers on the coordinator's main port, retrying while it is not up yet;
+        heartbeats then go to the port its reply names (this one if none)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 reply = self.stub.RegisterWorker(self.request, timeout=5)
-                self.worker_id, self.interval = reply.worker_id, reply.heartbeat_seconds or 1.0
-                return
+                break
             except grpc.RpcError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+        self.worker_id, self.interval = reply.worker_id, reply.heartbeat_seconds or 1.0
+        target = (f"{self.coordinator.rsplit(':', 1)[0]}:{reply.heartbeat_port}"
+                  if reply.heartbeat_port else self.coordinator)
+        if target != self.beats_address:
+            self.beats_address = target
+            self.beats = coordinator_pb2_grpc.CoordinatorStub(server.channel(target))
 
     def heartbeat_forever(self) -> None:
-        """Sends a heartbeat every interval until stopped."""
+        """Sends a heartbeat every interval until stopped; registers again when the
+        coordinator forgot this worker or its heartbeat port went away (a coordinator
+        restarted on another one)."""
         while not self.stopped.wait(self.interval):
             try:
-                reply = self.stub.Heartbeat(coordinator_pb2.HeartbeatRequest(
+                reply = self.beats.Heartbeat(coordinator_pb2.HeartbeatRequest(
                     worker_id=self.worker_id, address=self.request.address), timeout=5)
                 if not reply.known:
                     self.register()
             except grpc.RpcError as error:
-                log.warning("heartbeat failed: %s", error.code().name)
+                log.warning("heartbeat to %s failed: %s", self.beats_address,
+                            error.code().name)
+                if (error.code() == grpc.StatusCode.UNAVAILABLE
+                        and self.beats_address != self.coordinator):
+                    self._register_again()
+
+    def _register_again(self) -> None:
+        """One registration attempt on the main port (a failure is logged; the next
+        heartbeat tries again)."""
+        try:
+            self.register(timeout=5.0)
+        except grpc.RpcError as error:
+            log.warning("registering again failed: %s", error.code().name)
 
 
 def _serve_hops(port: int, servicer: StageWorkerServicer) -> HopListener | None:

@@ -4,10 +4,12 @@ its channel went away) a long handler stops its work instead of finishing it for
 [Note: callers that give up] gRPC runs `ServicerContext.add_callback` callbacks when an
 RPC ends, however it ends. `Caller` turns that into `gone`, unless the handler said it
 `finished` first (then the end is its own reply, not the caller leaving). A handler
-registers what stops its work (`on_gone`: abort a running step's waits, wake a wait at the
-step gate) and checks between phases (`check`: an Assign installs nothing for a caller
-that left). Work is stopped at its next abort point: a receive, a wait, a phase boundary;
-a computation already running ends first.
+registers what stops its work (`on_gone`: stop a running step before its next action and
+end its waits, wake a wait at the step gate) and checks between phases (`check`: an
+Assign installs nothing for a caller that left). Work is stopped at its next abort point:
+an action of a step (one stage's forward or backward of one micro-batch), a receive, a
+wait, a phase boundary, a Profile's timed call; the computation already running ends
+first.
 """
 
 from __future__ import annotations

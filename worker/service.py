@@ -481,6 +481,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         """Aborts the job's waits, lets a running step stop (bounded), then forgets it."""
         if self._assigned is not None:
             log.info("dropping job %s: %s", self._assigned.job_id, reason)
+            self._assigned.runtime.stop(reason)  # a computing step ends at its next action
             self._assigned.inbox.abort(reason)
             self._assigned.gate.abort(reason)
             if not self._assigned.gate.wait_idle(DRAIN_WAIT_SECONDS):
@@ -495,10 +496,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
 
 
 def _abort_step(assigned: Assigned, step: int) -> None:
-    """Ends the running `step`'s waits (its caller gave up): the step raises Aborted at
-    its next receive, and as any failed step it lets no later step of the attempt run."""
+    """Ends the running `step` (its caller gave up): the step raises Aborted at its next
+    action or receive, whichever comes first, and as any failed step it lets no later step
+    of the attempt run."""
     reason = f"step {step} stopped: its caller gave up (deadline passed or cancelled)"
     log.warning("job %s rank %d: %s", assigned.job_id, assigned.rank, reason)
+    assigned.runtime.stop(reason)
     assigned.inbox.abort(reason)
     assigned.gate.abort(reason)
 

@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from pipefb.errors import Aborted
 from pipefb.job.config import JobConfig, build_layers, job_device
 from pipefb.job.precision import autocast
 from pipefb.job.shapes import TensorSpec, output_spec, spec_of, writes_its_input
@@ -83,6 +84,7 @@ class StageRuntime:
         self.autocast = partial(autocast, job.precision, self.device)
         self.device_memory = DeviceMemory(self.device)
         self.clock = LayerClock(job, rank, self.device_memory)
+        self.stopped: str | None = None  # why the host stopped this rank's steps (`stop`)
         self.flight = InFlight()
         self._build()
         self.memory = MemoryAccount()
@@ -213,8 +215,16 @@ class StageRuntime:
         self.device_memory.reset_peak()
         todo = iteration(self.actions, step, self.job.steps)
         for index in range(len(todo)):
+            if self.stopped is not None:  # between actions: one micro-batch's compute at most
+                raise Aborted(self.stopped)
             self._run_action(todo, index, it)
         return self._result(it, self.transport.flush())
+
+    def stop(self, reason: str) -> None:
+        """Stops the running step before its next action, and every later one, with
+        Aborted(`reason`) (its caller gave up, [Note: callers that give up] in
+        worker/caller.py); a waiting receive is ended by the host's transport."""
+        self.stopped = reason
 
     def _run_action(self, todo: list[tuple[int, Action]], index: int, it: Iteration) -> None:
         """Runs action `index` of the iteration's (training step, action) list, timed."""
