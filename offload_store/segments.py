@@ -412,6 +412,17 @@ def used_bytes(base: Path) -> int:
     return total
 
 
+def own_bytes(folder: Path) -> int:
+    """Bytes of the segments and spares in one job directory, not the lent files."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.endswith(SUFFIX) and not entry.name.startswith(LENT_PREFIX):
+                with contextlib.suppress(FileNotFoundError):  # taken meanwhile
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
 def _job_dirs(base: Path, job: str) -> list[Path]:
     return [p for p in base.glob(f"{job}+*") if p.is_dir() and not p.is_symlink()]
 

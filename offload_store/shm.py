@@ -226,6 +226,13 @@ class SharedTierStore:
         """Deletes the job's Redis keys and its segments on this host, any attempt."""
         return self.inner.clear_job() + segments.clear_job(self.base, self.job)
 
+    def node_bytes(self) -> int:
+        """Bytes of this store's own files in the tier: its segments no rank took yet and
+        its spares (`StashStore.node_bytes`)."""
+        with self._lock:
+            folder = self._dir
+        return 0 if folder is None else segments.own_bytes(folder)
+
     def close(self) -> None:
         """Takes this rank out of the attempt's tier ranks (the last one out deletes the
         set), removes its spare files and closes the Redis client; segments stay for

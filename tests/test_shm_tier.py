@@ -19,7 +19,7 @@ import torch
 
 from offload_store import OffloadStore, RedisServer, connect, open_admin, open_store
 from offload_store.keys import segment_key
-from offload_store.segments import LENT_PREFIX, SPARE_PREFIX, SUFFIX, SegmentError
+from offload_store.segments import LENT_PREFIX, SPARE_PREFIX, SUFFIX, SegmentError, segment_size
 from offload_store.shm import DIR_ENV, SharedTierStore
 from offload_store.store import SOCKET_ENV
 
@@ -443,5 +443,25 @@ def test_a_producer_writes_into_a_spare_through_its_own_mapping(
             if line.endswith(str(segment))]
     assert len(maps) == 2, maps  # the consumer's, from its take; the producer's, this write
     assert_same(consumer.take(0, 1, 0, {0: ["x"]}), second)
+    producer.close()
+    consumer.close()
+
+
+def test_node_bytes_are_a_stores_own_segments_and_spares(
+        server: RedisServer, base: Path) -> None:
+    producer, consumer = (tier(server, base, job="nodebytes", ranks=2) for _ in range(2))
+    want = {0: {"x": torch.randn(3000)}, 1: {"y": torch.randn(500)}}
+    assert producer.node_bytes() == 0
+    size = producer.put(0, 0, 0, want)
+    assert size == sum(segment_size({i: named}) for i, named in want.items())
+    assert producer.node_bytes() == size and consumer.node_bytes() == 0
+    got = consumer.take(0, 0, 0, {0: ["x"]})  # lent: the consumer's memory now
+    assert producer.node_bytes() == segment_size({1: want[1]})
+    del got
+    gc.collect()  # a spare, kept for the producer's next write
+    assert producer.node_bytes() == size
+    assert consumer.release(0, 0, 0, {1: ["y"]}) == 1
+    assert producer.node_bytes() == segment_size({0: want[0]})
+    assert consumer.node_bytes() == 0
     producer.close()
     consumer.close()
