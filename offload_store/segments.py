@@ -16,11 +16,13 @@ copy, `os.preadv` straight into its memory).
 
 [Note: spare segments] A read segment's file is not unlinked but renamed to a spare in
 its directory (a lent one, ``lent-<segment name>``, once its consumer's tensors are gone),
-and the directory's producer writes its next segment into a spare (`write` claims one by
-renaming it), so a stash is copied into tmpfs pages that already exist, mapped in the
-producer, instead of pages the kernel must allocate and zero, and freed again, on every
-micro-batch. Spares and lent files count toward the tier's cap; a write that would pass
-it removes the tier's spares first. A lent file whose consumer died stays until its job
+and the directory's producer writes its next segment of the same size into a spare
+(`write` claims one by renaming it), so a stash is copied into tmpfs pages that already
+exist, mapped in the producer, instead of pages the kernel must allocate and zero, and
+freed again, on every micro-batch (a training step's stashes repeat the same sizes; a
+size no spare has gets a new file). Spares and lent files count toward the tier's cap; a
+write that would pass it removes the tier's spares first, and a worker's spares go when
+it drops the job. A lent file whose consumer died stays until its job
 is cleared, as a segment does ([Note: tier leases] in `offload_store.shm`).
 
 [Note: tier directory] ``<base>/<job>+<token>/`` holds a producer's segments of one job
@@ -126,7 +128,7 @@ def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_byt
     base = path.parent.parent
     with open(base / LOCK_FILE, "a") as lock:  # the check and the reservation are one step
         fcntl.flock(lock, fcntl.LOCK_EX)
-        used, spare = used_bytes(base), _claim_spare(path)
+        used, spare = used_bytes(base), _claim_spare(path, size)
         if used - spare + size > cap_bytes:
             used -= drop_spares(base, "*+*/")
             if used + size > cap_bytes:
@@ -155,11 +157,14 @@ def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_byt
     return size
 
 
-def _claim_spare(path: Path) -> int:
-    """Renames a spare file of `path`'s directory to `path`; returns its size (0: none)."""
+def _claim_spare(path: Path, size: int) -> int:
+    """Renames a spare file of `size` bytes in `path`'s directory to `path` (its pages,
+    and the mappings of it, are reused as they are: resizing a file costs its mappings);
+    returns its size (0: none)."""
     for spare in path.parent.glob(f"{SPARE_PREFIX}*{SUFFIX}"):
         try:
-            size = spare.stat().st_size
+            if spare.stat().st_size != size:
+                continue
             os.rename(spare, path)
         except FileNotFoundError:  # taken or cleared meanwhile
             continue

@@ -465,3 +465,22 @@ def test_node_bytes_are_a_stores_own_segments_and_spares(
     assert consumer.node_bytes() == 0
     producer.close()
     consumer.close()
+
+
+def test_a_write_claims_a_spare_of_its_own_size_only(server: RedisServer, base: Path) -> None:
+    store = tier(server, base, job="sizes")
+    small, large = {0: {"x": torch.randn(1000)}}, {0: {"x": torch.randn(3000)}}
+    store.put(0, 0, 0, small)
+    (first,) = segment_files(base)
+    inode = first.stat().st_ino
+    assert_same(store.take(0, 0, 0, {0: ["x"]}), small)
+    gc.collect()
+    store.put(0, 1, 0, large)  # a new file: resizing the spare would cost its mappings
+    (segment,) = segment_files(base)
+    assert segment.stat().st_ino != inode
+    assert [s.stat().st_ino for s in spare_files(base)] == [inode]
+    store.put(0, 2, 0, small)  # the spare of its size
+    assert inode in {s.stat().st_ino for s in segment_files(base)} and spare_files(base) == []
+    assert_same(store.take(0, 1, 0, {0: ["x"]}), large)
+    assert_same(store.take(0, 2, 0, {0: ["x"]}), small)
+    store.close()
