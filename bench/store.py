@@ -15,8 +15,9 @@ that keeps the bytes and sends them back: length-prefixed, no framing beyond tha
 `redis-py` (SET of a view of the tensor's bytes, GETDEL returned as bytes, nothing
 decoded), `store` (`OffloadStore.put` and `take`, validated and decoded into a
 tensor) and `local tier` (the node-local tier's `put` and `take`: a segment in /dev/shm
-written with one copy and its index key in the same Redis, then the take's one pipeline,
-the checks, and the segment mapped with its pages populated, no copy). A round trip's
+written with one copy, into a spare file's kept mapping once there is one, and its index
+key in the same Redis, then the take's one pipeline, the checks, and a tensor viewing the
+segment's mapping, no copy: [Note: segment mappings] in offload_store/mapped.py). A round trip's
 MiB/s is the stash's MiB over put + fetch seconds. Run:
 `python bench/store.py [--quick] [--part measured|bandwidth] [--out DIR]`.
 """
@@ -330,8 +331,9 @@ def bandwidth_lines(bw: dict[str, Any]) -> list[str]:
              "that keeps the bytes and sends them back; `redis-py`: SET of the tensor's "
              "bytes and GETDEL, returned as bytes; `store`: `OffloadStore.put` and `take` "
              "(validated, decoded into a tensor); `local tier`: the node-local tier's `put` "
-             "and `take` (a /dev/shm segment written with one copy, its index key in the "
-             "same Redis; checked and mapped with its pages populated, no copy). MiB/s of "
+             "and `take` (a /dev/shm segment written with one copy into a spare's kept "
+             "mapping, its index key in the same Redis; checked, and viewed in its mapping, "
+             "no copy). MiB/s of "
              "the round trip (stash MiB over put + fetch seconds), median [min-max]; "
              "`/ memcpy` paired by repeat.", "",
              "| stash | " + " | ".join(ROUND_TRIP) + " | "

@@ -174,6 +174,13 @@ class StashStore(Protocol):
         """
         ...
 
+    def node_bytes(self) -> int:
+        """Bytes of host memory on this node that the store holds for this object's own
+        writes: the node-local tier's segments not yet taken and the spare files kept for
+        the next writes; 0 for a store with no node-local memory. (A taken segment that
+        tensors still view is the taker's memory, not counted here.)"""
+        ...
+
     def close(self) -> None:
         """Releases the connections; the object is unusable afterwards."""
         ...

@@ -1,5 +1,6 @@
 """Shared-memory segments of the node-local tier: one file per layer of a micro-batch's
-stash in a tmpfs directory, written with one copy and read back with one.
+stash in a tmpfs directory, written with one copy and taken back with none (`lend`) or
+one (`read`).
 
 [Note: segment layout] A segment is ``MAGIC``, the header's length (u64, little-endian),
 a JSON header listing each tensor's layer, name, dtype, shape, offset and byte count, then
@@ -7,16 +8,22 @@ the tensors' bytes, each at an offset aligned to `ALIGN` (so the views a reader 
 aligned for every dtype). A reader trusts nothing of it: the file must be a regular file
 of this user (no symlink), of the size its index entry names, with a header that parses,
 names exactly the tensors asked for, and places every tensor inside the file after the
-header; each tensor's dtype and shape pass the codec's header check (nothing is mapped:
-the file is read with bounded `pread`s). Only then is each
-tensor read into a new tensor (one copy, `os.preadv` straight into its memory).
+header; each tensor's dtype and shape pass the codec's header check (the header is read
+with bounded `pread`s, nothing is mapped before it passed). Only then does each tensor
+view its bytes in a private mapping of the file (`lend`, no copy, [Note: segment
+mappings] in `offload_store.mapped`) or get them read into a new tensor (`read`, one
+copy, `os.preadv` straight into its memory).
 
 [Note: spare segments] A read segment's file is not unlinked but renamed to a spare in
-its directory, and the directory's producer writes its next segment into a spare
+its directory (a lent one, ``lent-<segment name>``, once its consumer's tensors are gone),
+and the directory's producer writes its next segment of the same size into a spare
 (`write` claims one by renaming it), so a stash is copied into tmpfs pages that already
-exist instead of pages the kernel must allocate and zero, and freed again, on every
-micro-batch. Spares count toward the tier's cap; a write that would pass it removes the
-tier's spares first.
+exist, mapped in the producer, instead of pages the kernel must allocate and zero, and
+freed again, on every micro-batch (a training step's stashes repeat the same sizes; a
+size no spare has gets a new file). Spares and lent files count toward the tier's cap; a
+write that would pass it removes the tier's spares first, and a worker's spares go when
+it drops the job. A lent file whose consumer died stays until its job
+is cleared, as a segment does ([Note: tier leases] in `offload_store.shm`).
 
 [Note: tier directory] ``<base>/<job>+<token>/`` holds a producer's segments of one job
 (`job_dir`): the base directory is this user's alone (0700) and the token is random, so
@@ -40,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from offload_store.mapped import SegmentMaps
 from pipefb.codec import DTYPES, check_header, raw_view
 from pipefb.errors import CodecError
 
@@ -51,6 +59,7 @@ SUFFIX = ".seg"
 OFFSET_BYTES = 40  # the most bytes ``, "offset": N`` adds to one header entry
 NODE_FILE = "node-id"  # the base directory's id: directories with the same id are one tier
 SPARE_PREFIX = "spare-"  # a read segment's file, kept for the directory's next write
+LENT_PREFIX = "lent-"  # a taken segment's file while its consumer's tensors view it
 LOCK_FILE = "lock"  # flock'ed while a producer checks the cap and reserves its segment
 _SEGMENT_NAME = re.compile(r"(\d+)-\d+-\d+-\d+-\d+-[0-9a-f]+\.seg")
 _DIR_NAME = re.compile(r"[A-Za-z0-9_.-]+\+[0-9a-f]{32}")
@@ -98,12 +107,15 @@ def layout(tensors: Mapping[int, Mapping[str, torch.Tensor]]
     return head, placed, max(offset, len(head))
 
 
-def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_bytes: int
-          ) -> int | None:
+def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_bytes: int,
+          maps: SegmentMaps | None = None) -> int | None:
     """Writes a segment at `path` (mode 0600, never over an existing file), copying each
     tensor's bytes once, into a spare file of the same directory where there is one
     ([Note: spare segments]), if the tier under ``path.parent.parent`` stays within
-    `cap_bytes` with it; a failed write removes it.
+    `cap_bytes` with it; a failed write removes it. With `maps`, a spare's bytes are
+    copied through its kept mapping ([Note: segment mappings]); a new file's (whose pages
+    the write allocates, which `pwrite` does faster than faults do) are written with
+    `pwrite`, as without `maps`.
 
     Returns:
         The segment's size; None when it would pass the cap (nothing is written).
@@ -116,13 +128,13 @@ def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_byt
     base = path.parent.parent
     with open(base / LOCK_FILE, "a") as lock:  # the check and the reservation are one step
         fcntl.flock(lock, fcntl.LOCK_EX)
-        used, spare = used_bytes(base), _claim_spare(path)
+        used, spare = used_bytes(base), _claim_spare(path, size)
         if used - spare + size > cap_bytes:
             used -= drop_spares(base, "*+*/")
             if used + size > cap_bytes:
                 path.unlink(missing_ok=True)
                 return None
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
                      | (0 if path.exists() else os.O_EXCL), 0o600)
         try:
             os.ftruncate(fd, size)  # counts in `used_bytes` from here on
@@ -131,9 +143,12 @@ def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_byt
             path.unlink(missing_ok=True)
             raise
     try:
-        _pwrite_all(fd, memoryview(head), 0)
-        for offset, view in placed:
-            _pwrite_all(fd, view, offset)
+        if maps is not None and spare:
+            maps.copy_into(fd, size, [(0, memoryview(bytearray(head))), *placed])
+        else:
+            _pwrite_all(fd, memoryview(head), 0)
+            for offset, view in placed:
+                _pwrite_all(fd, view, offset)
     except BaseException:
         path.unlink(missing_ok=True)
         raise
@@ -142,11 +157,14 @@ def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_byt
     return size
 
 
-def _claim_spare(path: Path) -> int:
-    """Renames a spare file of `path`'s directory to `path`; returns its size (0: none)."""
+def _claim_spare(path: Path, size: int) -> int:
+    """Renames a spare file of `size` bytes in `path`'s directory to `path` (its pages,
+    and the mappings of it, are reused as they are: resizing a file costs its mappings);
+    returns its size (0: none)."""
     for spare in path.parent.glob(f"{SPARE_PREFIX}*{SUFFIX}"):
         try:
-            size = spare.stat().st_size
+            if spare.stat().st_size != size:
+                continue
             os.rename(spare, path)
         except FileNotFoundError:  # taken or cleared meanwhile
             continue
@@ -192,27 +210,75 @@ def read(path: Path, size: int, names: Mapping[int, Sequence[str]]) -> LayerTens
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            raise SegmentError(f"segment {path} is not a regular file of this user")
-        if info.st_size != size:
-            raise SegmentError(f"segment {path} holds {info.st_size} bytes; its index "
-                               f"entry says {size}")
-        out = _tensors(path, fd, size, names)
+        _check_file(path, fd, size)
+        out = {layer: {name: _read_tensor(path, fd, *checked) for name, checked in named.items()}
+               for layer, named in _entries(path, fd, size, names).items()}
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
         raise
     os.close(fd)
+    _give_back(path)
+    return out
+
+
+def lend(path: Path, size: int, names: Mapping[int, Sequence[str]], maps: SegmentMaps
+         ) -> LayerTensors:
+    """The tensors of the segment at `path` viewing its mapping in `maps` (no copy), after
+    the same checks as `read`; the file is lent to them (renamed ``lent-...``) and becomes
+    a spare of its directory once none is left ([Note: segment mappings]). The tensors are
+    writable, and nobody else reads or writes their bytes while they live.
+
+    Raises:
+        SegmentError: a segment that fails a check; it is unlinked.
+        FileNotFoundError: no segment at `path`.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    lent = path.with_name(f"{LENT_PREFIX}{path.name}")
+    try:
+        _check_file(path, fd, size)
+        entries = _entries(path, fd, size, names)
+        os.rename(path, lent)  # the index key is gone: no one else names this file
+        data = maps.view(fd, size, lambda: _give_back(lent))  # (size,) uint8
+        out: LayerTensors = {}
+        for layer, named in entries.items():
+            for name, (dtype, shape, offset, nbytes) in named.items():
+                tensor = data[offset:offset + nbytes].view(DTYPES[dtype]).view(shape)
+                _check_bool(path, dtype, tensor)
+                out.setdefault(layer, {})[name] = tensor
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        lent.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return out
+
+
+def _give_back(path: Path) -> None:
+    """Renames a read segment's file to a spare of its directory ([Note: spare
+    segments]); removes it where that fails (its directory was cleared)."""
     try:
         os.rename(path, path.with_name(f"{SPARE_PREFIX}{secrets.token_hex(8)}{SUFFIX}"))
     except OSError:
         path.unlink(missing_ok=True)
-    return out
 
 
-def _tensors(path: Path, fd: int, size: int, names: Mapping[int, Sequence[str]]
-             ) -> LayerTensors:
+def _check_file(path: Path, fd: int, size: int) -> None:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        raise SegmentError(f"segment {path} is not a regular file of this user")
+    if info.st_size != size:
+        raise SegmentError(f"segment {path} holds {info.st_size} bytes; its index "
+                           f"entry says {size}")
+
+
+Checked = tuple[str, list[int], int, int]  # a tensor's dtype, shape, offset and byte count
+
+
+def _entries(path: Path, fd: int, size: int, names: Mapping[int, Sequence[str]]
+             ) -> dict[int, dict[str, Checked]]:
+    """The segment's header, checked: layer -> name -> where its tensor lies."""
     start = len(MAGIC) + _LENGTH.size
     if size < start:
         raise SegmentError(f"segment {path} of {size} bytes is shorter than its header")
@@ -230,17 +296,15 @@ def _tensors(path: Path, fd: int, size: int, names: Mapping[int, Sequence[str]]
         raise SegmentError(f"segment {path}: header does not parse: {error}") from None
     if found != want or len(entries) != len(want):
         raise SegmentError(f"segment {path} holds {sorted(found)}, not {sorted(want)}")
-    out: LayerTensors = {}
+    out: dict[int, dict[str, Checked]] = {}
     for entry in entries:
-        out.setdefault(entry["layer"], {})[entry["name"]] = _tensor(path, fd, size, entry,
-                                                                    start + length)
+        out.setdefault(entry["layer"], {})[entry["name"]] = _checked(path, size, entry,
+                                                                     start + length)
     return out
 
 
-def _tensor(path: Path, fd: int, size: int, entry: dict[str, object], data_start: int
-            ) -> torch.Tensor:
-    """One tensor of a segment, checked against the codec and the file's bounds, read
-    into a new tensor."""
+def _checked(path: Path, size: int, entry: dict[str, object], data_start: int) -> Checked:
+    """One tensor's header entry, checked against the codec and the file's bounds."""
     dtype, shape, offset, nbytes = (entry.get(k) for k in ("dtype", "shape", "offset",
                                                             "nbytes"))
     if not isinstance(dtype, str) or not isinstance(shape, list) or not all(
@@ -254,13 +318,22 @@ def _tensor(path: Path, fd: int, size: int, entry: dict[str, object], data_start
     if nbytes != expected or offset % ALIGN or offset < data_start or offset + nbytes > size:
         raise SegmentError(f"segment {path}: tensor {entry.get('name')!r} of {nbytes} bytes "
                            f"at {offset} lies outside the data of a {size}-byte file")
+    return dtype, shape, offset, nbytes
+
+
+def _read_tensor(path: Path, fd: int, dtype: str, shape: list[int], offset: int, nbytes: int
+                 ) -> torch.Tensor:
+    """A checked tensor of a segment read into a new tensor (one copy)."""
     out = torch.empty(shape, dtype=DTYPES[dtype])
     if nbytes:
-        raw = out.reshape(-1).view(torch.uint8)
-        _pread_all(fd, raw.numpy().data, offset)
-        if dtype == "bool" and bool((raw > 1).any()):
-            raise SegmentError(f"segment {path}: bool tensor holds bytes other than 0 and 1")
+        _pread_all(fd, out.reshape(-1).view(torch.uint8).numpy().data, offset)
+        _check_bool(path, dtype, out)
     return out
+
+
+def _check_bool(path: Path, dtype: str, tensor: torch.Tensor) -> None:
+    if dtype == "bool" and tensor.numel() and bool((tensor.view(torch.uint8) > 1).any()):
+        raise SegmentError(f"segment {path}: bool tensor holds bytes other than 0 and 1")
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:
@@ -344,6 +417,17 @@ def used_bytes(base: Path) -> int:
     return total
 
 
+def own_bytes(folder: Path) -> int:
+    """Bytes of the segments and spares in one job directory, not the lent files."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.endswith(SUFFIX) and not entry.name.startswith(LENT_PREFIX):
+                with contextlib.suppress(FileNotFoundError):  # taken meanwhile
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
 def _job_dirs(base: Path, job: str) -> list[Path]:
     return [p for p in base.glob(f"{job}+*") if p.is_dir() and not p.is_symlink()]
 
@@ -355,7 +439,7 @@ def clear_job(base: Path, job: str, below_attempt: int | None = None) -> int:
     removed = 0
     for folder in _job_dirs(base, job):
         for seg in folder.glob(f"*{SUFFIX}"):
-            match = _SEGMENT_NAME.fullmatch(seg.name)
+            match = _SEGMENT_NAME.fullmatch(seg.name.removeprefix(LENT_PREFIX))
             if match and (below_attempt is None or int(match[1]) < below_attempt):
                 seg.unlink(missing_ok=True)
                 removed += 1

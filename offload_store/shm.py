@@ -7,9 +7,11 @@ a PipeFB forward rank's layers may go to several backward ranks) and then, in on
 round trip as the Redis backend's write would take, sets each layer's index key
 (`keys.segment_key`) to its segment's tier id, path and size, with the store's TTL. The
 consumer's take is one pipeline: GETDEL of the layers' index keys and of the stash's
-ordinary value keys. An index entry means the segment: it is checked and read into new
-tensors (one copy), and its file becomes a spare for the producer's next write (delete
-on consume; [Note: spare segments]); no entry means the layer went to Redis, and its
+ordinary value keys. An index entry means the segment: it is checked and its tensors
+view a private mapping of it (no copy; with ``zero_copy=False`` they are read into new
+tensors, one copy), and its file becomes a spare for the producer's next write once
+they are gone (delete on consume; [Note: spare segments], [Note: segment mappings]); no
+entry means the layer went to Redis, and its
 values come back as from the Redis backend. So a layer over the tier's cap (`write`
 refuses it) spills to Redis exactly as without the tier, and nothing is ever evicted: a
 segment leaves the tier only when it is taken, released, or its job cleared.
@@ -34,6 +36,7 @@ where ``PIPEFB_LOCAL_TIER_DIR`` names the tier) removes its directories.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -48,6 +51,7 @@ from redis.exceptions import RedisError
 from offload_store import segments
 from offload_store.api import LayerTensors, StashStore, StoreStats
 from offload_store.keys import segment_key, tier_ranks_key
+from offload_store.mapped import SegmentMaps
 from offload_store.segments import SegmentError
 from offload_store.store import OffloadStore, execute_once
 from pipefb.errors import ConfigError
@@ -85,7 +89,7 @@ class SharedTierStore:
     `StashStore` ([Note: local tier index]). Safe to share between threads."""
 
     def __init__(self, inner: OffloadStore, base: Path, cap_bytes: int = -1,
-                 ranks: int = 1) -> None:
+                 ranks: int = 1, zero_copy: bool = True) -> None:
         """Opens the tier at `base` for `inner`'s job attempt and adds this rank to the
         attempt's tier ranks ([Note: tier ranks]).
 
@@ -94,6 +98,8 @@ class SharedTierStore:
             base: the tier's directory, created 0700 if missing.
             cap_bytes: bytes of segments the tier holds at most, all jobs; -1: `default_cap`.
             ranks: how many ranks the job attempt has.
+            zero_copy: takes hand out tensors viewing the segments (`segments.lend`);
+                False: copies (`segments.read`).
 
         Raises:
             ValueError: a cap below -1 or fewer than one rank.
@@ -105,6 +111,9 @@ class SharedTierStore:
         self.base = segments.private_base(base.absolute())
         self.cap_bytes = default_cap(self.base) if cap_bytes == -1 else cap_bytes
         self.node, self.ranks = segments.node_id(self.base), ranks
+        self._maps = SegmentMaps()  # the tier files this rank touched ([Note: segment mappings])
+        self._read = (functools.partial(segments.lend, maps=self._maps) if zero_copy
+                      else segments.read)
         self._dir: Path | None = None
         self._shared: bool | None = None  # every rank of the attempt uses this tier (None:
         # not known yet, some ranks have not opened their stores)
@@ -182,7 +191,7 @@ class SharedTierStore:
             if entry is not None:
                 path, size = self._segment(entry)
                 self._count(bytes_taken=size, keys_taken=1)
-                out.update(segments.read(path, size, {layer: names[layer]}))
+                out.update(self._read(path, size, {layer: names[layer]}))
         rest = [i for i, (layer, _) in enumerate(wanted) if layer not in out]  # in Redis
         if rest:
             out.update(self.inner.decode_taken([wanted[i] for i in rest], [keys[i] for i in rest],
@@ -217,6 +226,13 @@ class SharedTierStore:
         """Deletes the job's Redis keys and its segments on this host, any attempt."""
         return self.inner.clear_job() + segments.clear_job(self.base, self.job)
 
+    def node_bytes(self) -> int:
+        """Bytes of this store's own files in the tier: its segments no rank took yet and
+        its spares (`StashStore.node_bytes`)."""
+        with self._lock:
+            folder = self._dir
+        return 0 if folder is None else segments.own_bytes(folder)
+
     def close(self) -> None:
         """Takes this rank out of the attempt's tier ranks (the last one out deletes the
         set), removes its spare files and closes the Redis client; segments stay for
@@ -226,6 +242,7 @@ class SharedTierStore:
         with self._lock:
             if self._dir is not None:  # its spares go; segments not yet taken stay
                 segments.drop_spares(self._dir)
+        self._maps.close()
         self.inner.close()
 
     def _all_ranks_here(self) -> bool:
@@ -247,7 +264,7 @@ class SharedTierStore:
         name = segments.segment_name(self.attempt, step, microbatch, layer, version)
         path = self._job_dir() / name
         try:
-            size = segments.write(path, {layer: named}, self.cap_bytes)
+            size = segments.write(path, {layer: named}, self.cap_bytes, self._maps)
         except FileNotFoundError:  # the job's directory was cleared: use a new one
             with self._lock:
                 self._dir = None

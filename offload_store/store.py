@@ -272,6 +272,10 @@ class OffloadStore:
         """
         return clear_job_keys(self._client, self.job)
 
+    def node_bytes(self) -> int:
+        """0: Redis holds nothing in this node's shared memory for this store."""
+        return 0
+
     def close(self) -> None:
         """Closes the Redis client's connections."""
         self._client.close()

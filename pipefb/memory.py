@@ -11,9 +11,15 @@ import torch
 #: inputs and outputs, gradients); `stashed`: saved tensors held in the worker for a later
 #: backward (policy keep, and the inputs of recomputed runs); `weight_versions`: old
 #: weight versions kept for weight stashing; `stash_in_flight`: stashes handed to the
-#: store's I/O thread and not yet written ([Note: background stash] in offload_store/writer.py).
+#: store's I/O thread and not yet written ([Note: background stash] in offload_store/writer.py);
+#: `node_tier`: the rank's files in the node-local tier (segments it wrote and no rank took
+#: yet, spares kept for its next writes: `StashStore.node_bytes`), host memory shared on
+#: the node, outside the rank's own total (`OUTSIDE_TOTAL`).
 KINDS = ("parameters", "gradients", "optimizer_state", "weight_versions", "activations",
-         "stashed", "stash_in_flight")
+         "stashed", "stash_in_flight", "node_tier")
+#: Kinds reported beside the rank's memory, not in its total: a stash in the store is no
+#: rank's memory, as the planner and the simulator count it.
+OUTSIDE_TOTAL = ("node_tier",)
 
 
 #: (data pointer, bytes) of one storage: what the counting below dedupes and sums
@@ -65,8 +71,9 @@ ACTIVATION_KINDS = ("activations", "stashed")  # what activation policies trade
 
 @dataclass
 class MemoryAccount:
-    """Current bytes by kind; since the last `reset_peak`: the peak of their sum (with the
-    kinds at that moment), each kind's own peak, and the peak of activation memory."""
+    """Current bytes by kind; since the last `reset_peak`: the peak of their sum (but
+    `OUTSIDE_TOTAL`; with every kind at that moment), each kind's own peak, and the peak
+    of activation memory."""
 
     current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     peak_total: int = 0
@@ -77,7 +84,7 @@ class MemoryAccount:
     def set(self, values: Mapping[str, int]) -> None:
         """Records the current bytes of some kinds and updates the peaks."""
         self.current.update(values)
-        total = sum(self.current.values())
+        total = _total(self.current)
         if total > self.peak_total:
             self.peak_total = total
             self.peak = dict(self.current)
@@ -88,10 +95,15 @@ class MemoryAccount:
 
     def reset_peak(self) -> None:
         """Starts a new peak window (each step) from the current bytes."""
-        self.peak_total = sum(self.current.values())
+        self.peak_total = _total(self.current)
         self.peak = dict(self.current)
         self.peak_each = dict(self.current)
         self.peak_activation = sum(self.current.get(k, 0) for k in ACTIVATION_KINDS)
+
+
+def _total(kinds: Mapping[str, int]) -> int:
+    """The rank's own bytes: every kind but `OUTSIDE_TOTAL`."""
+    return sum(v for k, v in kinds.items() if k not in OUTSIDE_TOTAL)
 
 
 #: The CUDA caching allocator's statistics that a step reports (`DeviceMemory.snapshot`).

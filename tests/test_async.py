@@ -165,7 +165,7 @@ def test_kinds_reach_the_report(client: Any) -> None:
     reports, _ = run_on_cluster(client, job)
     kinds = set(reports[-1].workers[0].kind_peak_bytes)
     assert kinds == {"parameters", "gradients", "optimizer_state", "weight_versions",
-                     "activations", "stashed", "stash_in_flight"}
+                     "activations", "stashed", "stash_in_flight", "node_tier"}
     assert reports[-1].workers[0].kind_peak_bytes["weight_versions"] > 0
     assert all(r.workers[0].weight_version == r.step + 1 for r in reports)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipefb.memory import storage_bytes, storages, tensor_bytes
+from pipefb.memory import KINDS, MemoryAccount, storage_bytes, storages, tensor_bytes
 
 
 def test_views_of_one_storage_count_once_and_excluded_or_seen_storages_not_at_all() -> None:
@@ -27,3 +27,15 @@ def test_storages_noted_once_count_as_the_tensors_do() -> None:
     assert storage_bytes(found) == tensor_bytes(tensors) == 60 + 56 + 2
     keep = [other.untyped_storage().data_ptr()]
     assert storage_bytes(found, exclude=keep) == tensor_bytes(tensors, exclude=keep) == 62
+
+
+def test_the_node_tier_is_reported_beside_the_total_not_in_it() -> None:
+    account = MemoryAccount()
+    account.set({"parameters": 100, "node_tier": 5000})
+    account.set({"parameters": 100, "stashed": 40, "node_tier": 1000})
+    assert account.peak_total == 140  # the rank's own bytes only
+    assert account.peak == {**dict.fromkeys(KINDS, 0), "parameters": 100, "stashed": 40,
+                            "node_tier": 1000}  # every kind at the total's peak
+    assert account.peak_each["node_tier"] == 5000
+    account.reset_peak()
+    assert account.peak_total == 140 and account.peak_each["node_tier"] == 1000

@@ -1,7 +1,7 @@
 """Training through the node-local shared-memory tier ([Note: local tier index] in
 offload_store/shm.py) on real worker processes: every sync schedule that offloads equals
-one process bit for bit, the stash bytes bypass Redis, and stashes past the tier's cap
-spill to Redis and still train the same."""
+one process bit for bit, the stash bytes bypass Redis, each rank reports its bytes in the
+tier, and stashes past the tier's cap spill to Redis and still train the same."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def segments_left(tier: Path) -> list[Path]:
     return sorted(tier.glob("*/[0-9]*.seg"))  # segments, not spares
 
 
-def train(client: Any, cluster: Any, model: str, schedule: str, workers: int, policy: str
-          ) -> tuple[int, int]:
-    """Trains the job, checks it against one process; returns (stash bytes, bytes
+def train(client: Any, cluster: Any, model: str, schedule: str, workers: int, policy: str,
+          in_tier: bool = True) -> tuple[int, int]:
+    """Trains the job, checks it against one process and each rank's `node_tier` bytes
+    (`in_tier`: the stashes fit the tier; else all spill); returns (stash bytes, bytes
     Redis received meanwhile)."""
     extra: dict[str, Any] = {"policy": policy} if policy else {}
     if model in BATCH:
@@ -42,7 +43,29 @@ def train(client: Any, cluster: Any, model: str, schedule: str, workers: int, po
     assert_same_training(job, reports, weights)
     stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
     assert stashed > 0
+    assert_node_tier(reports, job.microbatches if in_tier else 0)
     return stashed, redis_input_bytes(cluster) - before
+
+
+def assert_node_tier(reports: list[Any], microbatches: int) -> None:
+    """Each rank reports its bytes in the tier (memory kind `node_tier`): none for a rank
+    that never stashes, or with every stash spilled (`microbatches` 0); for one that
+    stashes in the tier, at least one micro-batch's stash at some step (its segments hold
+    at least their data bytes); never in its own total."""
+    by_rank: dict[int, list[Any]] = {}
+    for r in reports:
+        for rank, w in enumerate(r.workers):
+            by_rank.setdefault(rank, []).append(w)
+    for rank, steps in by_rank.items():
+        peaks = [w.kind_peak_bytes["node_tier"] for w in steps]
+        stash = max(w.bytes_stashed for w in steps)
+        if stash == 0 or microbatches == 0:
+            assert peaks == [0] * len(steps), (rank, peaks)
+        else:
+            assert max(peaks) >= stash // microbatches, (rank, peaks, stash)
+        for w in steps:
+            own = sum(v for k, v in w.memory_bytes.items() if k != "node_tier")
+            assert own == w.peak_memory_bytes
 
 
 @pytest.mark.parametrize(("model", "schedule", "workers", "policy"), OFFLOADING)
@@ -93,6 +116,6 @@ def test_stashes_past_the_cap_spill_to_redis_and_train_as_one_process(
         spilling: tuple[Any, Any], model: str, schedule: str, workers: int,
         policy: str) -> None:
     client, cluster = spilling
-    stashed, to_redis = train(client, cluster, model, schedule, workers, policy)
+    stashed, to_redis = train(client, cluster, model, schedule, workers, policy, in_tier=False)
     assert to_redis > stashed / 2  # Redis got them (less those taken back from the queue)
     assert segments_left(cluster.tier_dir) == []

@@ -4,6 +4,7 @@ of tampered segments."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -16,9 +17,9 @@ import pytest
 import redis
 import torch
 
-from offload_store import RedisServer, connect, open_admin, open_store
+from offload_store import OffloadStore, RedisServer, connect, open_admin, open_store
 from offload_store.keys import segment_key
-from offload_store.segments import SUFFIX, SegmentError
+from offload_store.segments import LENT_PREFIX, SPARE_PREFIX, SUFFIX, SegmentError, segment_size
 from offload_store.shm import DIR_ENV, SharedTierStore
 from offload_store.store import SOCKET_ENV
 
@@ -306,3 +307,180 @@ def test_a_local_cluster_sweeps_the_tier_directories_of_dead_ones(tmp_path: Path
     (alive / OWNER_FILE).write_text(str(os.getpid()))
     _sweep_dead_tiers(tmp_path)  # "new": no owner yet, being made
     assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, new.name]
+
+
+def lent_files(base: Path) -> list[Path]:
+    return sorted(base.glob(f"*/{LENT_PREFIX}*{SUFFIX}"))
+
+
+def spare_files(base: Path) -> list[Path]:
+    return sorted(base.glob(f"*/{SPARE_PREFIX}*{SUFFIX}"))
+
+
+def test_a_take_views_the_segment_which_is_lent_until_its_tensors_go(
+        server: RedisServer, base: Path) -> None:
+    store = tier(server, base, job="lend")
+    want = {0: {"x": torch.randn(64, 1024)}}  # 256 KiB
+    size = store.put(0, 0, 0, want)
+    (segment,) = segment_files(base)
+    inode = segment.stat().st_ino
+    got = store.take(0, 0, 0, {0: ["x"]})
+    x = got[0]["x"]
+    assert torch.equal(x, want[0]["x"])
+    (lent,) = lent_files(base)  # the file is the tensor's memory now: no copy was made
+    assert lent.stat().st_ino == inode and lent.stat().st_size == size
+    x.mul_(2)  # writable; the write lands in the lent file, which no one else reads
+    assert torch.equal(x, want[0]["x"] * 2)
+    assert spare_files(base) == []
+    del got, x
+    gc.collect()
+    assert lent_files(base) == [] and [s.stat().st_ino for s in spare_files(base)] == [inode]
+    again = {0: {"x": torch.randn(64, 1024)}}
+    store.put(0, 1, 0, again)  # into the spare's pages, through the producer's mapping
+    (segment,) = segment_files(base)
+    assert segment.stat().st_ino == inode and spare_files(base) == []
+    assert_same(store.take(0, 1, 0, {0: ["x"]}), again)
+    store.close()
+
+
+def test_a_held_take_keeps_its_bytes_while_the_producer_writes_on(
+        server: RedisServer, base: Path) -> None:
+    producer, consumer = (tier(server, base, job="hold", ranks=2) for _ in range(2))
+    stashes = [{0: {"x": torch.full((1000,), float(mb))}} for mb in range(4)]
+    held = []
+    for mb, want in enumerate(stashes):
+        producer.put(0, mb, 0, want)
+        held.append(consumer.take(0, mb, 0, {0: ["x"]}))
+        if mb % 2:  # every other take is dropped: its file goes round again
+            held.pop()
+            gc.collect()
+    assert [h[0]["x"][0].item() for h in held] == [0.0, 2.0]
+    for h, mb in zip(held, (0, 2), strict=True):
+        assert_same(h, stashes[mb])
+    assert len(lent_files(base)) == 2
+    producer.close()
+    consumer.close()
+
+
+def test_lent_files_count_toward_the_cap(server: RedisServer, base: Path) -> None:
+    want = {0: {"x": torch.randn(4096)}}  # a 16 KiB tensor, one segment
+    store = tier(server, base, job="lentcap", cap=20 << 10)
+    store.put(0, 0, 0, want)
+    got = store.take(0, 0, 0, {0: ["x"]})
+    store.put(0, 1, 0, want)  # the lent one still holds its bytes: this one spills
+    assert segment_files(base) == []
+    assert redis_client(server).exists(store.inner.key(0, 1, 0, 0, "x"))
+    del got
+    gc.collect()
+    store.put(0, 2, 0, want)  # the lent file is a spare again: into the tier
+    assert len(segment_files(base)) == 1
+    assert_same(store.take(0, 1, 0, {0: ["x"]}), want)
+    assert_same(store.take(0, 2, 0, {0: ["x"]}), want)
+    store.close()
+
+
+def test_a_new_attempt_frees_the_lent_files_of_a_dead_consumer(
+        server: RedisServer, base: Path) -> None:
+    crashed = tier(server, base, job="lentcrash", attempt=0)
+    want = stash()
+    crashed.put(0, 0, 0, want)
+    got = crashed.take(0, 0, 0, names(want))  # held, as by a consumer that died
+    assert len(lent_files(base)) == 2
+    tier(server, base, job="lentcrash", attempt=1).close()
+    assert lent_files(base) == []
+    assert_same(got, want)  # the mapping keeps the bytes of a file already gone
+    del got
+    gc.collect()
+    assert spare_files(base) == []
+    crashed.close()
+
+
+def test_a_copying_tier_reads_into_new_tensors(server: RedisServer, base: Path) -> None:
+    inner = OffloadStore(connect(server.address), "copying")
+    store, want = SharedTierStore(inner, base, zero_copy=False), stash()
+    store.put(0, 0, 0, want)
+    got = store.take(0, 0, 0, names(want))
+    assert_same(got, want)
+    assert lent_files(base) == [] and len(spare_files(base)) == 2  # spares at once
+    store.close()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+@pytest.mark.parametrize("how", ["magic", "offset", "bool"])
+def test_either_way_of_taking_refuses_a_tampered_segment(
+        server: RedisServer, base: Path, how: str, zero_copy: bool) -> None:
+    inner = OffloadStore(connect(server.address), f"copy-{how}-{zero_copy}")
+    store = SharedTierStore(inner, base, zero_copy=zero_copy)
+    store.put(0, 0, 0, {0: {"m": torch.tensor([True, False, True])}})
+    (segment,) = segment_files(base)
+    data = bytearray(segment.read_bytes())
+    length = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16:16 + length])
+    if how == "magic":
+        data[:8] = b"NOTASEG!"
+    elif how == "offset":
+        header[0]["offset"] = len(data)
+        data[16:16 + length] = json.dumps(header).encode().ljust(length)
+    else:
+        data[header[0]["offset"]] = 7
+    segment.write_bytes(bytes(data))
+    with pytest.raises(SegmentError, match=re.escape(str(segment))):
+        store.take(0, 0, 0, {0: ["m"]})
+    assert not segment.exists() and lent_files(base) == []
+    store.close()
+
+
+def test_a_producer_writes_into_a_spare_through_its_own_mapping(
+        server: RedisServer, base: Path) -> None:
+    producer, consumer = (tier(server, base, job="pmap", ranks=2) for _ in range(2))
+    first, second = ({0: {"x": torch.randn(5000)}} for _ in range(2))
+    producer.put(0, 0, 0, first)
+    assert_same(consumer.take(0, 0, 0, {0: ["x"]}), first)  # taken, dropped: a spare
+    gc.collect()
+    producer.put(0, 1, 0, second)
+    (segment,) = segment_files(base)
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines()
+            if line.endswith(str(segment))]
+    assert len(maps) == 2, maps  # the consumer's, from its take; the producer's, this write
+    assert_same(consumer.take(0, 1, 0, {0: ["x"]}), second)
+    producer.close()
+    consumer.close()
+
+
+def test_node_bytes_are_a_stores_own_segments_and_spares(
+        server: RedisServer, base: Path) -> None:
+    producer, consumer = (tier(server, base, job="nodebytes", ranks=2) for _ in range(2))
+    want = {0: {"x": torch.randn(3000)}, 1: {"y": torch.randn(500)}}
+    assert producer.node_bytes() == 0
+    size = producer.put(0, 0, 0, want)
+    assert size == sum(segment_size({i: named}) for i, named in want.items())
+    assert producer.node_bytes() == size and consumer.node_bytes() == 0
+    got = consumer.take(0, 0, 0, {0: ["x"]})  # lent: the consumer's memory now
+    assert producer.node_bytes() == segment_size({1: want[1]})
+    del got
+    gc.collect()  # a spare, kept for the producer's next write
+    assert producer.node_bytes() == size
+    assert consumer.release(0, 0, 0, {1: ["y"]}) == 1
+    assert producer.node_bytes() == segment_size({0: want[0]})
+    assert consumer.node_bytes() == 0
+    producer.close()
+    consumer.close()
+
+
+def test_a_write_claims_a_spare_of_its_own_size_only(server: RedisServer, base: Path) -> None:
+    store = tier(server, base, job="sizes")
+    small, large = {0: {"x": torch.randn(1000)}}, {0: {"x": torch.randn(3000)}}
+    store.put(0, 0, 0, small)
+    (first,) = segment_files(base)
+    inode = first.stat().st_ino
+    assert_same(store.take(0, 0, 0, {0: ["x"]}), small)
+    gc.collect()
+    store.put(0, 1, 0, large)  # a new file: resizing the spare would cost its mappings
+    (segment,) = segment_files(base)
+    assert segment.stat().st_ino != inode
+    assert [s.stat().st_ino for s in spare_files(base)] == [inode]
+    store.put(0, 2, 0, small)  # the spare of its size
+    assert inode in {s.stat().st_ino for s in segment_files(base)} and spare_files(base) == []
+    assert_same(store.take(0, 1, 0, {0: ["x"]}), large)
+    assert_same(store.take(0, 2, 0, {0: ["x"]}), small)
+    store.close()

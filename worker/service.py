@@ -153,6 +153,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if runtime.role == "combined" and cap:  # [Note: local tier]
             transport.local = LocalTier(runtime.device, cap)
         if store is not None:
+            runtime.node_tier_bytes = store.node_bytes
             _write_in_background(transport, store, runtime.device, runtime.role,
                                  self.stash_in_flight_bytes if not job.memory_cap else 0)
         takes = job.checkpoint_every or (request.resume_step and source is None) or (

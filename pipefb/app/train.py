@@ -142,7 +142,7 @@ def run_local(job: JobConfig, out: Path, *, progress: bool = True, threads: int 
 
 SHORT_KINDS = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim",
                "weight_versions": "versions", "activations": "live", "stashed": "stashed",
-               "stash_in_flight": "in flight"}
+               "stash_in_flight": "in flight", "node_tier": "node tier"}
 
 
 def memory_table(peaks: dict[str, dict[str, int]], last_step: dict[str, Any],

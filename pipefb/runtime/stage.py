@@ -74,6 +74,8 @@ class StageRuntime:
             ConfigError: the plan gives `rank` no stage.
         """
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
+        # the rank's bytes in the node-local tier (memory kind `node_tier`); its host sets it
+        self.node_tier_bytes: Callable[[], int] = _no_bytes
         self.reducer = reducer  # sums gradients across groups; None with one group
         self.norm_reducer = norm_reducer
         self.place = place(plan, rank, job.stale_microbatches())
@@ -300,7 +302,7 @@ class StageRuntime:
         owned = self.state.memory()
         owned["gradients"] += self.tied.nbytes  # tied copies' gradients kept until OPT
         self.memory.set({**owned, "stashed": stashed,
-                         "stash_in_flight": in_flight,
+                         "stash_in_flight": in_flight, "node_tier": self.node_tier_bytes(),
                          "activations": tensor_bytes(self.flight.live(), seen=seen)})
 
     # -- compute ---------------------------------------------------------------------------
@@ -508,3 +510,8 @@ class StageRuntime:
     def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:
         """The owned weights of `version` kept for evaluation (`RankState.take_eval_weights`)."""
         return self.state.take_eval_weights(version)
+
+
+def _no_bytes() -> int:
+    """`StageRuntime.node_tier_bytes` of a host without a node-local tier."""
+    return 0
