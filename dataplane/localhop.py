@@ -151,23 +151,59 @@ class _Incoming:
             return False
         raise ConnectionError(f"the peer closed after {got} of {len(view)} bytes")
 
-    def frame(self) -> bytes | None:
+    def take(self, size: int) -> bytearray | None:
+        """The next `size` bytes as a buffer of their own (a slice of what one read took,
+        where it holds them); None if the peer closed before the first of them.
+
+        Raises:
+            ConnectionError: the peer closed part-way.
+        """
+        if self._end - self._start >= size:
+            out = self._buf[self._start:self._start + size]
+            self._start += size
+            return out
+        out = bytearray(size)
+        return out if self.read_into(memoryview(out)) else None
+
+    def frame(self) -> bytearray | None:
         """One length-prefixed frame; None at a clean end of the connection.
 
         Raises:
             CodecError: a frame over `MAX_FRAME_BYTES`.
             ConnectionError: the peer closed inside the frame.
         """
-        head = bytearray(_LEN.size)
-        if not self.read_into(memoryview(head)):
+        head = self.take(_LEN.size)
+        if head is None:
             return None
         (size,) = _LEN.unpack(head)
         if size > MAX_FRAME_BYTES:
             raise CodecError(f"header frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
-        body = bytearray(size)
-        if not self.read_into(memoryview(body)):
+        body = self.take(size)
+        if body is None and size:
             raise ConnectionError("the peer closed before the frame's body")
-        return bytes(body)
+        return body or bytearray()
+
+
+def _read_tensor(incoming: _Incoming, header: tensor_pb2.TensorHeader, limit: int
+                 ) -> torch.Tensor:
+    """The tensor `header` announces, with its bytes read from `incoming`; allocated only
+    once the header is validated. A small one views its own copy of the bytes one read
+    took (one torch call); a large one is allocated and its bytes read straight into it.
+
+    Raises:
+        CodecError: a header `wire.check_tensor_header` refuses.
+        ConnectionError: the peer closed before the tensor's last byte.
+    """
+    dtype, shape, nbytes = wire.check_tensor_header(header, limit)
+    if nbytes < READ_AHEAD_BYTES:
+        data = incoming.take(nbytes)
+        if data is not None:
+            return wire.tensor_on(data, dtype, shape)
+    else:
+        tensor = torch.empty(shape, dtype=dtype)
+        if incoming.read_into(wire.byte_view(tensor)):
+            return tensor
+    raise ConnectionError(f"the peer closed before tensor {header.name!r}")
 
 
 def refusal(error: BaseException) -> str:
@@ -341,11 +377,9 @@ class HopListener:
                              f"(at most {wire.MAX_TENSORS})")
         limit, tensors = self._limit(), {}
         for header in msg.headers:
-            tensor = wire.empty_tensor(header, limit)  # validated before allocation
+            tensor = _read_tensor(incoming, header, limit)
             if header.name in tensors:
                 raise CodecError(f"tensor {header.name!r} sent twice")
-            if not incoming.read_into(wire.byte_view(tensor)):
-                raise ConnectionError(f"the peer closed before tensor {header.name!r}")
             tensors[header.name] = tensor
         self._deliver(msg.transfer, tensors)
         return True
