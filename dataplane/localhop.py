@@ -7,15 +7,20 @@ decodes it into the inbox, and the compute thread there wakes. Each hand-off wai
 the GIL, so a small tensor takes a few hundred microseconds where the socket under it
 takes a few. Between ranks on one host a transfer instead goes over a unix socket:
 
-- the sender's compute thread writes it (one `sendmsg` of a header frame and the
-  tensors' own bytes, no copy in Python) and goes on;
+- the sender's compute thread writes a small transfer itself (one `sendmsg` of a header
+  frame and the tensors' own bytes, no copy in Python) and goes on; a transfer of more
+  than `INLINE_BYTES` goes to the connection's writer thread, in order, so the compute
+  thread does not wait while the kernel copies it or the receiver drains it. `check`
+  (the transport's flush) waits until the writer wrote everything; until then the sent
+  tensors must stay as they are ([Note: send buffers] in dataplane/grpc_transport.py);
 - one reader thread per connection on the receiver validates the header frame, allocates
-  each tensor only then (`protos.wire.empty_tensor`, the gRPC path's checks), fills it
-  and hands the transfer to the worker's delivery check (job, attempt, receive window,
-  expected shapes), which puts it into the inbox. Each read takes whatever has arrived,
-  up to 256 KiB, so a small transfer costs the reader one read and one GIL hand-back
-  (its bytes copied once more from that buffer); a large tensor's rest is read straight
-  into it.
+  each tensor only then (`protos.wire.check_tensor_header`, the gRPC path's checks),
+  fills it and hands the transfer to the worker's delivery check (job, attempt, receive
+  window, expected shapes), which puts it into the inbox. Each read takes whatever has
+  arrived, up to 256 KiB, so a small transfer costs the reader one read and one GIL
+  hand-back; a small tensor is a view of its own copy of those bytes (one torch call,
+  as each torch call after a wake-up costs microseconds), a large one is allocated and
+  its rest read straight into it.
 
 A frame is a little-endian u32 length and a `TensorChunk` holding the `Transfer` and
 every tensor's header with no data; the tensors' bytes follow in header order. A
@@ -40,6 +45,7 @@ import stat
 import struct
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -57,6 +63,10 @@ MAX_FRAME_BYTES = 1 << 20  # largest header frame: a transfer's headers, never i
 # fits is written at once, and the compute thread goes on while the receiver's reader
 # waits for its GIL
 SEND_BUFFER_BYTES = 4 << 20
+# a transfer of at most this many data bytes is written on the caller's thread (its write
+# takes less than a hand-over to another thread); a larger one goes to the connection's
+# writer thread, so the compute thread goes on while the kernel copies it
+INLINE_BYTES = 64 << 10
 RECV_PIECE_BYTES = 1 << 20  # the reader takes a large tensor's bytes in pieces of this size
 READ_AHEAD_BYTES = 256 << 10  # what one read may take beyond what it needs (then copied)
 HOP_DIR_ENV = "PIPEFB_HOP_DIR"  # where workers put their hop sockets (default: see hop_dir)
@@ -151,23 +161,59 @@ class _Incoming:
             return False
         raise ConnectionError(f"the peer closed after {got} of {len(view)} bytes")
 
-    def frame(self) -> bytes | None:
+    def take(self, size: int) -> bytearray | None:
+        """The next `size` bytes as a buffer of their own (a slice of what one read took,
+        where it holds them); None if the peer closed before the first of them.
+
+        Raises:
+            ConnectionError: the peer closed part-way.
+        """
+        if self._end - self._start >= size:
+            out = self._buf[self._start:self._start + size]
+            self._start += size
+            return out
+        out = bytearray(size)
+        return out if self.read_into(memoryview(out)) else None
+
+    def frame(self) -> bytearray | None:
         """One length-prefixed frame; None at a clean end of the connection.
 
         Raises:
             CodecError: a frame over `MAX_FRAME_BYTES`.
             ConnectionError: the peer closed inside the frame.
         """
-        head = bytearray(_LEN.size)
-        if not self.read_into(memoryview(head)):
+        head = self.take(_LEN.size)
+        if head is None:
             return None
         (size,) = _LEN.unpack(head)
         if size > MAX_FRAME_BYTES:
             raise CodecError(f"header frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
-        body = bytearray(size)
-        if not self.read_into(memoryview(body)):
+        body = self.take(size)
+        if body is None and size:
             raise ConnectionError("the peer closed before the frame's body")
-        return bytes(body)
+        return body or bytearray()
+
+
+def _read_tensor(incoming: _Incoming, header: tensor_pb2.TensorHeader, limit: int
+                 ) -> torch.Tensor:
+    """The tensor `header` announces, with its bytes read from `incoming`; allocated only
+    once the header is validated. A small one views its own copy of the bytes one read
+    took (one torch call); a large one is allocated and its bytes read straight into it.
+
+    Raises:
+        CodecError: a header `wire.check_tensor_header` refuses.
+        ConnectionError: the peer closed before the tensor's last byte.
+    """
+    dtype, shape, nbytes = wire.check_tensor_header(header, limit)
+    if nbytes < READ_AHEAD_BYTES:
+        data = incoming.take(nbytes)
+        if data is not None:
+            return wire.tensor_on(data, dtype, shape)
+    else:
+        tensor = torch.empty(shape, dtype=dtype)
+        if incoming.read_into(wire.byte_view(tensor)):
+            return tensor
+    raise ConnectionError(f"the peer closed before tensor {header.name!r}")
 
 
 def refusal(error: BaseException) -> str:
@@ -181,11 +227,16 @@ def _frame(data: bytes) -> memoryview:
 
 
 class HopSender:
-    """The sending end of one same-host connection; `send` runs on the caller's thread."""
+    """The sending end of one same-host connection: `send` writes a small transfer on the
+    caller's thread and hands a large one to the connection's writer thread, which keeps
+    the order ([Note: local hops])."""
 
     def __init__(self, path: Path, peer: str, token: str, timeout: float) -> None:
-        self.peer = peer
-        self._lock = threading.Lock()
+        self.peer, self._timeout = peer, timeout
+        self._cond = threading.Condition()
+        self._queue: deque[list[memoryview]] = deque()  # transfers the writer has to write
+        self._failed: str | None = None  # why the writer stopped
+        self._writer: threading.Thread | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(timeout)  # a peer that takes no data has failed
@@ -215,7 +266,9 @@ class HopSender:
 
     def send(self, transfer: tensor_pb2.Transfer, tensors: Mapping[str, torch.Tensor]
              ) -> None:
-        """Writes one transfer; returns when the socket took its last byte.
+        """Writes one transfer, or queues it for the writer thread if it is large or the
+        writer is still busy. The caller must not modify a sent tensor until `check`
+        returns ([Note: send buffers] in dataplane/grpc_transport.py).
 
         Raises:
             WorkerFailed: the peer refused an earlier transfer, went away, or took no
@@ -223,43 +276,95 @@ class HopSender:
         """
         transfer.tensor_count = len(tensors)
         msg = tensor_pb2.TensorChunk(transfer=transfer)
-        views = []
+        views, size = [], 0
         for name, tensor in tensors.items():
             dtype, shape, view = codec.raw_view(tensor)
             msg.headers.add(name=name, dtype=wire.dtype_enum(dtype), shape=shape,
                             nbytes=len(view))
             views.append(view)
-        with self._lock:
+            size += len(view)
+        buffers = [_frame(msg.SerializeToString()), *views]
+        with self._cond:
             self._check_refusal()
+            if size > INLINE_BYTES or self._queue:
+                self._queue.append(buffers)
+                self._start_writer()
+                return
             try:
-                _send_all(self._sock, [_frame(msg.SerializeToString()), *views])
+                _send_all(self._sock, buffers)
             except OSError as error:
                 self._check_refusal()
                 raise WorkerFailed(f"{self.peer} failed to receive: {error}") from None
 
+    def _start_writer(self) -> None:
+        """Wakes the writer thread (starting it on the first large transfer); holds
+        `_cond`."""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="hop-write", daemon=True)
+            self._writer.start()
+        self._cond.notify_all()
+
+    def _write(self) -> None:
+        """The writer thread: writes queued transfers in order until the connection closes
+        or a write fails (then `check` and `send` raise)."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue) or self._sock.fileno() < 0)
+                if self._sock.fileno() < 0:
+                    return
+                buffers = self._queue[0]  # stays queued until written: `check` waits for it
+            try:
+                _send_all(self._sock, buffers)
+            except OSError as error:
+                with self._cond:
+                    self._failed = str(error)
+                    self._queue.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._queue.popleft()
+                self._cond.notify_all()
+
     def check(self) -> None:
-        """Raises WorkerFailed if the peer refused a transfer (its error frame waits)."""
-        with self._lock:
+        """Waits until the writer thread wrote every queued transfer; raises WorkerFailed
+        if the peer refused a transfer (its error frame waits), a write failed, or the
+        peer took no data within the timeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._queue, self._timeout):
+                self._end()
+                raise WorkerFailed(f"{self.peer} took no data for {self._timeout:.0f} s")
             self._check_refusal()
 
     def _check_refusal(self) -> None:
         if self._sock.fileno() < 0:
             raise WorkerFailed(f"{self.peer}: the hop connection is closed")
         readable, _, _ = select.select([self._sock], [], [], 0)
-        if not readable:
+        if not readable and self._failed is None:
             return
         try:
-            frame = _Incoming(self._sock).frame()
+            frame = _Incoming(self._sock).frame() if readable else None
         except (OSError, CodecError):
             frame = None
-        detail = frame.decode(errors="replace") if frame else "connection closed"
-        self._sock.close()
+        detail = (frame.decode(errors="replace") if frame
+                  else self._failed or "connection closed")
+        self._end()
         raise WorkerFailed(f"{self.peer} failed to receive: {detail}")
 
     def close(self) -> None:
-        """Ends the connection after what was sent (the reader sees a clean end)."""
-        with self._lock:
-            self._sock.close()
+        """Ends the connection (the reader sees a clean end after what was written; a
+        transfer still queued after a failed step is dropped)."""
+        with self._cond:
+            self._end()
+
+    def _end(self) -> None:
+        """Closes the socket and wakes the writer; holds `_cond`."""
+        if self._queue:  # the writer may be blocked in a write: wake it
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._sock.close()
+        self._cond.notify_all()
 
 
 class HopListener:
@@ -341,11 +446,9 @@ class HopListener:
                              f"(at most {wire.MAX_TENSORS})")
         limit, tensors = self._limit(), {}
         for header in msg.headers:
-            tensor = wire.empty_tensor(header, limit)  # validated before allocation
+            tensor = _read_tensor(incoming, header, limit)
             if header.name in tensors:
                 raise CodecError(f"tensor {header.name!r} sent twice")
-            if not incoming.read_into(wire.byte_view(tensor)):
-                raise ConnectionError(f"the peer closed before tensor {header.name!r}")
             tensors[header.name] = tensor
         self._deliver(msg.transfer, tensors)
         return True

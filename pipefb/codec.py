@@ -36,6 +36,8 @@ ITEMSIZE: dict[str, int] = {
     name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()
 }
 
+_NUMPY_DTYPES = frozenset(DTYPES.values()) - {torch.bfloat16}  # those numpy can view
+
 MAX_RANK = 8  # deepest tensor any pipefb layer exchanges; more is hostile or a bug
 CHUNK_BYTES = 1 << 20  # largest data chunk in one gRPC message (1 MiB)
 DEFAULT_MAX_BYTES = 1 << 31  # 2 GiB: the largest single tensor a peer may make us allocate
@@ -68,6 +70,11 @@ def raw_view(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
     name = NAMES.get(tensor.dtype)
     if name is None:
         raise CodecError(f"dtype {tensor.dtype} is not allowed on the wire")
+    if (tensor.is_cpu and not tensor.requires_grad and tensor.dtype in _NUMPY_DTYPES
+            and tensor.is_contiguous() and tensor.numel()):
+        # one call where the general path below makes five: a hop sends on the compute
+        # thread, and each torch call after a wake-up costs it microseconds
+        return name, tuple(tensor.shape), tensor.numpy().data.cast("B")
     flat = tensor.detach().to("cpu").reshape(-1)
     if flat.stride() != (1,):  # size-1 dims can leave a stride torch calls contiguous
         flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)

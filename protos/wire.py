@@ -84,8 +84,9 @@ class _Pending:
     filled: int = 0
 
 
-def empty_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> torch.Tensor:
-    """The tensor `header` announces, allocated after its header is validated.
+def check_tensor_header(header: tensor_pb2.TensorHeader, max_bytes: int
+                        ) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """The dtype, shape and byte count a tensor header announces, once validated.
 
     Raises:
         CodecError: an unknown dtype, a bad shape, a size over `max_bytes`, a byte count
@@ -99,7 +100,25 @@ def empty_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> torch.Tenso
             f"tensor {header.name!r} declares {header.nbytes} bytes, its shape {nbytes}")
     if not header.name:
         raise CodecError("tensor header without a name")
-    return torch.empty(shape, dtype=codec.DTYPES[dtype])
+    return codec.DTYPES[dtype], shape, nbytes
+
+
+def empty_tensor(header: tensor_pb2.TensorHeader, max_bytes: int) -> torch.Tensor:
+    """The tensor `header` announces, allocated after its header is validated.
+
+    Raises:
+        CodecError: as `check_tensor_header`.
+    """
+    dtype, shape, _ = check_tensor_header(header, max_bytes)
+    return torch.empty(shape, dtype=dtype)
+
+
+def tensor_on(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor viewing `data` (no copy), whose length `check_tensor_header` gave for
+    `dtype` and `shape`."""
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +107,57 @@ def test_tensors_arrive_bit_for_bit_in_order(listener: tuple[HopListener, Receiv
         for name, tensor in TENSORS.items():
             assert tensors[name].dtype == tensor.dtype and tensors[name].shape == tensor.shape
             assert torch.equal(tensors[name], tensor), name
+
+
+@pytest.fixture()
+def held(hop_dir: Path) -> Iterator[tuple[HopListener, Received, int, threading.Event]]:
+    """A listener whose delivery waits for the event: its reader takes nothing more."""
+    got: Received = []
+    gate, port = threading.Event(), free_port()
+
+    def deliver(transfer: tensor_pb2.Transfer, tensors: dict[str, torch.Tensor]) -> None:
+        gate.wait(30)
+        got.append((transfer, tensors))
+
+    hops = HopListener.serve(port, deliver, lambda: 64 << 20)
+    yield hops, got, port, gate
+    gate.set()
+    hops.close()
+
+
+def test_a_large_transfer_leaves_the_callers_thread_and_keeps_its_place(
+        held: tuple[HopListener, Received, int, threading.Event]) -> None:
+    _, got, port, gate = held
+    path = socket_path(f"127.0.0.1:{port}")
+    assert path is not None
+    sender = HopSender(path, "peer", "", 30)
+    small, big = torch.arange(4.0), torch.randn(4 << 20)  # 16 MiB: more than the socket holds
+    sender.send(tensor_pb2.Transfer(job_id="j", step=0, kind="RECV_F"), {"x": small})
+    sender.send(tensor_pb2.Transfer(job_id="j", step=1, kind="RECV_F"), {"x": big})
+    sender.send(tensor_pb2.Transfer(job_id="j", step=2, kind="RECV_F"), {"x": small})
+    assert got == [] and not gate.is_set()  # the sends returned with the receiver stalled
+    gate.set()
+    sender.check()  # returns once the writer wrote everything
+    wait_for(lambda: len(got) == 3)
+    sender.close()
+    assert [t.step for t, _ in got] == [0, 1, 2]
+    assert torch.equal(got[1][1]["x"], big) and torch.equal(got[2][1]["x"], small)
+
+
+def test_a_peer_that_takes_no_data_fails_the_check(
+        held: tuple[HopListener, Received, int, threading.Event]) -> None:
+    _, _, port, _ = held
+    path = socket_path(f"127.0.0.1:{port}")
+    assert path is not None
+    sender = HopSender(path, "peer", "", 1)
+    sender.send(tensor_pb2.Transfer(job_id="j", step=0, kind="RECV_F"), {"x": torch.ones(1)})
+    sender.send(tensor_pb2.Transfer(job_id="j", step=1, kind="RECV_F"),
+                {"x": torch.randn(4 << 20)})
+    with pytest.raises(WorkerFailed, match="peer"):
+        sender.check()
+    with pytest.raises(WorkerFailed, match="closed"):
+        sender.send(tensor_pb2.Transfer(job_id="j", step=2, kind="RECV_F"), {"x": torch.ones(1)})
+    sender.close()
 
 
 def test_oversized_and_malformed_frames_are_refused_before_allocation(
