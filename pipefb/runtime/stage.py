@@ -136,7 +136,7 @@ class StageRuntime:
         self.state.summed_apart = {id(p) for p in self.tied.owned_copies()}
         self.exchange = Exchange(
             self.transport, self.place, self.flight, self.state, self.device, self.job.steps,
-            self.plan.mode == "sync", self._stored_layers(self.fwd_layers),
+            self._stored_layers(self.fwd_layers),
             {i: self.runner.stash_names(i) for i in self._stored_layers(self.bwd_layers)})
         forward_params = {k: spec_of(p) for k, p in
                           self.state.named_params(self.fwd_layers).items()}
@@ -223,6 +223,14 @@ class StageRuntime:
         self.clock.start_action()
         if action.kind is Kind.STASH:
             self.exchange.skip_if_back_to_back(todo, index)
+        if action.kind is Kind.F and self.role == "forward" and self.exchange.install_version(
+                self.place.split_version(at, microbatch(action))):
+            # [Note: micro-batch staleness]: a later micro-batch may run one version newer;
+            # the wait for it is timed as a RECV_W of its own, not as the F's compute
+            elapsed = time.perf_counter() - started
+            it.record(str(Action(action.stage, Kind.RECV_W)), Kind.RECV_W,
+                      wall, elapsed)
+            wall, started = wall + elapsed, started + elapsed
         self._handlers[action.kind](action, at, it)
         if action.kind in COMPUTE:
             self.device_memory.synchronize()  # time the kernels, not their launch
@@ -304,8 +312,6 @@ class StageRuntime:
         m = microbatch(action)
         if step > it.step:  # a lead forward of the next step ([Note: boundary buffers])
             self.state.keep_boundary_buffers(step)
-        if self.role == "forward":  # [Note: micro-batch staleness]: a later micro-batch
-            self.exchange.install_version(self.place.split_version(step, m))  # may run newer
         x, targets = self._stage_input(action.stage, m, step)
         self.renorms.before_forward(step, m, owner=self.role == "combined")
         for i in self.fwd_layers:
@@ -335,7 +341,8 @@ class StageRuntime:
 
         [Note: input grads first] The previous stage waits for this stage's input
         gradient, never for its weight gradients. So a rank of backward stage s > 0 (sync
-        modes) runs each layer's input-grad half first (`LayerSplit.backward_input`; the
+        modes, and backward-only ranks in async mode too) runs each layer's input-grad half
+        first (`LayerSplit.backward_input`; the
         halves give bit for bit the whole backward's grads), sends the gradient at once
         (its SEND_B then finds it gone), and lets the weight-grad halves of up to s
         micro-batches wait: each B then runs the halves of the oldest beyond s, and the

@@ -173,10 +173,12 @@ class RankState:
             if p.grad is not None and id(p) in self.summed_apart:
                 reducer.sum_([p.grad])
 
-    def prepare(self) -> None:
-        """Derives now what the owned layers' next backwards need from the current weights."""
-        for i in self.bwd_layers:
-            self.execs[i].prepare()
+    def prepare(self, versions: Iterable[int]) -> None:
+        """Derives now what the owned layers' next backwards need from weight `versions`
+        (the live one or kept ones)."""
+        for version in sorted(set(versions)):
+            for i in self.bwd_layers:
+                self.execs[i].prepare(self.params(version, i))
 
     def install(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Copies a pushed weight version (`{layer}.{param}` names) into the forward layers."""
