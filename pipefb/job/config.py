@@ -196,8 +196,8 @@ class JobConfig:
         by default (0) 1 on one pipeline group and all of them on several.
 
         One is the default because it keeps async training's held-out loss within 3% of
-        sync's on the demo where all of them (PipeDream-2BW's rule) ends 14% above it, and
-        it runs at least as fast as sync (docs/benchmarks.md, "Asynchronous
+        sync's on the demo, where all of them (PipeDream-2BW's rule) ends 14% above it,
+        and its forwards wait no longer than sync's (docs/benchmarks.md, "Asynchronous
         convergence"). Several groups run PipeDream-2BW's rule (`_check_staleness_
         microbatches`)."""
         if self.staleness_microbatches:
