@@ -110,13 +110,16 @@ def test_cadence_and_job_validation() -> None:
     with pytest.raises(ConfigError, match="resume needs the checkpoint directory"):
         JobConfig(schedule="1f1b", resume=True)
     assert JobConfig(schedule="1f1b", resume=True, job_id="j").checkpoint_dir == ""
-    with pytest.raises(ConfigError, match="resume runs sync jobs only"):
-        JobConfig(schedule="pipedream", resume=True, checkpoint_dir="c")
+    with pytest.raises(ConfigError, match=r"^resume runs sync jobs and pipedream only; this "
+                                          "one is 'pipefb' in mode 'async'"):
+        JobConfig(schedule="pipefb", mode="async", resume=True, checkpoint_dir="c")
+    assert JobConfig(schedule="pipedream", resume=True, checkpoint_dir="c").resume
 
 
-# (schedule, workers, groups): combined ranks, and split ranks whose forward workers load
-# their layers from the backward workers' files, in two groups.
-RESUMES = [("1f1b", 4, 1), ("pipefb", 4, 2)]
+# (schedule, workers, groups): combined ranks, split ranks whose forward workers load
+# their layers from the backward workers' files, in two groups, and PipeDream, whose
+# files hold the version step 3's warm-up forwards ran on ([Note: resumed leads]).
+RESUMES = [("1f1b", 4, 1), ("pipefb", 4, 2), ("pipedream", 4, 1)]
 
 
 @pytest.mark.parametrize(("schedule", "workers", "groups"), RESUMES)

@@ -269,9 +269,10 @@ class JobConfig:
             raise ConfigError("resume needs the checkpoint directory of the job it resumes "
                               "(--checkpoint-dir), or that job's --job-id (a job's own "
                               "directory is checkpoints/JOB_ID)")
-        if self.resume and self.mode != "sync":
-            raise ConfigError(f"resume runs sync jobs only; this one is {self.mode!r} (async "
-                              "schedules keep old weight versions a checkpoint does not hold)")
+        if self.resume and self.mode != "sync" and self.schedule != "pipedream":
+            raise ConfigError(f"resume runs sync jobs and pipedream only; this one is "
+                              f"{self.schedule!r} in mode {self.mode!r} (its forward ranks "
+                              "run on old weight versions a checkpoint does not hold)")
 
     def _check_groups(self) -> None:
         """Each of `groups` pipelines takes an equal share of the workers and micro-batches."""

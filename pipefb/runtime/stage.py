@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from pipefb.errors import ConfigError
 from pipefb.job.config import JobConfig, build_layers, job_device
 from pipefb.job.precision import autocast
 from pipefb.job.shapes import TensorSpec, output_spec, spec_of, writes_its_input
@@ -84,6 +85,10 @@ class StageRuntime:
         self.device_memory = DeviceMemory(self.device)
         self.clock = LayerClock(job, rank, self.device_memory)
         self.flight = InFlight()
+        self.start = 0  # the step the run starts at: a resumed job's checkpoint step
+        # (stage, micro-batch) of the forwards this rank runs ahead of the step boundary
+        self.lead_forwards = {(a.stage, a.microbatch) for a in self.actions
+                              if a.lead and a.kind is Kind.F}
         self._build()
         self.memory = MemoryAccount()
         # the action that counts a micro-batch's samples: each is counted once per rank
@@ -211,7 +216,7 @@ class StageRuntime:
         self.clock.start_step()
         self.memory.reset_peak()
         self.device_memory.reset_peak()
-        todo = iteration(self.actions, step, self.job.steps)
+        todo = iteration(self.actions, step, self.job.steps, self.start)
         for index in range(len(todo)):
             self._run_action(todo, index, it)
         return self._result(it, self.transport.flush())
@@ -312,11 +317,12 @@ class StageRuntime:
         m = microbatch(action)
         if step > it.step:  # a lead forward of the next step ([Note: boundary buffers])
             self.state.keep_boundary_buffers(step)
+        version = self._forward_weights(action.stage, step, m)
         x, targets = self._stage_input(action.stage, m, step)
         self.renorms.before_forward(step, m, owner=self.role == "combined")
         for i in self.fwd_layers:
             inputs = [x, targets] if i == self.n_layers - 1 and targets is not None else [x]
-            x, saved = self.runner.forward(i, step, m, inputs, None)
+            x, saved = self.runner.forward(i, step, m, inputs, self.state.params(version, i))
             kept = self.runner.kept(i, inputs, saved)
             if kept:
                 self.flight.saved[(step, m, i)] = kept
@@ -325,8 +331,24 @@ class StageRuntime:
         if action.stage in self.place.sent_outputs:
             self.flight.outputs[(step, action.stage, m)] = x
         if self.role == "combined":
-            self.flight.forward_version[(step, action.stage, m)] = self.state.version
-        it.versions.append((str(action.base), step, self.state.version))
+            self.flight.forward_version[(step, action.stage, m)] = version
+        it.versions.append((str(action.base), step, version))
+
+    def _forward_weights(self, stage: int, step: int, m: int) -> int:
+        """The weight version of the forward of (step, m): the live one, except for a
+        resumed job's lead forwards of its first step N, which the uninterrupted job ran
+        before step N - 1's OPT, on version N - 1 ([Note: resumed leads] in
+        pipefb.runtime.state).
+
+        Raises:
+            ConfigError: the checkpoint held no copy of version N - 1.
+        """
+        if not (step == self.start > 0 and (stage, m) in self.lead_forwards):
+            return self.state.version
+        if step - 1 not in self.state.versions.versions():
+            raise ConfigError(f"the checkpoint of step {step} holds no copy of weight version "
+                              f"{step - 1}, which step {step}'s warm-up forwards run on")
+        return step - 1
 
     def _stage_input(self, stage: int, m: int, step: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -441,7 +463,13 @@ class StageRuntime:
     def _versions_needed_after(self, step: int) -> set[int]:
         """Weight versions some backward after step `step`'s OPT will still use."""
         if self.role == "combined":
-            return set(self.flight.forward_version.values())
+            needed = set(self.flight.forward_version.values())
+            if (self.lead_forwards and step == self.job.steps - 1
+                    and due(step, self.job.checkpoint_every, self.job.steps)):
+                # [Note: resumed leads]: the job's last checkpoint keeps the version a
+                # longer job resumed from it runs the next step's lead forwards on
+                needed.add(self.state.version)
+            return needed
         lag, last = self.plan.staleness, self.place.microbatches - 1
         return {self.place.split_version(t, m) for m in (0, last)
                 for t in range(step + 1, min(self.job.steps, step + lag + 1))}
@@ -495,11 +523,13 @@ class StageRuntime:
     def restore(self, files: Mapping[int, Path], step: int) -> None:
         """Resumes at `step` from a checkpoint's rank files (`RankState.restore`)."""
         self.state.restore(files, step)
+        self.start = step
         self._account()
 
     def restore_parts(self, parts: Sequence[Part], step: int, source: str) -> None:
         """Resumes at `step` from parts of the job's state (`RankState.restore_parts`)."""
         self.state.restore_parts(parts, step, source)
+        self.start = step
         self._account()
 
     def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:
