@@ -364,8 +364,8 @@ class StageRuntime:
         [Note: input grads first] The previous stage waits for this stage's input
         gradient, never for its weight gradients. So a rank of backward stage s > 0 (sync
         modes, and backward-only ranks in async mode too) runs each layer's input-grad half
-        first (`LayerSplit.backward_input`; the
-        halves give bit for bit the whole backward's grads), sends the gradient at once
+        first (`LayerSplit.backward_input`; the halves give bit for bit the whole
+        backward's grads), sends the gradient at once
         (its SEND_B then finds it gone), and lets the weight-grad halves of up to s
         micro-batches wait: each B then runs the halves of the oldest beyond s, and the
         rank's last B of a step runs every one left, before OPT. The previous stage gets
