@@ -8,9 +8,9 @@ micro-batches, AdamW) for `--steps` steps at each `--lrs` learning rate as:
   step t's gradient at weights t - 1, applied to the newest), which async PipeFB equals;
 - `single-2bw-k1`: one process, the micro-batch-granular rule: only each step's first
   micro-batch at weights t - 1, the other three at t (`staleness_microbatches` 1);
-- `pipefb-sync`, `pipefb-async` (staleness 1), `pipefb-async-k1` (staleness 1,
-  `staleness_microbatches` 1), `pipedream`: the pipelines on a local cluster of
-  `--workers` workers.
+- `pipefb-sync`, `pipefb-async` (staleness 1, `staleness_microbatches` 4: PipeDream-2BW's
+  rule), `pipefb-async-k1` (staleness 1 and the default `staleness_microbatches`, 1 on one
+  pipeline group), `pipedream`: the pipelines on a local cluster of `--workers` workers.
 
 It records each run's training losses, its held-out loss every `--eval-every` steps and at
 the end, and plots the curves. Then it times pipefb sync, async and async-k1 against each
@@ -47,13 +47,13 @@ DEMO: dict[str, Any] = {  # scripts/demo.sh's job
     "microbatches": 4, "optimizer": "adamw", "seed": 0}
 PIPELINES: dict[str, dict[str, Any]] = {
     "pipefb-sync": {"schedule": "pipefb", "mode": "sync"},
-    "pipefb-async": {"schedule": "pipefb", "mode": "async", "staleness": 1},
-    "pipefb-async-k1": {"schedule": "pipefb", "mode": "async", "staleness": 1,
-                        "staleness_microbatches": 1},
+    "pipefb-async": {"schedule": "pipefb", "mode": "async", "staleness": 1,
+                     "staleness_microbatches": 4},
+    "pipefb-async-k1": {"schedule": "pipefb", "mode": "async", "staleness": 1},  # default K
     "pipedream": {"schedule": "pipedream", "mode": "async"},
 }
 SINGLES: dict[str, tuple[int, int]] = {  # name: (staleness, staleness_microbatches)
-    "single": (0, 0), "single-2bw": (1, 0), "single-2bw-k1": (1, 1)}
+    "single": (0, 0), "single-2bw": (1, 4), "single-2bw-k1": (1, 1)}
 SYSTEMS = (*SINGLES, *PIPELINES)
 TIMED = ("pipefb-sync", "pipefb-async", "pipefb-async-k1")  # the speed comparison
 WARMUP = 5  # steps of each timed run left out of its median

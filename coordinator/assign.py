@@ -51,7 +51,7 @@ def balanced(job: Job) -> Plan:
     cfg = job.config
     return balanced_plan(cfg.schedule, cfg.workers, job.layer_costs, cfg.batch_size,
                          cfg.microbatches, layer_policies(cfg, len(job.layer_costs)),
-                         cfg.mode, cfg.staleness, cfg.groups)
+                         cfg.mode, cfg.staleness, cfg.groups, cfg.stale_microbatches())
 
 
 def auto_plan(job: Job, ranks: Ranks, profiles: ProfileCache, cluster: Cluster | None

@@ -75,6 +75,7 @@ def plan_to_proto(plan: Plan) -> job_pb2.Plan:
                                              stage=a.stage) for a in plan.assignment],
         predicted_step_seconds=plan.predicted_step_seconds, mode=plan.mode,
         staleness=plan.staleness, predicted_peak_memory_bytes=plan.predicted_peak_memory_bytes,
+        stale_microbatches=plan.stale_microbatches,
     )
 
 
@@ -91,6 +92,7 @@ def plan_from_proto(msg: job_pb2.Plan) -> Plan:
         predicted_step_seconds=msg.predicted_step_seconds, mode=msg.mode or "sync",
         staleness=msg.staleness,
         predicted_peak_memory_bytes=tuple(msg.predicted_peak_memory_bytes),
+        stale_microbatches=msg.stale_microbatches,
     )
 
 

@@ -101,7 +101,7 @@ class WorkerAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., group: _Optional[int] = ..., role: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("schedule", "microbatches", "microbatch_size", "forward_partition", "backward_partition", "policy", "groups", "assignment", "predicted_step_seconds", "mode", "staleness", "predicted_peak_memory_bytes")
+    __slots__ = ("schedule", "microbatches", "microbatch_size", "forward_partition", "backward_partition", "policy", "groups", "assignment", "predicted_step_seconds", "mode", "staleness", "predicted_peak_memory_bytes", "stale_microbatches")
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class Plan(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STALE_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     schedule: str
     microbatches: int
     microbatch_size: int
@@ -126,7 +127,8 @@ class Plan(_message.Message):
     mode: str
     staleness: int
     predicted_peak_memory_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, schedule: _Optional[str] = ..., microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., policy: _Optional[_Iterable[str]] = ..., groups: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[WorkerAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., predicted_peak_memory_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    stale_microbatches: int
+    def __init__(self, schedule: _Optional[str] = ..., microbatches: _Optional[int] = ..., microbatch_size: _Optional[int] = ..., forward_partition: _Optional[_Iterable[int]] = ..., backward_partition: _Optional[_Iterable[int]] = ..., policy: _Optional[_Iterable[str]] = ..., groups: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[WorkerAssignment, _Mapping]]] = ..., predicted_step_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., predicted_peak_memory_bytes: _Optional[_Iterable[int]] = ..., stale_microbatches: _Optional[int] = ...) -> None: ...
 
 class ExportWeightsRequest(_message.Message):
     __slots__ = ("job_id", "version")

@@ -67,16 +67,20 @@ def test_pipedream_backward_uses_the_version_of_its_forward(client: Any, cluster
     assert_store_and_versions_empty(cluster, reports)
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize(("staleness", "k"), [(1, 4), (2, 4), (1, 0)])
 def test_async_pipefb_lags_at_most_staleness_versions(client: Any, cluster: Any,
-                                                      staleness: int) -> None:
-    job = make_job("gpt", "pipefb", 4, "adamw", mode="async", staleness=staleness, steps=5)
+                                                      staleness: int, k: int) -> None:
+    """K = 4: every forward of step t on version t - S; K = 0, the default (1 on one
+    group): micro-batch 0 on t - S, the others on t - S + 1."""
+    job = make_job("gpt", "pipefb", 4, "adamw", mode="async", staleness=staleness, steps=5,
+                   staleness_microbatches=k)
     reports, _ = run_on_cluster(client, job)
     tags = version_tags(reports)
     assert sorted(tags) == [(t, m) for t in range(5) for m in range(4)]
     for (step, m), ran in tags.items():
         versions = {v for _, _, v in ran}
-        assert versions == {max(0, step - staleness)}, (step, m, ran)  # F and B agree
+        want = max(0, step - staleness + (k == 0 and m >= 1))
+        assert versions == {want}, (step, m, ran)  # F and B agree
         assert {kind for kind, _, _ in ran} == {"F", "B"}
     kept = max(len(w.kept_versions) for r in reports for w in r.workers)
     assert kept == staleness  # a backward rank keeps the S versions still referenced

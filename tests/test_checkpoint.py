@@ -110,13 +110,16 @@ def test_cadence_and_job_validation() -> None:
     with pytest.raises(ConfigError, match="resume needs the checkpoint directory"):
         JobConfig(schedule="1f1b", resume=True)
     assert JobConfig(schedule="1f1b", resume=True, job_id="j").checkpoint_dir == ""
-    with pytest.raises(ConfigError, match="resume runs sync jobs only"):
-        JobConfig(schedule="pipedream", resume=True, checkpoint_dir="c")
+    with pytest.raises(ConfigError, match=r"^resume runs sync jobs and pipedream only; this "
+                                          "one is 'pipefb' in mode 'async'"):
+        JobConfig(schedule="pipefb", mode="async", resume=True, checkpoint_dir="c")
+    assert JobConfig(schedule="pipedream", resume=True, checkpoint_dir="c").resume
 
 
-# (schedule, workers, groups): combined ranks, and split ranks whose forward workers load
-# their layers from the backward workers' files, in two groups.
-RESUMES = [("1f1b", 4, 1), ("pipefb", 4, 2)]
+# (schedule, workers, groups): combined ranks, split ranks whose forward workers load
+# their layers from the backward workers' files, in two groups, and PipeDream, whose
+# files hold the version step 3's warm-up forwards ran on ([Note: resumed leads]).
+RESUMES = [("1f1b", 4, 1), ("pipefb", 4, 2), ("pipedream", 4, 1)]
 
 
 @pytest.mark.parametrize(("schedule", "workers", "groups"), RESUMES)
@@ -143,6 +146,28 @@ def test_resumed_job_trains_exactly_what_the_uninterrupted_one_trains(
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
     assert committed(root)[0].step == 6
+
+
+def test_pipedream_resumed_mid_run_from_a_checkpoint_its_lead_forwards_passed(
+        client: Any, cluster: Any) -> None:
+    """The checkpoint of step 3 of a 6-step PipeDream job is written after step 3's lead
+    forwards ran on version 2 ([Note: resumed leads]): its files hold that version, and
+    the job resumed from it (the step-6 checkpoint removed) ends bit for bit where the
+    uninterrupted job ended."""
+    job = make_job("gpt", "pipedream", 3, "adamw", steps=6, checkpoint_every=3,
+                   checkpoint_dir="mid-pipedream")
+    whole, want = run_on_cluster(client, job)
+    root = cluster.checkpoint_root / job.checkpoint_dir
+    assert any(n.startswith("kept.2.layers.") for n in load_file(str(rank_file(root, 3, 0))))
+    for path in (root / "step-000006").iterdir():
+        path.unlink()
+    (root / "step-000006").rmdir()
+    rest, got = run_on_cluster(client, replace(job, resume=True))
+    assert [r.step for r in rest] == [3, 4, 5]
+    assert [r.loss for r in rest] == [r.loss for r in whole[3:]]  # bit for bit
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
 
 
 def test_resume_of_another_job_fails_naming_the_field(client: Any) -> None:

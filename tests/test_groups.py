@@ -93,7 +93,9 @@ def test_async_groups_keep_identical_weights(client: Any, cluster: Any, schedule
     assert_groups_identical(reports, checked=(1, 3, 4))
     if schedule == "pipefb":  # deterministic: equals one process with step k's gradient at k - S
         with worker_threads():
-            delayed = SingleProcess(replace(job, schedule="single", mode="sync", groups=1),
+            # one process runs the job's K: all micro-batches stale, as on several groups
+            delayed = SingleProcess(replace(job, schedule="single", mode="sync", groups=1,
+                                            staleness_microbatches=job.stale_microbatches()),
                                     job.staleness)
             want = [s.loss for s in delayed.run()]
             want_weights = delayed.weights()

@@ -101,7 +101,9 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
                    help="async pipefb: the forward of step k uses weight version k - S")
     p.add_argument("--staleness-microbatches", type=int, default=d.staleness_microbatches,
                    help="async pipefb: only the first K micro-batches of step k use version "
-                        "k - S, the rest wait for k - S + 1 (0: all, PipeDream-2BW's rule)")
+                        "k - S, the rest wait for k - S + 1 (K = --microbatches: all, "
+                        "PipeDream-2BW's rule; 0: the default, 1 with one pipeline group, "
+                        "all with several)")
     p.add_argument("--policy", default=d.policy,
                    help="activation policy: keep, offload, recompute, or a comma list with "
                         "one per layer (loss included); default keep, offload for pipefb")

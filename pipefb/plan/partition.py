@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from pipefb.errors import ConfigError
-from pipefb.plan.plan import Plan, WorkerAssignment, replicate
+from pipefb.plan.plan import Plan, WorkerAssignment, plan_stale_microbatches, replicate
 from pipefb.schedule.kinds import schedule_kind
 
 
@@ -153,13 +153,15 @@ def balanced_plan(
     mode: str = "sync",
     staleness: int = 0,
     groups: int = 1,
+    stale_microbatches: int = 0,
 ) -> Plan:
     """The placeholder planner: contiguous stages balanced by `layer_costs`.
 
     Combined kinds put stage r on rank r; split kinds (PipeFB) put the forward stages on
     the first ranks and the backward stages on the rest. `policy` (per layer) defaults to
     the kind's default policy; `staleness` counts only where the kind runs stale forwards
-    in async mode (`ScheduleKind.plan_staleness`). With `groups`
+    in async mode (`ScheduleKind.plan_staleness`), `stale_microbatches` (the job's K)
+    where they do and K is fewer than a group's micro-batches. With `groups`
     G > 1, group g is the same pipeline on ranks g*W .. (g+1)*W - 1 (W = workers / G),
     running `microbatches / G` of the step's micro-batches.
     """
@@ -169,7 +171,9 @@ def balanced_plan(
     one = _one_group_plan(schedule, workers // groups, layer_costs, batch_size, microbatches,
                           policy, mode, staleness)
     return replace(one, groups=groups, microbatches=microbatches // groups,
-                   assignment=replicate(one.assignment, groups))
+                   assignment=replicate(one.assignment, groups),
+                   stale_microbatches=plan_stale_microbatches(
+                       one.staleness, stale_microbatches, microbatches // groups))
 
 
 def _one_group_plan(schedule: str, workers: int, layer_costs: Sequence[float], batch_size: int,

@@ -36,6 +36,13 @@ class WorkerAssignment:
     group: int = 0  # pipeline group; 0 while there is one group
 
 
+def plan_stale_microbatches(staleness: int, stale_microbatches: int, microbatches: int) -> int:
+    """A plan's `stale_microbatches`: the job's K (`JobConfig.stale_microbatches`) where the
+    plan's forwards run stale (`staleness` > 0) and K leaves some of its `microbatches`
+    fresh, else 0 (all stale, or none)."""
+    return stale_microbatches if staleness and 0 < stale_microbatches < microbatches else 0
+
+
 @dataclass(frozen=True)
 class Plan:
     """The planner's output, plain data; every worker derives its actions from it."""
@@ -53,6 +60,9 @@ class Plan:
     mode: str = "sync"  # sync or async
     staleness: int = 0  # async pipefb: the forward of step k uses weight version k - staleness
     predicted_peak_memory_bytes: tuple[int, ...] = ()  # simulator's peak per rank; () if none
+    stale_microbatches: int = 0  # async pipefb: the step's first micro-batches whose forward
+    # uses version k - staleness, the rest wait for k - staleness + 1 ([Note: micro-batch
+    # staleness] in pipefb.runtime.place); 0: all of them
 
     def __post_init__(self) -> None:
         """Checks the plan's structure (a plan may come off the wire): what every worker
@@ -87,7 +97,8 @@ class Plan:
         for name, low, high in (("microbatches", 1, MAXIMA["microbatches"]),
                                 ("microbatch_size", 1, MAXIMA["batch_size"]),
                                 ("groups", 1, MAXIMA["workers"]),
-                                ("staleness", 0, MAX_STALENESS)):
+                                ("staleness", 0, MAX_STALENESS),
+                                ("stale_microbatches", 0, self.microbatches)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not (
                     low <= value <= high):

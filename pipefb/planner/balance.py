@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipefb.plan.partition import partitions
-from pipefb.plan.plan import Plan, WorkerAssignment
+from pipefb.plan.plan import Plan, WorkerAssignment, plan_stale_microbatches
 from pipefb.planner.candidates import SearchSpace
 from pipefb.schedule import schedule_kind
 from pipefb.sim.cluster import Cluster, Link, slowest_hop
@@ -111,7 +111,9 @@ class Balancer:
             fwd = bwd = self.split_partition(self.layer_times("combined", policy, ref), range(n),
                                              "combined")
             assignment = tuple(WorkerAssignment(r, "combined", r) for r in range(n))
+        staleness = spec.plan_staleness(mode, self.space.staleness)
         return Plan(schedule=kind, microbatches=microbatches, microbatch_size=mb,
                     forward_partition=fwd, backward_partition=bwd, policy=tuple(policy),
-                    assignment=assignment, mode=mode,
-                    staleness=spec.plan_staleness(mode, self.space.staleness))
+                    assignment=assignment, mode=mode, staleness=staleness,
+                    stale_microbatches=plan_stale_microbatches(
+                        staleness, self.space.stale_microbatches, microbatches))

@@ -25,6 +25,7 @@ class SearchSpace:
     cluster: Cluster
     batch_size: int
     staleness: int  # of the candidates of kinds that run stale forwards in async mode
+    stale_microbatches: int = 0  # the job's K (`JobConfig.stale_microbatches`); 0: all
 
 
 @dataclass(frozen=True)

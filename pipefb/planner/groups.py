@@ -130,12 +130,14 @@ def model_seconds(profile: Profile, cluster: Cluster, batch_size: int, groups: i
 
 def search_groups(profile: Profile, cluster: Cluster, batch_size: int, *,
                   schedules: Sequence[str] = KINDS, mode: str = "sync", staleness: int = 1,
+                  stale_microbatches: int = 0,
                   groups: Sequence[int] | None = None, exhaustive: bool = False
                   ) -> GroupSearch:
     """Picks the group count and each group's plan ([Note: training-time model]).
 
     Args:
-        profile, cluster, batch_size, schedules, mode, staleness: as `planner.search`.
+        profile, cluster, batch_size, schedules, mode, staleness, stale_microbatches: as
+            `planner.search`.
         groups: the group counts to consider (default: `group_counts`).
         exhaustive: search and simulate every count, not only the model's best ones.
 
@@ -156,7 +158,8 @@ def search_groups(profile: Profile, cluster: Cluster, batch_size: int, *,
     notes: dict[int, str] = {}
     for g in chosen:
         try:
-            searched[g] = _search_one(profile, cluster, batch_size, g, modelled[g], options)
+            searched[g] = _search_one(profile, cluster, batch_size, g, modelled[g],
+                                      {**options, "stale_microbatches": stale_microbatches})
         except (ConfigError, ScheduleError) as error:
             notes[g] = f"refused: {error}"
     if not searched:

@@ -52,7 +52,8 @@ def plan_job(job: JobConfig, profile: Profile, cluster: Cluster) -> GroupSearch:
     (groups 0) every count the training-time model ranks best (`pipefb.planner.groups`)."""
     return search_groups(profile, cluster, job.batch_size, schedules=job_schedules(job),
                          mode=job.mode, staleness=job.staleness,
-                         groups=[job.groups] if job.groups else None)
+                         groups=[job.groups] if job.groups else None,
+                         stale_microbatches=job.stale_microbatches())
 
 
 def summary(result: GroupSearch) -> dict[str, Any]:

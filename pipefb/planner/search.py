@@ -241,7 +241,8 @@ def _gb(nbytes: float) -> str:
 
 def search(profile: Profile, cluster: Cluster, batch_size: int, *,
            schedules: Sequence[str] = KINDS, mode: str = "sync", staleness: int = 1,
-           microbatches: Sequence[int] | None = None) -> PlanSearch:
+           microbatches: Sequence[int] | None = None, stale_microbatches: int = 0
+           ) -> PlanSearch:
     """The best plan for `cluster` by simulated step time (see [Note: search]).
 
     Args:
@@ -252,6 +253,8 @@ def search(profile: Profile, cluster: Cluster, batch_size: int, *,
         mode: sync or async; kinds that cannot run in it are skipped.
         staleness: the staleness of async PipeFB candidates.
         microbatches: micro-batch counts to try (default: `microbatch_choices`).
+        stale_microbatches: the job's K: async PipeFB candidates run only their first K
+            forwards on the older version (`JobConfig.stale_microbatches`); 0: all.
 
     Returns:
         The best candidate, its simulation and every candidate with a note.
@@ -268,7 +271,8 @@ def search(profile: Profile, cluster: Cluster, batch_size: int, *,
     if bad:
         raise ConfigError(f"micro-batch count {bad[0]} does not divide batch size {batch_size}")
     with _collector_paused():
-        return _search(_Planner(SearchSpace(profile, cluster, batch_size, staleness)),
+        return _search(_Planner(SearchSpace(profile, cluster, batch_size, staleness,
+                                            stale_microbatches)),
                        kinds_in_mode(schedules, mode), counts)
 
 

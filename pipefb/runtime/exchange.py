@@ -20,10 +20,10 @@ class Exchange:
     """Moves one rank's tensors through its `Transport`, from and into its `InFlight`."""
 
     def __init__(self, transport: Transport, place: RankPlace, flight: InFlight,
-                 state: RankState, device: torch.device, steps: int, sync: bool,
+                 state: RankState, device: torch.device, steps: int,
                  stash_layers: Sequence[int], fetch_names: Mapping[int, list[str]]) -> None:
         self.transport, self.place, self.flight, self.state = transport, place, flight, state
-        self.device, self.steps, self.sync = device, steps, sync
+        self.device, self.steps = device, steps
         self.stash_layers = stash_layers  # layers whose saved tensors STASH puts in the store
         self.fetch_names = fetch_names  # layer -> names of the saved tensors FETCH takes
         self.back_to_back: set[tuple[int, int]] = set()  # [Note: back-to-back stash]
@@ -136,22 +136,25 @@ class Exchange:
                 continue  # those layers hold no parameters: their forward never waits for one
             self.transport.push_weights(topology.forward_workers[fwd_stage],
                                         self.state.version, tensors)
-        if self.sync:  # the next backward runs with these weights: derive now, while the
-            self.state.prepare()  # forward ranks compute its stash
+        if step + 1 < self.steps:  # derive the next step's backward versions (the live one;
+            # async: kept ones too) now, while the forward ranks compute its stash
+            last = self.place.microbatches - 1
+            self.state.prepare({self.place.split_version(step + 1, m) for m in (0, last)})
 
     def recv_weights(self, action: Action, step: int, it: Iteration) -> None:
         """Installs the version step `step`'s first forward uses: step - staleness (at
         least 0)."""
         self.install_version(self.place.split_version(step))
 
-    def install_version(self, version: int) -> None:
+    def install_version(self, version: int) -> bool:
         """Waits for weight `version` and installs it, unless it is installed already
         (later micro-batches of a step may run one version newer: [Note: micro-batch
-        staleness] in pipefb.runtime.place)."""
+        staleness] in pipefb.runtime.place); returns whether it installed one."""
         if version <= self.state.version:
-            return  # version 0: initial weights, identical everywhere by construction
+            return False  # version 0: initial weights, identical everywhere by construction
         names = self.state.param_names(self.place.fwd_layers)
         self.state.install(version, self.transport.wait_weights(version, names))
+        return True
 
     def pending_weights(self, step: int) -> dict[str, torch.Tensor]:
         """A forward rank's weights of the version step `step` uses, `layers.i.p`: the

@@ -83,8 +83,9 @@ class LayerExec(Protocol):
         """Drops anything derived from the weights (called after every in-place update)."""
         ...
 
-    def prepare(self) -> None:
-        """Derives ahead what the backward needs from the current weights alone."""
+    def prepare(self, params: Params = None) -> None:
+        """Derives ahead what the backward needs from weight version `params` alone
+        (default the live one)."""
         ...
 
 
@@ -134,7 +135,7 @@ class AutogradExec:
     def weights_changed(self) -> None:
         """Autograd derives nothing ahead of time."""
 
-    def prepare(self) -> None:
+    def prepare(self, params: Params = None) -> None:
         """Nothing to derive: autograd's backward reads the weights themselves."""
 
 
@@ -175,7 +176,7 @@ class NoGradExec:
     def weights_changed(self) -> None:
         """Nothing is derived from the weights."""
 
-    def prepare(self) -> None:
+    def prepare(self, params: Params = None) -> None:
         """Nothing to derive."""
 
 
@@ -215,9 +216,10 @@ class SplitExec:
         """Forgets the weight-derived tensors of the old version."""
         self.split.weights_changed()
 
-    def prepare(self) -> None:
-        """Derives the current version's weight-derived tensors now."""
-        self.split.derive()
+    def prepare(self, params: Params = None) -> None:
+        """Derives the weight-derived tensors of version `params` (default the live one)
+        now."""
+        self.split.derive(params)
 
     def _accumulate(self, param_grads: list[torch.Tensor]) -> None:
         with torch.no_grad():

@@ -424,11 +424,11 @@ class LayerSplit:
         if bound is not None and tensor.numel() and (tensor.min() < 0 or tensor.max() >= bound):
             raise StashError(f"stash {name!r} holds indices outside [0, {bound})")
 
-    def derive(self) -> None:
-        """Derives the current weights' weight-only saved tensors now, so that the next
-        `backward` with the current weights finds them (a backward rank calls this while
-        it waits for the next step's stash)."""
-        self._derived(self._params(None), self._buffers())
+    def derive(self, params: Sequence[torch.Tensor] | None = None) -> None:
+        """Derives the weight-only saved tensors of weight version `params` (default the
+        current weights) now, so that the next `backward` with them finds them (a backward
+        rank calls this while it waits for the next step's stash)."""
+        self._derived(self._params(params), self._buffers())
 
     def weights_changed(self) -> None:
         """Forgets every derived tensor: call after updating weights in place.

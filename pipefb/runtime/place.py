@@ -63,7 +63,9 @@ class RankPlace:
         the newest (which the backward ranks make once step k - 1's backwards end), keeps
         the overlap where it is: those first forwards run while the previous step drains,
         as PipeDream's own warm-up forwards do. K = all micro-batches is PipeDream-2BW's
-        rule; the one-process reference (`SingleProcess`) runs the same versions.
+        rule; the default is K = 1 on one pipeline group (`JobConfig.stale_microbatches`).
+        The one-process reference (`SingleProcess`) runs the same versions, and the
+        simulator the same waits (`pipefb.schedule.deps`).
         """
         fresh = self.staleness > 0 and m >= self.stale_microbatches
         return max(0, step - self.staleness + fresh)
@@ -109,7 +111,7 @@ def place(plan: Plan, rank: int, stale_microbatches: int = 0) -> RankPlace:
         stale_microbatches=stale_microbatches or plan.microbatches,
         microbatches=plan.microbatches,
         sent_outputs=frozenset(a.stage for a in actions if a.kind in (Kind.SEND_F, Kind.SEND_L)),
-        defer=bwd_stage if bwd_stage and plan.mode == "sync" else 0,
+        defer=bwd_stage if bwd_stage and (plan.mode == "sync" or fwd_stage is None) else 0,
         last_b=next((a.microbatch for a in reversed(actions) if a.kind is Kind.B), None),
     )
 

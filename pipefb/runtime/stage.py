@@ -18,7 +18,7 @@ from typing import cast
 
 import torch
 
-from pipefb.errors import Aborted
+from pipefb.errors import Aborted, ConfigError
 from pipefb.job.config import JobConfig, build_layers, job_device
 from pipefb.job.precision import autocast
 from pipefb.job.shapes import TensorSpec, output_spec, spec_of, writes_its_input
@@ -88,6 +88,10 @@ class StageRuntime:
         self.clock = LayerClock(job, rank, self.device_memory)
         self.stopped: str | None = None  # why the host stopped this rank's steps (`stop`)
         self.flight = InFlight()
+        self.start = 0  # the step the run starts at: a resumed job's checkpoint step
+        # (stage, micro-batch) of the forwards this rank runs ahead of the step boundary
+        self.lead_forwards = {(a.stage, a.microbatch) for a in self.actions
+                              if a.lead and a.kind is Kind.F}
         self._build()
         self.memory = MemoryAccount()
         # the action that counts a micro-batch's samples: each is counted once per rank
@@ -140,7 +144,7 @@ class StageRuntime:
         self.state.summed_apart = {id(p) for p in self.tied.owned_copies()}
         self.exchange = Exchange(
             self.transport, self.place, self.flight, self.state, self.device, self.job.steps,
-            self.plan.mode == "sync", self._stored_layers(self.fwd_layers),
+            self._stored_layers(self.fwd_layers),
             {i: self.runner.stash_names(i) for i in self._stored_layers(self.bwd_layers)})
         forward_params = {k: spec_of(p) for k, p in
                           self.state.named_params(self.fwd_layers).items()}
@@ -215,7 +219,7 @@ class StageRuntime:
         self.clock.start_step()
         self.memory.reset_peak()
         self.device_memory.reset_peak()
-        todo = iteration(self.actions, step, self.job.steps)
+        todo = iteration(self.actions, step, self.job.steps, self.start)
         for index in range(len(todo)):
             if self.stopped is not None:  # between actions: one micro-batch's compute at most
                 raise Aborted(self.stopped)
@@ -235,6 +239,14 @@ class StageRuntime:
         self.clock.start_action()
         if action.kind is Kind.STASH:
             self.exchange.skip_if_back_to_back(todo, index)
+        if action.kind is Kind.F and self.role == "forward" and self.exchange.install_version(
+                self.place.split_version(at, microbatch(action))):
+            # [Note: micro-batch staleness]: a later micro-batch may run one version newer;
+            # the wait for it is timed as a RECV_W of its own, not as the F's compute
+            elapsed = time.perf_counter() - started
+            it.record(str(Action(action.stage, Kind.RECV_W)), Kind.RECV_W,
+                      wall, elapsed)
+            wall, started = wall + elapsed, started + elapsed
         self._handlers[action.kind](action, at, it)
         if action.kind in COMPUTE:
             self.device_memory.synchronize()  # time the kernels, not their launch
@@ -316,13 +328,12 @@ class StageRuntime:
         m = microbatch(action)
         if step > it.step:  # a lead forward of the next step ([Note: boundary buffers])
             self.state.keep_boundary_buffers(step)
-        if self.role == "forward":  # [Note: micro-batch staleness]: a later micro-batch
-            self.exchange.install_version(self.place.split_version(step, m))  # may run newer
+        version = self._forward_weights(action.stage, step, m)
         x, targets = self._stage_input(action.stage, m, step)
         self.renorms.before_forward(step, m, owner=self.role == "combined")
         for i in self.fwd_layers:
             inputs = [x, targets] if i == self.n_layers - 1 and targets is not None else [x]
-            x, saved = self.runner.forward(i, step, m, inputs, None)
+            x, saved = self.runner.forward(i, step, m, inputs, self.state.params(version, i))
             kept = self.runner.kept(i, inputs, saved)
             if kept:
                 self.flight.saved[(step, m, i)] = kept
@@ -331,8 +342,24 @@ class StageRuntime:
         if action.stage in self.place.sent_outputs:
             self.flight.outputs[(step, action.stage, m)] = x
         if self.role == "combined":
-            self.flight.forward_version[(step, action.stage, m)] = self.state.version
-        it.versions.append((str(action.base), step, self.state.version))
+            self.flight.forward_version[(step, action.stage, m)] = version
+        it.versions.append((str(action.base), step, version))
+
+    def _forward_weights(self, stage: int, step: int, m: int) -> int:
+        """The weight version of the forward of (step, m): the live one, except for a
+        resumed job's lead forwards of its first step N, which the uninterrupted job ran
+        before step N - 1's OPT, on version N - 1 ([Note: resumed leads] in
+        pipefb.runtime.state).
+
+        Raises:
+            ConfigError: the checkpoint held no copy of version N - 1.
+        """
+        if not (step == self.start > 0 and (stage, m) in self.lead_forwards):
+            return self.state.version
+        if step - 1 not in self.state.versions.versions():
+            raise ConfigError(f"the checkpoint of step {step} holds no copy of weight version "
+                              f"{step - 1}, which step {step}'s warm-up forwards run on")
+        return step - 1
 
     def _stage_input(self, stage: int, m: int, step: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -347,8 +374,9 @@ class StageRuntime:
 
         [Note: input grads first] The previous stage waits for this stage's input
         gradient, never for its weight gradients. So a rank of backward stage s > 0 (sync
-        modes) runs each layer's input-grad half first (`LayerSplit.backward_input`; the
-        halves give bit for bit the whole backward's grads), sends the gradient at once
+        modes, and backward-only ranks in async mode too) runs each layer's input-grad half
+        first (`LayerSplit.backward_input`; the halves give bit for bit the whole
+        backward's grads), sends the gradient at once
         (its SEND_B then finds it gone), and lets the weight-grad halves of up to s
         micro-batches wait: each B then runs the halves of the oldest beyond s, and the
         rank's last B of a step runs every one left, before OPT. The previous stage gets
@@ -446,7 +474,13 @@ class StageRuntime:
     def _versions_needed_after(self, step: int) -> set[int]:
         """Weight versions some backward after step `step`'s OPT will still use."""
         if self.role == "combined":
-            return set(self.flight.forward_version.values())
+            needed = set(self.flight.forward_version.values())
+            if (self.lead_forwards and step == self.job.steps - 1
+                    and due(step, self.job.checkpoint_every, self.job.steps)):
+                # [Note: resumed leads]: the job's last checkpoint keeps the version a
+                # longer job resumed from it runs the next step's lead forwards on
+                needed.add(self.state.version)
+            return needed
         lag, last = self.plan.staleness, self.place.microbatches - 1
         return {self.place.split_version(t, m) for m in (0, last)
                 for t in range(step + 1, min(self.job.steps, step + lag + 1))}
@@ -500,11 +534,13 @@ class StageRuntime:
     def restore(self, files: Mapping[int, Path], step: int) -> None:
         """Resumes at `step` from a checkpoint's rank files (`RankState.restore`)."""
         self.state.restore(files, step)
+        self.start = step
         self._account()
 
     def restore_parts(self, parts: Sequence[Part], step: int, source: str) -> None:
         """Resumes at `step` from parts of the job's state (`RankState.restore_parts`)."""
         self.state.restore_parts(parts, step, source)
+        self.start = step
         self._account()
 
     def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:

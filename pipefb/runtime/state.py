@@ -33,6 +33,8 @@ from pipefb.runtime.execs import LayerExec
 from pipefb.runtime.lossscale import METADATA_KEY, LossScale
 from pipefb.runtime.versions import WeightVersions
 
+KEPT_PREFIX = "kept."  # a rank file's copies of old weight versions: kept.{v}.layers.{i}.{p}
+
 
 @dataclass
 class OptStep:
@@ -173,10 +175,12 @@ class RankState:
             if p.grad is not None and id(p) in self.summed_apart:
                 reducer.sum_([p.grad])
 
-    def prepare(self) -> None:
-        """Derives now what the owned layers' next backwards need from the current weights."""
-        for i in self.bwd_layers:
-            self.execs[i].prepare()
+    def prepare(self, versions: Iterable[int]) -> None:
+        """Derives now what the owned layers' next backwards need from weight `versions`
+        (the live one or kept ones)."""
+        for version in sorted(set(versions)):
+            for i in self.bwd_layers:
+                self.execs[i].prepare(self.params(version, i))
 
     def install(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Copies a pushed weight version (`{layer}.{param}` names) into the forward layers."""
@@ -259,8 +263,26 @@ class RankState:
     def save_checkpoint(self, path: Path) -> Digest:
         """Writes the owned weights (`boundary_weights`), optimizer state and loss scale;
         returns the file's digest (`pipefb.runtime.checkpoint.save_rank`)."""
-        return save_rank(path, self.boundary_weights(), self.optimizer, self.owned_names(),
-                         self.loss_scale_metadata())
+        return save_rank(path, {**self.boundary_weights(), **self.kept_weights()},
+                         self.optimizer, self.owned_names(), self.loss_scale_metadata())
+
+    def kept_weights(self) -> dict[str, torch.Tensor]:
+        """The old weight versions this rank keeps of its owned layers, named
+        `kept.{version}.layers.{i}.{param}`.
+
+        [Note: resumed leads] PipeDream runs step N's warm-up forwards (lead forwards)
+        in iteration N - 1, before that step's OPT makes version N, and their backwards
+        in iteration N take version N - 1 from `WeightVersions`. A checkpoint of step
+        boundary N is written after iteration N - 1, so it holds that copy too; a job
+        resumed from it restores the copy, re-runs the lead forwards with it in the
+        prologue of iteration N (`ir.iteration`'s `start`), and trains on exactly as the
+        uninterrupted job does. A job's last step runs no lead forwards; when a checkpoint
+        is due after it by the cadence, its OPT keeps the version it replaces all the same
+        (`StageRuntime._versions_needed_after`), so a longer job can resume from it."""
+        return {f"{KEPT_PREFIX}{v}.layers.{i}.{name}": t
+                for v in self.versions.versions() for i in self.bwd_layers
+                for (name, _), t in zip(self.layers[i].named_parameters(),
+                                        self.versions.params(v, i), strict=True)}
 
     def loss_scale_metadata(self) -> dict[str, str]:
         """The fp16 loss scale as a rank file's metadata entry; {} without one."""
@@ -327,6 +349,7 @@ class RankState:
                     p.copy_(saved)
                 load_buffers(layer, i, weights)  # absent: a rank that never ran its forward
                 self.execs[i].weights_changed()
+        self._restore_kept(weights, step)
         if self.scale is not None:  # every owner saved the same scale
             self.scale.load(next((meta for _, meta in states if METADATA_KEY in meta), {}),
                             source)
@@ -336,6 +359,22 @@ class RankState:
             load_optimizer(self.optimizer, names, *optimizer_share(states, names))
             self.optimizer_bytes = optimizer_state_bytes(self.optimizer)
         self.version = step
+
+    def _restore_kept(self, weights: Mapping[str, torch.Tensor], step: int) -> None:
+        """Keeps version `step` - 1 of the owned layers where the parts hold a copy of
+        every one of their parameters ([Note: resumed leads]); otherwise keeps nothing."""
+        version = step - 1
+        kept: dict[int, list[torch.Tensor]] = {}
+        for i in self.bwd_layers:
+            got = [weights.get(f"{KEPT_PREFIX}{version}.layers.{i}.{name}")
+                   for name, _ in self.layers[i].named_parameters()]
+            if any(t is None or t.shape != p.shape or t.dtype != p.dtype
+                   for t, p in zip(got, self.layers[i].parameters(), strict=True)):
+                return
+            kept[i] = [t.to(p.device) for t, p in zip(got, self.layers[i].parameters(),
+                                                      strict=True) if t is not None]
+        if version >= 0 and kept:
+            self.versions.put(version, kept)
 
     def weights_digest(self) -> str:
         """`weights_digest` of the owned parameters (the coordinator compares the groups';

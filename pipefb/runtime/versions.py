@@ -29,6 +29,11 @@ class WeightVersions:
                                for i, layer in layers.items()}
         self._count()
 
+    def put(self, version: int, params: Mapping[int, list[torch.Tensor]]) -> None:
+        """Keeps `params` (by layer, in module order) as `version`: a checkpoint's copy."""
+        self._kept[version] = {i: list(ts) for i, ts in params.items()}
+        self._count()
+
     def params(self, version: int, layer: int) -> list[torch.Tensor]:
         """The parameters of `layer` at a kept `version`.
 

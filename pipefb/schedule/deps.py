@@ -54,7 +54,8 @@ def _backward_inputs(s: int, m: int | None, topology: Topology) -> list[Action]:
     return [Action(s, Kind.RECV_L, m), Action(s, Kind.FETCH, m)]
 
 
-def requirements(action: Action, topology: Topology, staleness: int = 0) -> list[Requirement]:
+def requirements(action: Action, topology: Topology, staleness: int = 0,
+                 stale_microbatches: int = 0) -> list[Requirement]:
     """Every action that must have run before `action` may run.
 
     A requirement with a negative offset refers to an earlier training step (RECV_W of
@@ -65,10 +66,25 @@ def requirements(action: Action, topology: Topology, staleness: int = 0) -> list
         action: an action whose stage exists in `topology` (its lead is ignored).
         topology: the topology the schedule runs on.
         staleness: how many versions a forward may lag (0: sync).
+        stale_microbatches: the first K micro-batches of a step lag `staleness` versions,
+            the rest one less (`_fresh_weights`); 0: all of them.
 
     Returns:
         (step offset, action) pairs; the peers of receives first, then local inputs.
     """
     base = action.base
     return (_peer_requirements(base, topology, staleness)
+            + _fresh_weights(base, topology, staleness, stale_microbatches)
             + _local_requirements(base, topology))
+
+
+def _fresh_weights(a: Action, topology: Topology, staleness: int, stale_microbatches: int
+                   ) -> list[Requirement]:
+    """[Note: micro-batch staleness] in pipefb.runtime.place: on a split topology the
+    forward of micro-batch m >= K (0 < K) of step k uses version k - staleness + 1, so it
+    waits for the weight push that follows step k - staleness's OPT."""
+    if (a.kind is not Kind.F or not topology.is_split or not staleness
+            or not 0 < stale_microbatches <= (a.microbatch or 0)):
+        return []
+    return [(-staleness, Action(b, Kind.PUSH_W))
+            for b in topology.backward_stages_overlapping(a.stage)]

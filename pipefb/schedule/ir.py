@@ -115,11 +115,13 @@ class Action:
 Schedule = dict[int, list[Action]]
 
 
-def iteration(actions: list[Action], k: int, steps: int) -> list[tuple[int, Action]]:
-    """What a worker runs in iteration `k` of a `steps`-step job, as (training step, base
-    action) pairs (see [Note: lead]): the prologue first in iteration 0, and no action of a
-    step >= `steps`."""
-    prologue = [(0, a.base) for a in actions if a.lead] if k == 0 else []
+def iteration(actions: list[Action], k: int, steps: int, start: int = 0
+              ) -> list[tuple[int, Action]]:
+    """What a worker runs in iteration `k` of a `steps`-step job that starts at step
+    `start` (a resumed job's checkpoint step), as (training step, base action) pairs (see
+    [Note: lead]): the prologue (step `start`'s lead actions) first in iteration `start`,
+    and no action of a step >= `steps`."""
+    prologue = [(k, a.base) for a in actions if a.lead] if k == start else []
     return prologue + [(k + a.lead, a.base) for a in actions if k + a.lead < steps]
 
 

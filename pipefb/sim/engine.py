@@ -63,7 +63,8 @@ class Engine:
                  ) -> None:
         self.plan, self.costs, self.cluster = plan, costs, costs.cluster
         self.memory = {r: RankMemory(costs, r, plan.staleness) for r in schedule}
-        self.program = Program(schedule, costs, self.memory, plan.staleness)
+        self.program = Program(schedule, costs, self.memory, plan.staleness,
+                               plan.stale_microbatches)
         index = self.program.index
         self.runs = {r: [(k, step, index[r][a]) for k in range(iterations)
                          for step, a in iteration(actions, k, iterations)]

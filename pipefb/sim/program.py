@@ -56,13 +56,14 @@ class Program:
     on the micro-batch, so each (rank, kind, stage) shape is costed once (`Shape`)."""
 
     def __init__(self, schedule: Schedule, costs: Costs, memory: dict[int, RankMemory],
-                 staleness: int) -> None:
+                 staleness: int, stale_microbatches: int = 0) -> None:
         self.costs, self.topology, self.staleness = costs, costs.topology, staleness
+        self.stale = stale_microbatches  # [Note: micro-batch staleness]; 0: all stale
         self.families: dict[tuple[Any, ...], int] = {}
         self.width = 2 + max((a.microbatch for actions in schedule.values() for a in actions
                              if a.microbatch is not None), default=-1)
-        self.shapes: dict[tuple[int, Kind, int], Shape] = {}
-        self.needs: dict[tuple[Kind, int], list[tuple[int, Kind, int]]] = {}
+        self.shapes: dict[tuple[int, Kind, int, bool], Shape] = {}
+        self.needs: dict[tuple[Kind, int, bool], list[tuple[int, Kind, int]]] = {}
         self.runs_weights = {r: _weight_halves_run(costs, r, actions)
                              for r, actions in schedule.items()}
         self.keeps_versions = {r: _keeps_versions(r, actions, costs.topology, staleness)
@@ -92,11 +93,16 @@ class Program:
         """(step offset, kind, stage) of what `a` waits for: the same for every micro-batch
         of its kind and stage (a need's micro-batch is `a`'s, or none for per-stage kinds),
         so `requirements` runs once per (kind, stage)."""
-        shape = (a.kind, a.stage)
+        shape = (a.kind, a.stage, self._fresh(a))
         if shape not in self.needs:
-            self.needs[shape] = [(offset, need.kind, need.stage) for offset, need
-                                 in requirements(a, self.topology, self.staleness)]
+            self.needs[shape] = [(offset, need.kind, need.stage) for offset, need in
+                                 requirements(a, self.topology, self.staleness, self.stale)]
         return self.needs[shape]
+
+    def _fresh(self, a: Action) -> bool:
+        """Whether `a` is a forward that waits for the newer version ([Note: micro-batch
+        staleness]): its needs differ from its stage's stale forwards'."""
+        return a.kind is Kind.F and 0 < self.stale <= (a.microbatch or 0)
 
     def _shape(self, r: int, a: Action, memory: RankMemory) -> Shape:
         """What every micro-batch's `a` on rank `r` shares: seconds, deltas, keys by family."""
@@ -130,9 +136,9 @@ class Program:
         return Shape(seconds, memory.deltas(a), needs, sends, family, early)
 
     def _op(self, r: int, i: int, a: Action, memory: RankMemory) -> Op:
-        shape = self.shapes.get((r, a.kind, a.stage))
+        shape = self.shapes.get((r, a.kind, a.stage, self._fresh(a)))
         if shape is None:
-            shape = self.shapes[(r, a.kind, a.stage)] = self._shape(r, a, memory)
+            shape = self.shapes[(r, a.kind, a.stage, self._fresh(a))] = self._shape(r, a, memory)
         width, mb = self.width, a.microbatch if a.microbatch is not None else -1
         needs = tuple([(offset, family * width + (mb + 1 if per_mb else 0))
                        for offset, family, per_mb in shape.needs])
@@ -167,8 +173,9 @@ class Program:
 
 
 # [Note: early sends]
-# A rank of backward stage s > 0 in sync mode sends its input gradient before its weight
-# grads ([Note: input grads first] in pipefb.runtime.stage): its B sends the gradient
+# A rank of backward stage s > 0 (sync mode, or any backward-only rank) sends its input
+# gradient before its weight grads ([Note: input grads first] in pipefb.runtime.stage):
+# its B sends the gradient
 # after the input halves (B's time less the profile's `weight_grad_seconds`), then runs
 # the weight halves of the micro-batches the runtime runs there (none for the first s, one
 # each after, all left at the last B; the saved tensors of a micro-batch are freed with
@@ -191,10 +198,11 @@ def _back_to_back(actions: list[Action]) -> set[int]:
 def _weight_halves_run(costs: Costs, r: int, actions: list[Action]) -> dict[int, int] | None:
     """For a rank that sends input grads first, how many micro-batches' weight-grad halves
     each B (by micro-batch) runs; None for other ranks. Mirrors the runtime: backward
-    stage s > 0 in sync mode lets s wait, its last B of a step runs all that are left."""
+    stage s > 0 in sync mode, or on a backward-only rank, lets s wait, its last B of a step
+    runs all that are left."""
     t = costs.topology
     stage = stage_of(t.backward_workers, r)
-    if not stage or costs.plan.mode != "sync":
+    if not stage or (costs.plan.mode != "sync" and r in t.forward_workers):
         return None
     order = [a.microbatch for a in actions if a.kind is Kind.B]
     runs = {m: 1 if k >= stage else 0 for k, m in enumerate(order) if m is not None}
