@@ -60,10 +60,11 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
         assert math.isfinite(link.bandwidth) and 10e6 <= link.bandwidth <= 100e9, (what, link)
         assert 1e-6 <= link.latency <= 0.1, (what, link)
         assert link.seconds(16 << 20) > link.seconds(1024), what
-        # the store's two ends work at once; a hop socket's sender and reader may take
-        # turns ([Note: local hops]); 1.0 only where /proc is missing
-        low = 1.0 if what == "network" else 1.0 + 1e-9
-        assert low <= link.cpu <= 4.0 if PROC else link.cpu == 1.0, (what, link)
+        # cores busy while a link moves data: at least one (the meter's floor; a loaded
+        # host may give both ends less than a core between them, so more than one is not
+        # asserted here: test_cpu_meter_counts_every_thread_... counts two processes);
+        # 1.0 exactly where /proc is missing
+        assert 1.0 <= link.cpu <= 4.0 if PROC else link.cpu == 1.0, (what, link)
     assert 0 <= cluster.action_overhead < 0.01
     assert 1e-6 <= cluster.step_overhead < 0.1  # at least an RPC round trip
     # a Step call's CPU, both ends; 0 only where /proc is missing
