@@ -87,6 +87,7 @@ ENV PATH=/opt/pipefb/bin:/opt/venv/bin:$PATH PYTHONPATH=/opt/pipefb \
     PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 WORKDIR /tmp
 USER 10001:10001
-# gRPC (coordinator and workers), Prometheus metrics, the all-reduce rendezvous (coordinator)
-EXPOSE 50051 9090 29500
+# gRPC (coordinator and workers), the workers' heartbeats (coordinator), Prometheus metrics,
+# the all-reduce rendezvous (coordinator)
+EXPOSE 50051 50052 9090 29500
 CMD ["python", "-m", "coordinator"]
