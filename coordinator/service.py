@@ -110,7 +110,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         coordinator/recovery.py): each with attempt + 1, its plan, from its newest
         checkpoint."""
         for entry in entries:
-            step = entry.step if entry.config.mode == "sync" else 0  # async: from step 0
+            # other async jobs than PipeDream replay from step 0 (no checkpoint holds theirs)
+            step = entry.step if entry.config.resumes_from_checkpoints else 0
             try:
                 costs = check_submit(entry.config, self.size_limits).costs
             except ValueError as error:  # ConfigError too: e.g. a model plugin is gone

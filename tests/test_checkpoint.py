@@ -3,6 +3,7 @@ one trains exactly what the uninterrupted job trains."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from pipefb.runtime.checkpoint import (
     save_rank,
 )
 from pipefb.runtime.manifest import committed, newest_intact, write_manifest
+from protos.coordinator_pb2 import RUNNING
 from tests.test_transparency import make_job, run_on_cluster
 
 
@@ -162,6 +164,40 @@ def test_pipedream_resumed_mid_run_from_a_checkpoint_its_lead_forwards_passed(
     for path in (root / "step-000006").iterdir():
         path.unlink()
     (root / "step-000006").rmdir()
+    rest, got = run_on_cluster(client, replace(job, resume=True))
+    assert [r.step for r in rest] == [3, 4, 5]
+    assert [r.loss for r in rest] == [r.loss for r in whole[3:]]  # bit for bit
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def checkpoint_in_first_step(client: Any, job_id: str, settle: float) -> int:
+    """Asks for a checkpoint (`Checkpoint`) `settle` s after the job starts running steps,
+    when every rank has its first Step calls; returns the checkpoint's step."""
+    while client.status(job_id).state != RUNNING:
+        time.sleep(0.01)
+    time.sleep(settle)
+    return int(client.checkpoint(job_id).checkpointed)
+
+
+def test_a_pipedream_checkpoint_requested_after_its_last_step_resumes_a_longer_job(
+        client: Any, cluster: Any) -> None:
+    """A 3-step PipeDream job takes no checkpoint by cadence; rank 0's compute is slowed
+    (seconds a step) so `Checkpoint` arrives in step 0, when steps 0 and 1 are issued (2
+    Step calls in flight per rank) and only the last is left: the checkpoint after the
+    last step still holds the version 2 that step 3's warm-up forwards run on ([Note:
+    resumed leads]), and a 6-step job resumed from it ends bit for bit where the
+    uninterrupted 6-step job ends."""
+    job = make_job("gpt", "pipedream", 3, "adamw", steps=6, checkpoint_dir="last-pipedream")
+    whole, want = run_on_cluster(client, job)
+    short = replace(job, steps=3, slowdown="0=100,L0=4")
+    job_id = client.submit(short).job_id
+    assert checkpoint_in_first_step(client, job_id, 0.3) == 3  # after the job's last step
+    assert [r.step for r in client.train(job_id)] == [0, 1, 2]
+    root = cluster.checkpoint_root / job.checkpoint_dir
+    assert [m.step for m in committed(root)] == [3]
+    assert any(n.startswith("kept.2.layers.") for n in load_file(str(rank_file(root, 3, 0))))
     rest, got = run_on_cluster(client, replace(job, resume=True))
     assert [r.step for r in rest] == [3, 4, 5]
     assert [r.loss for r in rest] == [r.loss for r in whole[3:]]  # bit for bit

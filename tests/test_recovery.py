@@ -5,8 +5,11 @@ trains, leaving no stash key behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -23,6 +26,7 @@ from pipefb.runtime.manifest import committed
 from pipefb.runtime.reference import SingleProcess
 from protos.coordinator_pb2 import DONE, FAILED, RECOVERING, RUNNING, STOPPED
 from tests.conftest import WORKER_THREADS, store_client, worker_threads
+from tests.test_faults import ROOT, finish
 from tests.test_transparency import make_job, reference
 
 HEARTBEAT_DEADLINE_S = 5.0  # the coordinator's default heartbeat timeout
@@ -310,3 +314,104 @@ def test_a_recovered_fp16_job_replays_with_the_loss_scale_of_its_checkpoint(
     assert any(s.skipped for s in want[10:]) and not all(s.skipped for s in want)
     assert [r.skipped for r in reports] == [s.skipped for s in want]
     assert [r.loss_scale for r in reports] == [s.loss_scale for s in want]
+
+
+def pipedream_job(name: str) -> JobConfig:
+    """An async PipeDream job (4 combined ranks) that checkpoints every 5 steps and may
+    restart twice."""
+    return make_job("mlp", "pipedream", 4, "sgd", steps=STEPS, checkpoint_every=5,
+                    checkpoint_dir=name, max_restarts=2, job_id=name)
+
+
+def uninterrupted(client: CoordinatorClient, job: JobConfig
+                  ) -> tuple[list[Any], dict[str, Any]]:
+    """The step reports and final weights of the job run without a failure (its own id
+    and checkpoint directory)."""
+    whole = replace(job, job_id=f"whole-{job.job_id}", checkpoint_dir=f"whole-{job.job_id}",
+                    max_restarts=0)
+    reports = list(client.train(client.submit(whole).job_id))
+    return reports, client.weights(whole.job_id)
+
+
+def assert_equals_run(client: CoordinatorClient, job: JobConfig, reports: list[Any],
+                      want: list[Any], want_weights: dict[str, Any]) -> None:
+    """The reports (from some step to the last) have the losses of the uninterrupted run
+    `want` and the job's final weights equal `want_weights`, bit for bit."""
+    first = reports[0].step
+    assert [r.step for r in reports] == list(range(first, job.steps))
+    assert [r.loss for r in reports] == [r.loss for r in want[first:]]
+    got = client.weights(job.job_id)
+    assert sorted(got) == sorted(want_weights)
+    for name, value in want_weights.items():
+        assert got[name].equal(value), name
+
+
+def test_a_killed_pipedream_worker_replays_from_its_checkpoint_bit_for_bit(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """PipeDream (async, 4 combined ranks) with worker-3 SIGKILLed mid-run: the replay
+    starts at the newest checkpoint before the kill, not step 0, whose rank files hold the
+    version its warm-up forwards run on ([Note: resumed leads] in pipefb/runtime/state.py),
+    and every step's loss and the final weights equal the uninterrupted run's bit for bit."""
+    job = pipedream_job("kill-pipedream")
+    want, want_weights = uninterrupted(client, job)
+    client.submit(job)
+    at = running_at(client, job.job_id, 8).step
+    os.kill(restarting.process("worker-3").pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert status.state == DONE, status.error
+    assert status.attempt == 1 and len(status.restarts) == 1
+    assert "worker-3" in status.restarts[0]
+    # the newest checkpoint committed before the kill (steps 5, 10, ...), not step 0
+    assert status.start_step >= at // 5 * 5 >= 5 and status.start_step % 5 == 0
+    reports = list(client.train(job.job_id))
+    assert reports[0].step == 0  # each step reported once
+    assert_equals_run(client, job, reports, want, want_weights)
+    assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+
+
+def test_a_relaunched_coordinator_resumes_a_pipedream_job_from_its_checkpoint(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """The coordinator SIGKILLed mid-run: its successor resumes the journaled PipeDream
+    job from its newest checkpoint (not step 0), and the steps from there on and the
+    final weights equal the uninterrupted run's bit for bit."""
+    job = pipedream_job("kill-coordinator-pipedream")
+    want, want_weights = uninterrupted(client, job)
+    client.submit(job)
+    running_at(client, job.job_id, 12)
+    os.kill(restarting.process("coordinator").pid, signal.SIGKILL)
+    time.sleep(1.0)
+    client.wait_for_workers(4, timeout=120)
+    status = finished(client, job.job_id)
+    assert status.state == DONE, status.error
+    assert status.attempt == 1 and status.restarts == ["the coordinator restarted"]
+    assert status.start_step >= 10 and status.start_step % 5 == 0
+    reports = list(client.follow(job.job_id))
+    assert reports[0].step == status.start_step
+    assert_equals_run(client, job, reports, want, want_weights)
+
+
+PIPEDREAM_CLI = ["local", "train", "--model", "mlp", "--dataset", "digits", "--loss",
+                 "cross_entropy", "--schedule", "pipedream", "--workers", "4", "--batch-size",
+                 "8", "--microbatches", "4", "--steps", "100", "--optimizer", "sgd", "--lr",
+                 "0.01", "--checkpoint-every", "5", "--max-restarts", "1", "--no-progress"]
+
+
+def test_the_cli_replays_a_killed_pipedream_worker_from_its_checkpoint(tmp_path: Path) -> None:
+    """`pipefb local train --schedule pipedream --max-restarts 1 --checkpoint-every 5`,
+    worker-2 SIGKILLed after step 12: the CLI exits 0 and report.json names the restart
+    and the checkpoint step the replay started at (10 or later, not 0)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipefb.app.cli", *PIPEDREAM_CLI, "--out",
+                             str(tmp_path)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, cwd=ROOT)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("step 12/"):
+            break
+    cluster = json.loads((tmp_path / "logs" / "cluster.json").read_text())
+    os.kill(cluster["worker-2"]["pid"], signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 0, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["restarts"]) == 1 and "worker-2" in report["restarts"][0]
+    assert report["start_step"] >= 10 and report["start_step"] % 5 == 0
+    assert [s["step"] for s in report["steps"]] == list(range(100))

@@ -312,7 +312,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             with assigned.gate.turn(request.step, wait, caller.gone.is_set):
                 # the step runs for its caller only: once it left, the step's waits end
                 caller.on_gone(lambda: _abort_step(assigned, request.step))
-                r = assigned.runtime.run_step(request.step)
+                r = assigned.runtime.run_step(request.step, request.checkpoint)
                 saved = None
                 if request.checkpoint and assigned.runtime.saves_checkpoints:
                     if assigned.checkpoints is None:

@@ -232,6 +232,7 @@ def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
     report["job_id"] = job_id
     status = client.status(job_id)
     report["restarts"] = list(status.restarts)  # why each replayed attempt failed
+    report["start_step"] = status.start_step  # where the last attempt started (a checkpoint)
     # checkpoints a resume or replay passed over, and why ([Note: manifests])
     report["refused_checkpoints"] = list(status.refused_checkpoints)
     for why in status.refused_checkpoints:

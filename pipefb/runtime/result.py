@@ -49,6 +49,7 @@ class Iteration:
     """Timings and tags of one iteration, gathered action by action."""
 
     step: int
+    checkpoint: bool = False  # a checkpoint of the step boundary after `step` follows it
     compute: float = 0.0
     idle: float = 0.0
     by_kind: dict[str, float] = field(default_factory=dict)

@@ -213,9 +213,11 @@ class StageRuntime:
 
     # -- the interpreter -------------------------------------------------------------------
 
-    def run_step(self, step: int) -> StepResult:
-        """Runs iteration `step` of this rank's action list and reports what it did."""
-        it = Iteration(step)
+    def run_step(self, step: int, checkpoint: bool = False) -> StepResult:
+        """Runs iteration `step` of this rank's action list and reports what it did;
+        `checkpoint`: the host saves a checkpoint of the boundary after it (by cadence or
+        on request), which may need an old weight version kept ([Note: resumed leads])."""
+        it = Iteration(step, checkpoint=checkpoint)
         self.clock.start_step()
         self.memory.reset_peak()
         self.device_memory.reset_peak()
@@ -466,19 +468,20 @@ class StageRuntime:
         if self.tied.holds_any:  # before the groups' sum and the norm: the whole gradient
             self.tied.reduce_(step)
         self.renorms.before_update(step)  # [Note: renormalised rows]
-        done = self.state.step(step, self._versions_needed_after(step), self.reducer,
-                               self.clip)
+        done = self.state.step(step, self._versions_needed_after(step, it.checkpoint),
+                               self.reducer, self.clip)
         it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped
         it.loss_scale = self.state.scale.scale if self.state.scale is not None else 0.0
 
-    def _versions_needed_after(self, step: int) -> set[int]:
-        """Weight versions some backward after step `step`'s OPT will still use."""
+    def _versions_needed_after(self, step: int, checkpoint: bool) -> set[int]:
+        """Weight versions some backward after step `step`'s OPT will still use, and the
+        one a checkpoint after the job's last step (`checkpoint`) keeps."""
         if self.role == "combined":
             needed = set(self.flight.forward_version.values())
-            if (self.lead_forwards and step == self.job.steps - 1
-                    and due(step, self.job.checkpoint_every, self.job.steps)):
-                # [Note: resumed leads]: the job's last checkpoint keeps the version a
-                # longer job resumed from it runs the next step's lead forwards on
+            if self.lead_forwards and step == self.job.steps - 1 and checkpoint:
+                # [Note: resumed leads]: a checkpoint after the job's last step (its
+                # cadence's or one requested) keeps the version a longer job resumed from
+                # it runs the next step's lead forwards on
                 needed.add(self.state.version)
             return needed
         lag, last = self.plan.staleness, self.place.microbatches - 1

@@ -277,8 +277,9 @@ class RankState:
         resumed from it restores the copy, re-runs the lead forwards with it in the
         prologue of iteration N (`ir.iteration`'s `start`), and trains on exactly as the
         uninterrupted job does. A job's last step runs no lead forwards; when a checkpoint
-        is due after it by the cadence, its OPT keeps the version it replaces all the same
-        (`StageRuntime._versions_needed_after`), so a longer job can resume from it."""
+        follows it (by the cadence or requested: the Step's `checkpoint`), its OPT keeps
+        the version it replaces all the same (`StageRuntime._versions_needed_after`), so
+        a longer job can resume from it."""
         return {f"{KEPT_PREFIX}{v}.layers.{i}.{name}": t
                 for v in self.versions.versions() for i in self.bwd_layers
                 for (name, _), t in zip(self.layers[i].named_parameters(),
