@@ -108,13 +108,15 @@ class Localizer:
         return value
 
     def env(self, env: Mapping[str, str], mounts: Mapping[str, Path],
-            listen: str = "127.0.0.1:0") -> dict[str, str]:
-        """Listen on `listen` (loopback, any free port by default), metrics on any free
+            listen: str = "127.0.0.1:0", grpc_port: int | None = None) -> dict[str, str]:
+        """Listen on `listen` (loopback, any free port by default) where the container
+        listens on its gRPC port (`grpc_port`; None: any port), on a free loopback port
+        where it listens on another (the coordinator's workers' port), metrics on any free
         port; mounted paths point at local dirs."""
         out = {}
         for name, value in env.items():
-            if re.fullmatch(r"0\.0\.0\.0:\d+", value):
-                value = listen
+            if found := re.fullmatch(r"0\.0\.0\.0:(\d+)", value):
+                value = listen if grpc_port in (None, int(found[1])) else "127.0.0.1:0"
             elif value == "0.0.0.0":
                 value = "127.0.0.1"
             elif name.endswith("_PORT") and value.isdigit():
@@ -316,7 +318,8 @@ class LocalDeployment:
                                          *container.get("args", [])]]
         argv = [local_binary(argv[0]), *self.local.args(argv[1:], mounts)]
         base = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT)}
-        return argv, {**base, **self.local.env(env, mounts, listen)}
+        grpc = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == "grpc"]
+        return argv, {**base, **self.local.env(env, mounts, listen, (grpc or [None])[0])}
 
     def _volumes(self, workload: Doc, pod: str, job_changes: Mapping[str, object],
                  container: Doc) -> dict[str, Path]:
