@@ -164,6 +164,13 @@ def test_pipedream_resumed_mid_run_from_a_checkpoint_its_lead_forwards_passed(
     for path in (root / "step-000006").iterdir():
         path.unlink()
     (root / "step-000006").rmdir()
+    assert_resumes_from_step_3(client, job, whole, want)
+
+
+def assert_resumes_from_step_3(client: Any, job: Any, whole: list[Any],
+                               want: dict[str, torch.Tensor]) -> None:
+    """`job` resumed from its step-3 checkpoint reports steps 3-5 with the losses of the
+    uninterrupted run `whole` and ends with its weights `want`, bit for bit."""
     rest, got = run_on_cluster(client, replace(job, resume=True))
     assert [r.step for r in rest] == [3, 4, 5]
     assert [r.loss for r in rest] == [r.loss for r in whole[3:]]  # bit for bit
@@ -198,12 +205,7 @@ def test_a_pipedream_checkpoint_requested_after_its_last_step_resumes_a_longer_j
     root = cluster.checkpoint_root / job.checkpoint_dir
     assert [m.step for m in committed(root)] == [3]
     assert any(n.startswith("kept.2.layers.") for n in load_file(str(rank_file(root, 3, 0))))
-    rest, got = run_on_cluster(client, replace(job, resume=True))
-    assert [r.step for r in rest] == [3, 4, 5]
-    assert [r.loss for r in rest] == [r.loss for r in whole[3:]]  # bit for bit
-    assert sorted(got) == sorted(want)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    assert_resumes_from_step_3(client, job, whole, want)
 
 
 def test_resume_of_another_job_fails_naming_the_field(client: Any) -> None:

@@ -216,12 +216,11 @@ def test_without_restarts_a_job_still_fails_on_the_first_death(
     client.wait_for_workers(4)
 
 
-def test_a_killed_coordinator_is_relaunched_and_resumes_its_job_from_the_journal(
-        client: CoordinatorClient, restarting: LocalServices) -> None:
-    """The relaunched coordinator (same address, same journal) resumes the job with
-    attempt + 1 from its newest checkpoint; the workers register again; the steps from
-    that checkpoint on are reported and everything equals the uninterrupted run."""
-    job = recoverable_job("kill-coordinator")
+def with_the_coordinator_killed(client: CoordinatorClient, restarting: LocalServices,
+                                job: Any) -> Any:
+    """Submits `job`, SIGKILLs the coordinator once step 12 runs, and returns the job's
+    status once the relaunched coordinator (same address and journal) has finished it:
+    DONE in attempt 1, its one restart the coordinator's."""
     client.submit(job)
     running_at(client, job.job_id, 12)
     os.kill(restarting.process("coordinator").pid, signal.SIGKILL)
@@ -230,6 +229,16 @@ def test_a_killed_coordinator_is_relaunched_and_resumes_its_job_from_the_journal
     status = finished(client, job.job_id)
     assert status.state == DONE, status.error
     assert status.attempt == 1 and status.restarts == ["the coordinator restarted"]
+    return status
+
+
+def test_a_killed_coordinator_is_relaunched_and_resumes_its_job_from_the_journal(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """The relaunched coordinator (same address, same journal) resumes the job with
+    attempt + 1 from its newest checkpoint; the workers register again; the steps from
+    that checkpoint on are reported and everything equals the uninterrupted run."""
+    job = recoverable_job("kill-coordinator")
+    with_the_coordinator_killed(client, restarting, job)
     reports = list(client.follow(job.job_id))
     first = reports[0].step
     assert first >= 10 and first % 5 == 0  # the newest checkpoint before the kill
@@ -376,14 +385,7 @@ def test_a_relaunched_coordinator_resumes_a_pipedream_job_from_its_checkpoint(
     final weights equal the uninterrupted run's bit for bit."""
     job = pipedream_job("kill-coordinator-pipedream")
     want, want_weights = uninterrupted(client, job)
-    client.submit(job)
-    running_at(client, job.job_id, 12)
-    os.kill(restarting.process("coordinator").pid, signal.SIGKILL)
-    time.sleep(1.0)
-    client.wait_for_workers(4, timeout=120)
-    status = finished(client, job.job_id)
-    assert status.state == DONE, status.error
-    assert status.attempt == 1 and status.restarts == ["the coordinator restarted"]
+    status = with_the_coordinator_killed(client, restarting, job)
     assert status.start_step >= 10 and status.start_step % 5 == 0
     reports = list(client.follow(job.job_id))
     assert reports[0].step == status.start_step
