@@ -55,6 +55,9 @@ from pipefb.plan.plan import Plan, schedule_for
 from pipefb.sim.cluster import Cluster
 from protos import worker_pb2
 
+_DEFECTS = (ValueError, RuntimeError, TypeError, KeyError, IndexError, AttributeError,
+            AssertionError, ZeroDivisionError)  # exactly these types, not their subclasses
+
 log = logging.getLogger(__name__)
 
 
@@ -182,7 +185,10 @@ class Driver:
         self.recovery.forget(ranks, dead)
         if job.restarts:
             message = f"{message} (gave up after {len(job.restarts)} restarts)"
-        log.error("job %s failed: %s", job.job_id, message)
+        # a bare built-in error is a defect, not a failure the job's message explains:
+        # the log keeps its traceback for whoever fixes it
+        log.error("job %s failed: %s", job.job_id, message,
+                  exc_info=error if type(error) in _DEFECTS else None)
         return message
 
     def _end(self, job: Job, ranks: Ranks | None, final: tuple[str, str] | None) -> None:

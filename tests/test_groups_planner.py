@@ -128,3 +128,16 @@ def test_the_shortlist_keeps_every_near_tie_of_the_model() -> None:
     assert shortlist({1: 1.0, 2: 1.01, 4: 1.02, 8: 1.05, 16: 1.2, 32: 1.11}) == [1, 2, 4, 8]
     assert shortlist({1: 2.0, 2: 1.0, 4: 1.5, 8: 1.6}) == [2, 4, 8]
     assert shortlist({4: 1.0}) == [4]
+
+
+def test_a_group_count_no_plan_fits_is_passed_over_with_its_reason() -> None:
+    """PipeFB needs a forward and a backward worker: on 2 workers, 2 groups of one worker
+    have no PipeFB plan, so the search takes 1 group and says why it passed over 2."""
+    result = search_groups(_profile(0, 8), Cluster.uniform(2), 16, schedules=("pipefb",))
+    assert result.best.groups == 1 and result.plan.schedule == "pipefb"
+    [two] = [c for c in result.choices if c.groups == 2]
+    assert two.plan is None and two.note == (
+        "refused: no pipefb plan in sync mode runs on 1 worker with 8 samples a step")
+    with pytest.raises(ConfigError, match=r"^no group count has a plan: refused: no pipefb"):
+        search_groups(_profile(0, 8), Cluster.uniform(2), 16, schedules=("pipefb",),
+                      groups=[2])

@@ -151,11 +151,18 @@ def search_groups(profile: Profile, cluster: Cluster, batch_size: int, *,
         raise ConfigError(f"groups {bad[0]} must divide the workers ({cluster.size}) and "
                           f"the batch size ({batch_size})")
     options: dict[str, Any] = {"schedules": schedules, "mode": mode, "staleness": staleness}
-    modelled = {g: model_seconds(profile, cluster, batch_size, g, **options) for g in counts}
-    ranked = sorted(counts, key=lambda g: modelled[g])
+    modelled: dict[int, float] = {}
+    notes: dict[int, str] = {}
+    for g in counts:  # a count whose groups no plan fits (PipeFB on one worker) is out
+        try:
+            modelled[g] = model_seconds(profile, cluster, batch_size, g, **options)
+        except ConfigError as error:
+            notes[g] = f"refused: {error}"
+    if not modelled:
+        raise ConfigError(f"no group count has a plan: {notes[counts[0]]}")
+    ranked = sorted(modelled, key=lambda g: modelled[g])
     chosen = ranked if exhaustive else shortlist(modelled)
     searched: dict[int, tuple[GroupChoice, PlanSearch, Simulation]] = {}
-    notes: dict[int, str] = {}
     for g in chosen:
         try:
             searched[g] = _search_one(profile, cluster, batch_size, g, modelled[g],
@@ -166,7 +173,8 @@ def search_groups(profile: Profile, cluster: Cluster, batch_size: int, *,
         raise ConfigError(f"no group count has a plan that fits: {notes[ranked[0]]}")
     best_g = min(searched, key=lambda g: searched[g][0].step_seconds)
     choices = tuple(searched[g][0] if g in searched else
-                    GroupChoice(g, modelled[g], note=notes.get(g, "ranked out by the model"))
+                    GroupChoice(g, modelled.get(g, math.inf),
+                                note=notes.get(g, "ranked out by the model"))
                     for g in counts)
     best, per_group, sim = searched[best_g]
     return GroupSearch(best, per_group, sim, choices)

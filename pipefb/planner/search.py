@@ -383,5 +383,9 @@ def best_estimate(profile: Profile, cluster: Cluster, batch_size: int, *,
     planner = _Planner(SearchSpace(profile, cluster, batch_size, staleness))
     plans = planner.candidates(kinds_in_mode(schedules, mode),
                                microbatch_choices(batch_size, cluster.size))
+    if not plans:
+        raise ConfigError(f"no {'/'.join(schedules)} plan in {mode} mode runs on "
+                          f"{cluster.size} worker{'s' if cluster.size != 1 else ''} with "
+                          f"{batch_size} samples a step")
     best = min(plans, key=planner.estimate)
     return best, planner.estimate(best)
