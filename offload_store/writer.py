@@ -4,8 +4,10 @@ capped.
 
 [Note: background stash] `StashWriter.put` counts the stash's bytes in flight and queues
 its write for the rank's one I/O thread; the compute thread waits only when the bytes
-already in flight would pass the cap (a stash larger than the cap waits until nothing
-else is in flight, so it never deadlocks), and `put` returns how long it waited: the
+already in flight would pass the cap, or, under a job's memory cap, when the bytes in
+flight plus the rank's accounted memory would pass that cap (a stash larger than either
+waits until nothing else is in flight, so it never deadlocks), and `put` returns how long
+it waited: the
 runtime's STASH action lasts that long, which `store_blocked_seconds` reports. Writes
 complete in the order they were handed over (one thread), so a *ticket* (how many puts were
 handed over so far) names a prefix of them: `wait_written(ticket)` returns once that prefix
@@ -69,17 +71,22 @@ class StashWriter:
 
     def __init__(self, store: StashStore, cap_bytes: int,
                  staging: Callable[[LayerTensors], tuple[LayerTensors, Callable[[], None],
-                                                         Callable[[], None]]] | None = None
-                 ) -> None:
+                                                         Callable[[], None]]] | None = None,
+                 memory: Callable[[], tuple[int, int]] | None = None) -> None:
         """Args:
             store: where the stashes go.
             cap_bytes: the most bytes handed over and not yet written; 0: write in `put`.
             staging: copies a stash to host memory and returns (host tensors, wait for the
                 copy, release the buffers); None: the tensors are in host memory already.
+            memory: under a job's memory cap, returns (the rank's accounted bytes besides
+                those in flight, the stash being handed over among them; the cap): a put
+                waits while those bytes plus the bytes in flight pass the cap. None: no
+                memory cap.
         """
         if cap_bytes < 0:
             raise ValueError(f"stash in-flight cap {cap_bytes} must be >= 0")
         self.store, self.cap_bytes, self._staging = store, cap_bytes, staging
+        self._memory = memory
         self._cond = threading.Condition()
         self._queue: OrderedDict[Key, _Pending] = OrderedDict()
         self._in_flight = 0
@@ -111,10 +118,14 @@ class StashWriter:
             started = time.perf_counter()
             self.store.put(step, microbatch, version, tensors)
             return time.perf_counter() - started
+        # the stash moves from the rank's accounted bytes into the bytes in flight: after
+        # the hand-over the rank holds `held` plus what is still in flight
+        held, memory_cap = self._memory() if self._memory is not None else (0, 0)
         started = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or self._in_flight == 0
-                                or self._in_flight + nbytes <= self.cap_bytes)
+            self._cond.wait_for(lambda: self._error is not None or self._in_flight == 0 or (
+                self._in_flight + nbytes <= self.cap_bytes
+                and (not memory_cap or held + self._in_flight <= memory_cap)))
             blocked = time.perf_counter() - started
             self.check()
             self._in_flight += nbytes
