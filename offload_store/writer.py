@@ -5,9 +5,10 @@ capped.
 [Note: background stash] `StashWriter.put` counts the stash's bytes in flight and queues
 its write for the rank's one I/O thread; the compute thread waits only when the bytes
 already in flight would pass the cap, or, under a job's memory cap, when the bytes in
-flight plus the rank's accounted memory would pass that cap (a stash larger than either
-waits until nothing else is in flight, so it never deadlocks), and `put` returns how long
-it waited: the
+flight (this stash's among them) plus the rank's accounted memory (this stash still among
+it: room for the saved tensors of the next forward, which take its place) would pass the
+rank's memory limit (a stash larger than either waits until nothing else is in flight,
+so it never deadlocks), and `put` returns how long it waited: the
 runtime's STASH action lasts that long, which `store_blocked_seconds` reports. Writes
 complete in the order they were handed over (one thread), so a *ticket* (how many puts were
 handed over so far) names a prefix of them: `wait_written(ticket)` returns once that prefix
@@ -41,6 +42,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from offload_store.api import LayerTensors, StashStore
+from pipefb.memory import tensor_bytes
 
 # The default cap of a rank's bytes in flight to the store (worker --stash-in-flight-bytes)
 STASH_IN_FLIGHT_BYTES = 256 << 20
@@ -51,6 +53,13 @@ def stash_nbytes(tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
     """Data bytes of a micro-batch's stash."""
     return sum(t.nelement() * t.element_size() for named in tensors.values()
                for t in named.values())
+
+
+def held_bytes(tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
+    """Host memory a micro-batch's stash holds while in flight: its tensors' storages, one
+    shared by several tensors once, as the runtime's memory account counts them (on CUDA
+    the staging copies hold `stash_nbytes`)."""
+    return tensor_bytes(t for named in tensors.values() for t in named.values())
 
 
 class _Pending:
@@ -79,9 +88,9 @@ class StashWriter:
             staging: copies a stash to host memory and returns (host tensors, wait for the
                 copy, release the buffers); None: the tensors are in host memory already.
             memory: under a job's memory cap, returns (the rank's accounted bytes besides
-                those in flight, the stash being handed over among them; the cap): a put
-                waits while those bytes plus the bytes in flight pass the cap. None: no
-                memory cap.
+                those in flight, the stash being handed over among them; the rank's
+                limit): a put waits while those bytes plus the bytes in flight, its own
+                among them, pass the limit. None: no memory cap.
         """
         if cap_bytes < 0:
             raise ValueError(f"stash in-flight cap {cap_bytes} must be >= 0")
@@ -113,19 +122,19 @@ class StashWriter:
             StashFullError, CodecError, ValueError: with a cap of 0, as `StashStore.put`.
         """
         self.check()
-        nbytes = stash_nbytes(tensors)
+        nbytes = stash_nbytes(tensors) if self._staging is not None else held_bytes(tensors)
         if self.cap_bytes == 0:
             started = time.perf_counter()
             self.store.put(step, microbatch, version, tensors)
             return time.perf_counter() - started
-        # the stash moves from the rank's accounted bytes into the bytes in flight: after
-        # the hand-over the rank holds `held` plus what is still in flight
-        held, memory_cap = self._memory() if self._memory is not None else (0, 0)
+        # `held` counts this stash as the rank's own; it moves into the bytes in flight, and
+        # the next forward's saved tensors take its place: room for both
+        held, limit = self._memory() if self._memory is not None else (0, 0)
         started = time.perf_counter()
         with self._cond:
             self._cond.wait_for(lambda: self._error is not None or self._in_flight == 0 or (
                 self._in_flight + nbytes <= self.cap_bytes
-                and (not memory_cap or held + self._in_flight <= memory_cap)))
+                and (not limit or held + self._in_flight + nbytes <= limit)))
             blocked = time.perf_counter() - started
             self.check()
             self._in_flight += nbytes

@@ -127,8 +127,9 @@ def test_a_binding_cap_changes_the_plan_and_measured_peaks_respect_it(client):
 def test_a_capped_job_stashes_off_the_compute_thread_within_its_cap(client):
     """Under a memory cap the forward rank still hands its stashes to the I/O thread
     ([Note: background stash]): its stash bytes in flight show in its memory kinds, the
-    planner's peaks count them ([Note: copy lane]), every measured peak stays under the
-    cap, and training equals one process."""
+    planner's peaks count them ([Note: copy lane]) and the writer keeps the rank within
+    its predicted peak, every measured peak stays under the cap, and training equals one
+    process."""
     cap = 64 << 20
     job = make_job("gpt", "pipefb", 2, "adamw", plan="auto", mode="sync", memory_cap=cap)
     reports, weights, status, plan = _run(client, job)
@@ -141,6 +142,7 @@ def test_a_capped_job_stashes_off_the_compute_thread_within_its_cap(client):
     by_rank = json.loads(status.planner_json)["predicted_peak_memory_by_rank"]
     assert by_rank and all(int(b) <= cap for b in by_rank.values())
     assert all(0 < w.peak_memory_bytes <= cap for w in workers)
+    assert all(w.peak_memory_bytes <= int(by_rank[str(w.rank)]) for w in forward)
     assert_same_training(replace(job, schedule="single", plan="", memory_cap=0,
                                  microbatches=plan.microbatches), reports, weights)
 

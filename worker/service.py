@@ -54,16 +54,18 @@ MAX_LEAD = 2  # steps a transfer may be ahead of the receiving rank (sync leads 
 
 
 def _write_in_background(transport: GrpcTransport, store: StashStore, runtime: StageRuntime,
-                         cap: int, memory_cap: int) -> None:
+                         cap: int, memory_cap: int, predicted: int) -> None:
     """Gives the transport its stash writer ([Note: background stash]), and on CUDA its
     staging copies ([Note: staging]). Under a job's memory cap (`memory_cap` > 0) on the
     cpu, a stash waits while the bytes in flight plus the rank's accounted memory would
-    pass it; on CUDA the bytes in flight are in pinned host memory, outside the device's
-    account (`StageRuntime._account`), so only `cap` bounds them there."""
+    pass the rank's limit: its plan's `predicted` peak (0: none), which the planner held
+    under the cap, else the cap. On CUDA the bytes in flight are in pinned host memory,
+    outside the device's account (`StageRuntime._account`), so only `cap` bounds them."""
     device, account = runtime.device, runtime.memory
+    limit = min(memory_cap, predicted) if predicted else memory_cap
 
     def memory() -> tuple[int, int]:  # the account as of the action before the STASH
-        return account.total_besides("stash_in_flight"), memory_cap
+        return account.total_besides("stash_in_flight"), limit
 
     if device.type == "cuda":
         transport.staging = HostStaging(device)
@@ -162,8 +164,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             transport.local = LocalTier(runtime.device, cap)
         if store is not None:
             runtime.node_tier_bytes = store.node_bytes
+            peaks = plan.predicted_peak_memory_bytes
             _write_in_background(transport, store, runtime, self.stash_in_flight_bytes,
-                                 job.memory_cap)
+                                 job.memory_cap, peaks[request.rank]
+                                 if request.rank < len(peaks) else 0)
         takes = job.checkpoint_every or (request.resume_step and source is None) or (
             job.checkpoint_dir and self.checkpoint_root)  # Checkpoint on request writes there
         checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None
