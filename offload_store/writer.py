@@ -4,8 +4,11 @@ capped.
 
 [Note: background stash] `StashWriter.put` counts the stash's bytes in flight and queues
 its write for the rank's one I/O thread; the compute thread waits only when the bytes
-already in flight would pass the cap (a stash larger than the cap waits until nothing
-else is in flight, so it never deadlocks), and `put` returns how long it waited: the
+already in flight would pass the cap, or, under a job's memory cap, when the bytes in
+flight (this stash's among them) plus the rank's accounted memory (this stash still among
+it: room for the saved tensors of the next forward, which take its place) would pass the
+rank's memory limit (a stash larger than either waits until nothing else is in flight,
+so it never deadlocks), and `put` returns how long it waited: the
 runtime's STASH action lasts that long, which `store_blocked_seconds` reports. Writes
 complete in the order they were handed over (one thread), so a *ticket* (how many puts were
 handed over so far) names a prefix of them: `wait_written(ticket)` returns once that prefix
@@ -39,6 +42,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from offload_store.api import LayerTensors, StashStore
+from pipefb.memory import tensor_bytes
 
 # The default cap of a rank's bytes in flight to the store (worker --stash-in-flight-bytes)
 STASH_IN_FLIGHT_BYTES = 256 << 20
@@ -49,6 +53,13 @@ def stash_nbytes(tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
     """Data bytes of a micro-batch's stash."""
     return sum(t.nelement() * t.element_size() for named in tensors.values()
                for t in named.values())
+
+
+def held_bytes(tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
+    """Host memory a micro-batch's stash holds while in flight: its tensors' storages, one
+    shared by several tensors once, as the runtime's memory account counts them (on CUDA
+    the staging copies hold `stash_nbytes`)."""
+    return tensor_bytes(t for named in tensors.values() for t in named.values())
 
 
 class _Pending:
@@ -69,17 +80,22 @@ class StashWriter:
 
     def __init__(self, store: StashStore, cap_bytes: int,
                  staging: Callable[[LayerTensors], tuple[LayerTensors, Callable[[], None],
-                                                         Callable[[], None]]] | None = None
-                 ) -> None:
+                                                         Callable[[], None]]] | None = None,
+                 memory: Callable[[], tuple[int, int]] | None = None) -> None:
         """Args:
             store: where the stashes go.
             cap_bytes: the most bytes handed over and not yet written; 0: write in `put`.
             staging: copies a stash to host memory and returns (host tensors, wait for the
                 copy, release the buffers); None: the tensors are in host memory already.
+            memory: under a job's memory cap, returns (the rank's accounted bytes besides
+                those in flight, the stash being handed over among them; the rank's
+                limit): a put waits while those bytes plus the bytes in flight, its own
+                among them, pass the limit. None: no memory cap.
         """
         if cap_bytes < 0:
             raise ValueError(f"stash in-flight cap {cap_bytes} must be >= 0")
         self.store, self.cap_bytes, self._staging = store, cap_bytes, staging
+        self._memory = memory
         self._cond = threading.Condition()
         self._queue: OrderedDict[Key, _Pending] = OrderedDict()
         self._in_flight = 0
@@ -106,15 +122,19 @@ class StashWriter:
             StashFullError, CodecError, ValueError: with a cap of 0, as `StashStore.put`.
         """
         self.check()
-        nbytes = stash_nbytes(tensors)
+        nbytes = stash_nbytes(tensors) if self._staging is not None else held_bytes(tensors)
         if self.cap_bytes == 0:
             started = time.perf_counter()
             self.store.put(step, microbatch, version, tensors)
             return time.perf_counter() - started
+        # `held` counts this stash as the rank's own; it moves into the bytes in flight, and
+        # the next forward's saved tensors take its place: room for both
+        held, limit = self._memory() if self._memory is not None else (0, 0)
         started = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or self._in_flight == 0
-                                or self._in_flight + nbytes <= self.cap_bytes)
+            self._cond.wait_for(lambda: self._error is not None or self._in_flight == 0 or (
+                self._in_flight + nbytes <= self.cap_bytes
+                and (not limit or held + self._in_flight + nbytes <= limit)))
             blocked = time.perf_counter() - started
             self.check()
             self._in_flight += nbytes

@@ -93,6 +93,11 @@ class MemoryAccount:
         self.peak_activation = max(self.peak_activation,
                                    sum(self.current.get(k, 0) for k in ACTIVATION_KINDS))
 
+    def total_besides(self, *kinds: str) -> int:
+        """The rank's current total (`OUTSIDE_TOTAL` aside) less the bytes of `kinds`."""
+        return _total(self.current) - sum(self.current.get(k, 0) for k in kinds
+                                          if k not in OUTSIDE_TOTAL)
+
     def reset_peak(self) -> None:
         """Starts a new peak window (each step) from the current bytes."""
         self.peak_total = _total(self.current)

@@ -193,11 +193,23 @@ def test_the_planner_offloads_where_the_overlap_makes_it_nearly_free():
     assert seconds < chosen[0][1]
 
 
-def test_a_job_with_a_memory_cap_is_planned_with_stashes_on_the_compute_lane():
-    """Its workers write stashes on the compute thread (worker.service), so its plan is
-    simulated so too; a job without a cap keeps the cluster's lane."""
+def test_a_job_with_a_memory_cap_counts_its_stashes_in_flight_in_its_peaks():
+    """Its workers write stashes on the I/O thread too (worker.service), so its plan keeps
+    the cluster's lane and each rank's simulated peak counts the bytes in flight: the three
+    2 ms writes of `test_bounded_bytes_in_flight_serialise_the_stashes` hold 4 MB at F2's
+    end, where stashes written on the compute lane are gone at their STASH's end."""
     from pipefb.planner.job import job_cluster
 
-    cluster = _cluster(2)
-    assert job_cluster(cluster, 2, memory_cap=1 << 30).stash_in_flight_bytes == 0
-    assert job_cluster(cluster, 2).stash_in_flight_bytes == STASH_IN_FLIGHT_BYTES
+    capped = job_cluster(_cluster(2), 2, memory_cap=1 << 30)
+    assert capped.stash_in_flight_bytes == STASH_IN_FLIGHT_BYTES
+    assert [w.memory for w in capped.workers] == [1 << 30] * 2
+    assert job_cluster(_cluster(2), 2).stash_in_flight_bytes == STASH_IN_FLIGHT_BYTES
+    plan = balanced_plan("pipefb", 2, [1.0], 3, 3)
+    profile = _profile(1 * MS, 1e-6, 2_000_000)
+    sim = simulate(plan, profile, capped, 2)
+    rank = plan.topology().forward_workers[0]
+    assert sim.peak_memory[rank] == 4_000_000
+    assert sim.peak_memory_by_kind[rank]["stash_in_flight"] == 2_000_000
+    on_compute_lane = simulate(plan, profile, replace(capped, stash_in_flight_bytes=0), 2)
+    assert on_compute_lane.peak_memory[rank] == 2_000_000
+    assert on_compute_lane.peak_memory_by_kind[rank]["stash_in_flight"] == 0

@@ -39,3 +39,12 @@ def test_the_node_tier_is_reported_beside_the_total_not_in_it() -> None:
     assert account.peak_each["node_tier"] == 5000
     account.reset_peak()
     assert account.peak_total == 140 and account.peak_each["node_tier"] == 1000
+
+
+def test_the_total_besides_some_kinds_leaves_them_and_the_node_tier_out() -> None:
+    """What a stash writer under a memory cap reads ([Note: background stash])."""
+    account = MemoryAccount()
+    account.set({"parameters": 100, "stashed": 40, "stash_in_flight": 30, "node_tier": 1000})
+    assert account.total_besides() == 170
+    assert account.total_besides("stash_in_flight") == 140
+    assert account.total_besides("stash_in_flight", "node_tier") == 140

@@ -20,7 +20,7 @@ from pipefb.sim.costs import Profile
 from protos import coordinator_pb2, coordinator_pb2_grpc, server
 from protos.convert import plan_from_proto
 from protos.security import Security
-from tests.test_transparency import assert_same_training
+from tests.test_transparency import assert_same_training, make_job
 
 
 def test_auto_plan_trains_like_one_process_within_its_cap(client):
@@ -121,6 +121,29 @@ def test_a_binding_cap_changes_the_plan_and_measured_peaks_respect_it(client):
     measured = [w.peak_memory_bytes for r in reports for w in r.workers]
     assert 0 < max(measured) <= cap, (max(measured), cap)
     assert_same_training(replace(capped, schedule="single", plan="", memory_cap=0,
+                                 microbatches=plan.microbatches), reports, weights)
+
+
+def test_a_capped_job_stashes_off_the_compute_thread_within_its_cap(client):
+    """Under a memory cap the forward rank still hands its stashes to the I/O thread
+    ([Note: background stash]): its stash bytes in flight show in its memory kinds, the
+    planner's peaks count them ([Note: copy lane]) and the writer keeps the rank within
+    its predicted peak, every measured peak stays under the cap, and training equals one
+    process."""
+    cap = 64 << 20
+    job = make_job("gpt", "pipefb", 2, "adamw", plan="auto", mode="sync", memory_cap=cap)
+    reports, weights, status, plan = _run(client, job)
+    assert plan.schedule == "pipefb" and plan.mode == "sync"
+    predicted = [int(b) for b in plan.predicted_peak_memory_bytes]
+    assert 0 < max(predicted) <= cap
+    workers = [w for r in reports for w in r.workers]
+    forward = [w for w in workers if w.role == "forward"]
+    assert forward and max(w.kind_peak_bytes["stash_in_flight"] for w in forward) > 0
+    by_rank = json.loads(status.planner_json)["predicted_peak_memory_by_rank"]
+    assert by_rank and all(int(b) <= cap for b in by_rank.values())
+    assert all(0 < w.peak_memory_bytes <= cap for w in workers)
+    assert all(w.peak_memory_bytes <= int(by_rank[str(w.rank)]) for w in forward)
+    assert_same_training(replace(job, schedule="single", plan="", memory_cap=0,
                                  microbatches=plan.microbatches), reports, weights)
 
 

@@ -98,6 +98,66 @@ def test_the_caller_waits_past_the_cap_and_the_bytes_in_flight_stay_under_it(
     writer.close()
 
 
+def test_under_a_memory_cap_the_caller_waits_while_in_flight_plus_held_would_pass_it(
+        server: RedisServer, store: OffloadStore) -> None:
+    """The in-flight cap leaves room (64 MiB); the rank's memory limit does not: the rank
+    holds 5 MiB besides its bytes in flight (the stash handed over among them) under a
+    limit of 6 MiB, so a second 2 MiB stash waits until the first is written (5 MiB, 2 in
+    flight, 2 handed over), and a first one never waits (nothing in flight: it cannot
+    wait for room)."""
+    one = stash_nbytes(stash(0))  # 2 MiB
+    asked: list[int] = []
+
+    def memory() -> tuple[int, int]:
+        asked.append(1)
+        return 5 * MiB, 6 * MiB
+
+    writer = StashWriter(store, 64 * MiB, memory=memory)
+    store.put(0, 99, 0, stash(99))  # the connection is open before the store stops
+    with paused(server):
+        assert writer.put(1, 0, 0, stash(0)) == pytest.approx(0, abs=0.05)
+        second: list[float] = []
+        caller = threading.Thread(target=lambda: second.append(writer.put(1, 1, 0, stash(1))))
+        caller.start()
+        time.sleep(0.5)
+        assert caller.is_alive() and writer.in_flight_bytes == one  # 5 + 2 MiB > 6 MiB
+    caller.join(10)
+    assert second and second[0] >= 0.4  # how long it waited: what STASH reports
+    writer.drain()
+    assert writer.in_flight_bytes == 0 and writer.ticket == 2 and len(asked) == 2
+    assert store.stats.keys_put == 3 * 3
+    writer.close()
+
+
+def test_under_a_memory_cap_with_room_the_stash_is_still_written_in_the_background(
+        server: RedisServer, store: OffloadStore) -> None:
+    writer = StashWriter(store, 64 * MiB, memory=lambda: (MiB, 64 * MiB))
+    store.put(0, 99, 0, stash(99))
+    with paused(server):  # the writes stall; the puts return at once all the same
+        blocked = [writer.put(2, m, 0, stash(m)) for m in range(3)]
+        assert blocked == [pytest.approx(0, abs=0.05)] * 3
+        assert writer.in_flight_bytes == 3 * stash_nbytes(stash(0))
+    writer.drain()
+    assert writer.in_flight_bytes == 0 and store.stats.keys_put == 4 * 3
+    writer.close()
+
+
+def test_bytes_in_flight_count_a_shared_storage_once(server: RedisServer,
+                                                    store: OffloadStore) -> None:
+    """As the runtime's account counts `stashed`: the memory held, not the bytes written."""
+    base = torch.randn(MiB // 4)  # 1 MiB
+    shared = {0: {"x": base, "half": base[: MiB // 8]}, 1: {"y": base.view(64, -1)}}
+    writer = StashWriter(store, 64 * MiB)
+    store.put(0, 99, 0, stash(99))
+    with paused(server):
+        writer.put(6, 0, 0, shared)
+        assert writer.in_flight_bytes == MiB < stash_nbytes(shared) == 2 * MiB + MiB // 2
+    writer.drain()
+    assert writer.in_flight_bytes == 0
+    assert torch.equal(store.take(6, 0, 0, {0: ["half"]})[0]["half"], base[: MiB // 8])
+    writer.close()
+
+
 def test_a_stash_still_handed_over_comes_back_without_a_take(server: RedisServer,
                                                              store: OffloadStore) -> None:
     writer = StashWriter(store, 64 * MiB)

@@ -53,16 +53,26 @@ MAX_WAIT_SECONDS = 1e6  # a caller's deadline further off than this counts as no
 MAX_LEAD = 2  # steps a transfer may be ahead of the receiving rank (sync leads by one)
 
 
-def _write_in_background(transport: GrpcTransport, store: StashStore, device: torch.device,
-                         role: str, cap: int) -> None:
+def _write_in_background(transport: GrpcTransport, store: StashStore, runtime: StageRuntime,
+                         cap: int, memory_cap: int, predicted: int) -> None:
     """Gives the transport its stash writer ([Note: background stash]), and on CUDA its
-    staging copies ([Note: staging]). A job with a memory cap writes on the compute
-    thread (cap 0): the planner's memory model does not count bytes in flight."""
+    staging copies ([Note: staging]). Under a job's memory cap (`memory_cap` > 0) on the
+    cpu, a stash waits while the bytes in flight plus the rank's accounted memory would
+    pass the rank's limit: its plan's `predicted` peak (0: none), which the planner held
+    under the cap, else the cap. On CUDA the bytes in flight are in pinned host memory,
+    outside the device's account (`StageRuntime._account`), so only `cap` bounds them."""
+    device, account = runtime.device, runtime.memory
+    limit = min(memory_cap, predicted) if predicted else memory_cap
+
+    def memory() -> tuple[int, int]:  # the account as of the action before the STASH
+        return account.total_besides("stash_in_flight"), limit
+
     if device.type == "cuda":
         transport.staging = HostStaging(device)
     transport.writer = StashWriter(store, cap, transport.staging.to_host
-                                   if transport.staging is not None else None)
-    transport.fence_sends = role == "forward"
+                                   if transport.staging is not None else None,
+                                   memory if memory_cap and device.type == "cpu" else None)
+    transport.fence_sends = runtime.role == "forward"
 
 
 @dataclass
@@ -154,8 +164,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             transport.local = LocalTier(runtime.device, cap)
         if store is not None:
             runtime.node_tier_bytes = store.node_bytes
-            _write_in_background(transport, store, runtime.device, runtime.role,
-                                 self.stash_in_flight_bytes if not job.memory_cap else 0)
+            peaks = plan.predicted_peak_memory_bytes
+            _write_in_background(transport, store, runtime, self.stash_in_flight_bytes,
+                                 job.memory_cap, peaks[request.rank]
+                                 if request.rank < len(peaks) else 0)
         takes = job.checkpoint_every or (request.resume_step and source is None) or (
             job.checkpoint_dir and self.checkpoint_root)  # Checkpoint on request writes there
         checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None

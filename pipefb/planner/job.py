@@ -28,8 +28,10 @@ def job_schedules(job: JobConfig) -> tuple[str, ...]:
 def job_cluster(cluster: Cluster, workers: int, speeds: Sequence[float] | None = None,
                 memory_cap: int = 0) -> Cluster:
     """The first `workers` workers of `cluster`, with measured relative speeds multiplied in
-    and every cap lowered to `memory_cap` (0: unchanged); under a cap stashes are written
-    on the compute lane, as the workers write them then (`worker.service`).
+    and every cap lowered to `memory_cap` (0: unchanged). Under a cap, as without one,
+    stashes go through the copy lane and their bytes in flight count in each rank's peak
+    ([Note: copy lane] in pipefb.sim.copylane), as the workers write them
+    ([Note: background stash] in offload_store/writer.py).
 
     Raises:
         ConfigError: the cluster describes fewer workers than the job uses.
@@ -42,8 +44,6 @@ def job_cluster(cluster: Cluster, workers: int, speeds: Sequence[float] | None =
         speed = w.speed * (speeds[i] if speeds is not None else 1.0)
         memory = min(w.memory, memory_cap) if memory_cap else w.memory
         specs.append(WorkerSpec(w.name, speed, memory, w.host))
-    if memory_cap:
-        return replace(cluster, workers=tuple(specs), stash_in_flight_bytes=0)
     return replace(cluster, workers=tuple(specs))
 
 
