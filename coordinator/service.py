@@ -78,6 +78,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         config = job_from_proto(request)
         if runs_in_process(config.schedule):
             raise ValueError("schedule 'single' runs in the client, not on a cluster")
+        if config.checkpoint_dir:  # a directory in use is refused before the model's checks
+            with self._lock:  # (and checked again below, with the job's registration)
+                claim_directory(config, self._jobs.values(), self.driver.checkpoint_root)
         checked = check_submit(config, self.size_limits)
         owner = security.caller(context)
         chosen = owned_id(config.job_id, owner) if config.job_id else ""

@@ -127,12 +127,14 @@ def test_two_jobs_at_once_with_default_directories_do_not_collide(
     checkpoints/JOB_ID, whose manifests are its own, and resuming one trains what one
     process trains; a third job naming a running job's directory is refused."""
     jobs = [replace(BASE, lr=lr, checkpoint_every=1, steps=3) for lr in (0.02, 0.03)]
-    ids = [client.submit(job).job_id for job in jobs]
+    # job 0 last, the third right after it: a busy directory is refused before the
+    # submit's model checks, so job 0 is still running then
+    ids = [client.submit(job).job_id for job in reversed(jobs)][::-1]
+    with pytest.raises(grpc.RpcError) as refused:
+        client.submit(replace(jobs[0], checkpoint_dir=f"checkpoints/{ids[0]}"))
     threads = [threading.Thread(target=lambda i=i: list(client.train(i))) for i in ids]
     for t in threads:
         t.start()
-    with pytest.raises(grpc.RpcError) as refused:
-        client.submit(replace(jobs[0], checkpoint_dir=f"checkpoints/{ids[0]}"))
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert refused.value.details().endswith(
         f"checkpoint directory 'checkpoints/{ids[0]}' is in use by job {ids[0]}; name "
