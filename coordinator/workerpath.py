@@ -28,7 +28,7 @@ from coordinator.service import CoordinatorServicer
 from protos import coordinator_pb2
 from protos.server import create_server
 
-SERVICE_NAME = "pipefb.v1.Coordinator"
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 THREADS = 4  # a heartbeat is a dictionary update: 4 threads serve thousands a second
 
 

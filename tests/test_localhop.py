@@ -125,12 +125,17 @@ def held(hop_dir: Path) -> Iterator[tuple[HopListener, Received, int, threading.
     hops.close()
 
 
+def sender_to(port: int, timeout: float) -> HopSender:
+    """A hop sender to the listener on `port`, failing a send after `timeout` s."""
+    path = socket_path(f"127.0.0.1:{port}")
+    assert path is not None
+    return HopSender(path, "peer", "", timeout)
+
+
 def test_a_large_transfer_leaves_the_callers_thread_and_keeps_its_place(
         held: tuple[HopListener, Received, int, threading.Event]) -> None:
     _, got, port, gate = held
-    path = socket_path(f"127.0.0.1:{port}")
-    assert path is not None
-    sender = HopSender(path, "peer", "", 30)
+    sender = sender_to(port, 30)
     small, big = torch.arange(4.0), torch.randn(4 << 20)  # 16 MiB: more than the socket holds
     sender.send(tensor_pb2.Transfer(job_id="j", step=0, kind="RECV_F"), {"x": small})
     sender.send(tensor_pb2.Transfer(job_id="j", step=1, kind="RECV_F"), {"x": big})
@@ -147,9 +152,7 @@ def test_a_large_transfer_leaves_the_callers_thread_and_keeps_its_place(
 def test_a_peer_that_takes_no_data_fails_the_check(
         held: tuple[HopListener, Received, int, threading.Event]) -> None:
     _, _, port, _ = held
-    path = socket_path(f"127.0.0.1:{port}")
-    assert path is not None
-    sender = HopSender(path, "peer", "", 1)
+    sender = sender_to(port, 1)
     sender.send(tensor_pb2.Transfer(job_id="j", step=0, kind="RECV_F"), {"x": torch.ones(1)})
     sender.send(tensor_pb2.Transfer(job_id="j", step=1, kind="RECV_F"),
                 {"x": torch.randn(4 << 20)})
