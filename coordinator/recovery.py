@@ -4,10 +4,10 @@
 that answers is drained, the job's stash keys (all attempts) are deleted, each dead rank
 is replaced by a worker registered under the same name (a relaunched process or pod) or
 else by any idle one, and every rank is assigned again with attempt + 1 from the newest
-checkpoint intact for the job at or before the last reported step (step 0 without one,
-or for an async job other than PipeDream, whose forward ranks run on weight versions no
-checkpoint holds; [Note: manifests] in pipefb/runtime/manifest.py), whose weights and
-optimizer state (and PipeDream's kept old version) every owner restores. Steps already
+checkpoint intact for the job at or before the last reported step (step 0 without one;
+[Note: manifests] in pipefb/runtime/manifest.py), whose weights and optimizer state (and
+the old weight versions an async job's next forwards run on: [Note: resumed leads],
+[Note: resumed stale forwards] in pipefb/runtime/state.py) every rank restores. Steps already
 reported are run again but not reported twice. Workers refuse the calls and transfers of
 older attempts ([Note: attempt fencing] in worker/service.py). A lost offload store (its
 Redis run id changes, or it stops answering) fails the attempt the same way: what it held
@@ -135,9 +135,8 @@ def resume_point(job: Job) -> Plan:
 
 def replay_point(job: Job) -> int:
     """The step a replay starts from: the newest checkpoint intact for this job at or
-    before its last reported step (a job that resumes from checkpoints: sync or
-    PipeDream), else step 0."""
-    if job.checkpoints is None or not job.config.resumes_from_checkpoints:
+    before its last reported step, else step 0."""
+    if job.checkpoints is None:
         return 0
     found = _newest_intact(job, job.step)
     return 0 if found is None else found.step
@@ -159,13 +158,12 @@ def _newest_intact(job: Job, at_most: int | None) -> Manifest | None:
 
 
 def compare_replay(job: Job, report: coordinator_pb2.StepReport) -> None:
-    """A replayed step's loss against the one reported before: equal when the job
-    resumes from checkpoints bit for bit (sync or PipeDream)."""
+    """A replayed step's loss against the one reported before: equal, as a job resumes
+    from its checkpoints bit for bit."""
     index = report.step - job.first_step
     if not 0 <= index < len(job.reports):  # reported by an earlier coordinator
         return
     before = job.reports[index].loss
-    if (job.config.resumes_from_checkpoints and before != report.loss
-            and before == before):
+    if before != report.loss and before == before:
         log.warning("job %s: replayed step %d has loss %r, reported before %r", job.job_id,
                     report.step, report.loss, before)

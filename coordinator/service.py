@@ -113,8 +113,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         coordinator/recovery.py): each with attempt + 1, its plan, from its newest
         checkpoint."""
         for entry in entries:
-            # other async jobs than PipeDream replay from step 0 (no checkpoint holds theirs)
-            step = entry.step if entry.config.resumes_from_checkpoints else 0
+            step = entry.step
             try:
                 costs = check_submit(entry.config, self.size_limits).costs
             except ValueError as error:  # ConfigError too: e.g. a model plugin is gone

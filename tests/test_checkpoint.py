@@ -112,10 +112,9 @@ def test_cadence_and_job_validation() -> None:
     with pytest.raises(ConfigError, match="resume needs the checkpoint directory"):
         JobConfig(schedule="1f1b", resume=True)
     assert JobConfig(schedule="1f1b", resume=True, job_id="j").checkpoint_dir == ""
-    with pytest.raises(ConfigError, match=r"^resume runs sync jobs and pipedream only; this "
-                                          "one is 'pipefb' in mode 'async'"):
-        JobConfig(schedule="pipefb", mode="async", resume=True, checkpoint_dir="c")
     assert JobConfig(schedule="pipedream", resume=True, checkpoint_dir="c").resume
+    assert JobConfig(schedule="pipefb", mode="async", staleness=2, resume=True,
+                     checkpoint_dir="c").resume
 
 
 # (schedule, workers, groups): combined ranks, split ranks whose forward workers load
@@ -164,6 +163,56 @@ def test_pipedream_resumed_mid_run_from_a_checkpoint_its_lead_forwards_passed(
     for path in (root / "step-000006").iterdir():
         path.unlink()
     (root / "step-000006").rmdir()
+    assert_resumes_from_step_3(client, job, whole, want)
+
+
+# (staleness S, K): the default K (1 of 4 micro-batches stale) and every micro-batch stale
+ASYNC_RESUMES = [(1, 0), (2, 0), (1, 4), (2, 4)]
+
+
+def async_pipefb_job(staleness: int, k: int, name: str, **extra: Any) -> JobConfig:
+    """A 6-step async PipeFB job (forward ranks 0, 1; weight owners 2, 3) that checkpoints
+    every 3 steps into `name`."""
+    return make_job("gpt", "pipefb", 4, "adamw", mode="async", staleness=staleness,
+                    staleness_microbatches=k, steps=6, checkpoint_every=3,
+                    checkpoint_dir=f"{name}-s{staleness}-k{k}", **extra)
+
+
+def kept_versions(root: Path, step: int, rank: int) -> list[int]:
+    """The old weight versions a rank file holds (`kept.{v}.layers.*`)."""
+    names = load_file(str(rank_file(root, step, rank)))
+    return sorted({int(n.split(".")[1]) for n in names if n.startswith("kept.")})
+
+
+@pytest.mark.parametrize(("staleness", "k"), ASYNC_RESUMES)
+def test_async_pipefb_resumed_mid_run_runs_its_first_forwards_on_the_kept_versions(
+        client: Any, cluster: Any, staleness: int, k: int) -> None:
+    """The checkpoint of step 3 of a 6-step async PipeFB job: the owners' files hold
+    versions 3 - S .. 2, which steps 3 .. 2 + S's forwards run on ([Note: resumed stale
+    forwards] in pipefb/runtime/state.py); the job resumed from it (the step-6 checkpoint
+    removed) reports steps 3-5 and ends bit for bit where the uninterrupted job ended."""
+    job = async_pipefb_job(staleness, k, "mid-async")
+    whole, want = run_on_cluster(client, job)
+    root = cluster.checkpoint_root / job.checkpoint_dir
+    for owner in (2, 3):
+        assert kept_versions(root, 3, owner) == list(range(3 - staleness, 3))
+    for path in (root / "step-000006").iterdir():
+        path.unlink()
+    (root / "step-000006").rmdir()
+    assert_resumes_from_step_3(client, job, whole, want)
+
+
+def test_an_async_pipefb_checkpoint_after_its_last_step_resumes_a_longer_job(
+        client: Any, cluster: Any) -> None:
+    """A 3-step async PipeFB job (S = 2) checkpoints after its last step: its owners kept
+    versions 1 and 2 as if the job went on, and a 6-step job resumed from it ends bit for
+    bit where the uninterrupted 6-step job ends."""
+    job = async_pipefb_job(2, 0, "last-async")
+    whole, want = run_on_cluster(client, replace(job, checkpoint_dir="whole-last-async"))
+    run_on_cluster(client, replace(job, steps=3))
+    root = cluster.checkpoint_root / job.checkpoint_dir
+    assert [m.step for m in committed(root)] == [3]
+    assert kept_versions(root, 3, 2) == [1, 2]
     assert_resumes_from_step_3(client, job, whole, want)
 
 

@@ -392,6 +392,54 @@ def test_a_relaunched_coordinator_resumes_a_pipedream_job_from_its_checkpoint(
     assert_equals_run(client, job, reports, want, want_weights)
 
 
+def async_pipefb_job(name: str, staleness: int, k: int = 0) -> JobConfig:
+    """An async PipeFB job (2 forward, 2 backward ranks; staleness S, the first K
+    micro-batches of a step stale) that checkpoints every 5 steps and may restart twice."""
+    return make_job("mlp", "pipefb", 4, "sgd", mode="async", staleness=staleness,
+                    staleness_microbatches=k, steps=STEPS, checkpoint_every=5,
+                    checkpoint_dir=name, max_restarts=2, job_id=name)
+
+
+@pytest.mark.parametrize(("staleness", "k", "victim"),
+                         [(1, 0, "worker-3"), (2, 4, "worker-0")])
+def test_a_killed_async_pipefb_worker_replays_from_its_checkpoint_bit_for_bit(
+        client: CoordinatorClient, restarting: LocalServices, staleness: int, k: int,
+        victim: str) -> None:
+    """Async PipeFB with a weight owner (worker-3) or a forward rank (worker-0) SIGKILLed
+    mid-run: the replay starts at the newest checkpoint before the kill, not step 0, whose
+    owners' files hold the versions the forwards of its first S steps run on ([Note:
+    resumed stale forwards] in pipefb/runtime/state.py), and every step's loss and the
+    final weights equal the uninterrupted run's bit for bit."""
+    job = async_pipefb_job(f"kill-async-s{staleness}-{victim}", staleness, k)
+    want, want_weights = uninterrupted(client, job)
+    client.submit(job)
+    at = running_at(client, job.job_id, 8).step
+    os.kill(restarting.process(victim).pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert status.state == DONE, status.error
+    assert status.attempt == 1 and len(status.restarts) == 1
+    assert victim in status.restarts[0]
+    assert status.start_step >= at // 5 * 5 >= 5 and status.start_step % 5 == 0
+    reports = list(client.train(job.job_id))
+    assert reports[0].step == 0  # each step reported once
+    assert_equals_run(client, job, reports, want, want_weights)
+    assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+
+
+def test_a_relaunched_coordinator_resumes_an_async_pipefb_job_from_its_checkpoint(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """The coordinator SIGKILLed mid-run: its successor resumes the journaled async
+    PipeFB job (S = 2) from its newest checkpoint (not step 0), and the steps from there
+    on and the final weights equal the uninterrupted run's bit for bit."""
+    job = async_pipefb_job("kill-coordinator-async", 2)
+    want, want_weights = uninterrupted(client, job)
+    status = with_the_coordinator_killed(client, restarting, job)
+    assert status.start_step >= 10 and status.start_step % 5 == 0
+    reports = list(client.follow(job.job_id))
+    assert reports[0].step == status.start_step
+    assert_equals_run(client, job, reports, want, want_weights)
+
+
 PIPEDREAM_CLI = ["local", "train", "--model", "mlp", "--dataset", "digits", "--loss",
                  "cross_entropy", "--schedule", "pipedream", "--workers", "4", "--batch-size",
                  "8", "--microbatches", "4", "--steps", "100", "--optimizer", "sgd", "--lr",

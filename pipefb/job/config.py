@@ -269,10 +269,6 @@ class JobConfig:
             raise ConfigError("resume needs the checkpoint directory of the job it resumes "
                               "(--checkpoint-dir), or that job's --job-id (a job's own "
                               "directory is checkpoints/JOB_ID)")
-        if self.resume and not self.resumes_from_checkpoints:
-            raise ConfigError(f"resume runs sync jobs and pipedream only; this one is "
-                              f"{self.schedule!r} in mode {self.mode!r} (its forward ranks "
-                              "run on old weight versions a checkpoint does not hold)")
 
     def _check_groups(self) -> None:
         """Each of `groups` pipelines takes an equal share of the workers and micro-batches."""
@@ -288,14 +284,6 @@ class JobConfig:
         if self.microbatches % g:
             raise ConfigError(f"groups {g} does not divide microbatches {self.microbatches} "
                               "(each group runs microbatches / groups of them)")
-
-    @property
-    def resumes_from_checkpoints(self) -> bool:
-        """Whether a checkpoint holds all a resume, a replay or a coordinator's restart needs
-        to go on bit for bit: a sync job's, and PipeDream's, whose rank files keep the old
-        weight version its next step's warm-up forwards run on ([Note: resumed leads] in
-        pipefb.runtime.state); other async jobs' forward ranks run on versions none holds."""
-        return self.mode == "sync" or self.schedule == "pipedream"
 
     @property
     def microbatch_size(self) -> int:

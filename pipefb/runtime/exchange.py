@@ -152,6 +152,9 @@ class Exchange:
         staleness] in pipefb.runtime.place); returns whether it installed one."""
         if version <= self.state.version:
             return False  # version 0: initial weights, identical everywhere by construction
+        if version in self.state.versions.versions():  # a resumed rank's checkpoint copy
+            self.state.install_kept(version)  # ([Note: resumed stale forwards])
+            return True
         names = self.state.param_names(self.place.fwd_layers)
         self.state.install(version, self.transport.wait_weights(version, names))
         return True

@@ -70,6 +70,16 @@ class RankPlace:
         fresh = self.staleness > 0 and m >= self.stale_microbatches
         return max(0, step - self.staleness + fresh)
 
+    def versions_from(self, step: int, steps: int) -> set[int]:
+        """The weight versions up to `step` that split ranks' forwards of steps `step` ..
+        `steps` - 1 run on: after step `step` - 1's OPT made version `step`, the old ones
+        among them are what the owners keep for those forwards' backwards, and what a
+        checkpoint of step boundary `step` holds ([Note: resumed stale forwards] in
+        pipefb.runtime.state)."""
+        last = self.microbatches - 1
+        return {v for t in range(step, min(steps, step + self.staleness + 1)) for m in (0, last)
+                if (v := self.split_version(t, m)) <= step}
+
     def first_step_using(self, version: int) -> int:
         """The first step one of whose forwards uses weight `version` (split ranks)."""
         return version + self.staleness - (self.stale_microbatches < self.microbatches)

@@ -474,8 +474,8 @@ class StageRuntime:
         it.loss_scale = self.state.scale.scale if self.state.scale is not None else 0.0
 
     def _versions_needed_after(self, step: int, checkpoint: bool) -> set[int]:
-        """Weight versions some backward after step `step`'s OPT will still use, and the
-        one a checkpoint after the job's last step (`checkpoint`) keeps."""
+        """Weight versions some backward after step `step`'s OPT will still use, and those
+        a checkpoint after the job's last step (`checkpoint`) keeps."""
         if self.role == "combined":
             needed = set(self.flight.forward_version.values())
             if self.lead_forwards and step == self.job.steps - 1 and checkpoint:
@@ -484,9 +484,13 @@ class StageRuntime:
                 # it runs the next step's lead forwards on
                 needed.add(self.state.version)
             return needed
-        lag, last = self.plan.staleness, self.place.microbatches - 1
-        return {self.place.split_version(t, m) for m in (0, last)
-                for t in range(step + 1, min(self.job.steps, step + lag + 1))}
+        # split ranks: the versions the next steps' forwards run on, as if the job went
+        # on past its last step, whose OPT keeps them only for a checkpoint after it: a
+        # longer job resumed from it runs its first forwards on them ([Note: resumed
+        # stale forwards] in pipefb.runtime.state)
+        if step == self.job.steps - 1 and not checkpoint:
+            return set()
+        return self.place.versions_from(step + 1, self.job.steps + self.plan.staleness)
 
     # -- the rank's state, for checkpoints, migration and evaluation -----------------------
 
@@ -538,6 +542,10 @@ class StageRuntime:
         """Resumes at `step` from a checkpoint's rank files (`RankState.restore`)."""
         self.state.restore(files, step)
         self.start = step
+        if self.role != "combined" and self.plan.staleness:  # async PipeFB
+            self.state.resume_stale(step, self.place.versions_from(step, self.job.steps),
+                                    self.place.split_version(step)
+                                    if self.role == "forward" else None)
         self._account()
 
     def restore_parts(self, parts: Sequence[Part], step: int, source: str) -> None:

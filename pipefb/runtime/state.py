@@ -362,20 +362,75 @@ class RankState:
         self.version = step
 
     def _restore_kept(self, weights: Mapping[str, torch.Tensor], step: int) -> None:
-        """Keeps version `step` - 1 of the owned layers where the parts hold a copy of
-        every one of their parameters ([Note: resumed leads]); otherwise keeps nothing."""
-        version = step - 1
-        kept: dict[int, list[torch.Tensor]] = {}
-        for i in self.bwd_layers:
-            got = [weights.get(f"{KEPT_PREFIX}{version}.layers.{i}.{name}")
-                   for name, _ in self.layers[i].named_parameters()]
-            if any(t is None or t.shape != p.shape or t.dtype != p.dtype
-                   for t, p in zip(got, self.layers[i].parameters(), strict=True)):
-                return
-            kept[i] = [t.to(p.device) for t, p in zip(got, self.layers[i].parameters(),
-                                                      strict=True) if t is not None]
-        if version >= 0 and kept:
-            self.versions.put(version, kept)
+        """Keeps each old version (below `step`) of which the parts hold a copy of every
+        parameter of the layers this rank keeps versions of: its owned layers, or a
+        forward rank's forward layers ([Note: resumed leads], [Note: resumed stale
+        forwards]); a version some parameter lacks is not kept."""
+        layers = self.bwd_layers or self.fwd_layers
+        found = {int(k[len(KEPT_PREFIX):].split(".", 1)[0]) for k in weights
+                 if k.startswith(KEPT_PREFIX)}
+        for version in sorted(v for v in found if 0 <= v < step):
+            kept: dict[int, list[torch.Tensor]] = {}
+            for i in layers:
+                params = list(self.layers[i].parameters())
+                got = [weights.get(f"{KEPT_PREFIX}{version}.layers.{i}.{name}")
+                       for name, _ in self.layers[i].named_parameters()]
+                whole = [t.to(p.device) for t, p in zip(got, params, strict=True)
+                         if t is not None and t.shape == p.shape and t.dtype == p.dtype]
+                if len(whole) < len(params):
+                    break
+                kept[i] = whole
+            else:
+                if kept:
+                    self.versions.put(version, kept)
+
+    def resume_stale(self, step: int, used: set[int], first: int | None) -> None:
+        """Readies an async PipeFB rank resumed at `step` for the old weight versions
+        the forwards of its first steps run on (`used`); `first`: on a forward rank, the
+        version its first forward runs on, which it installs now.
+
+        [Note: resumed stale forwards] An async PipeFB forward rank runs step k's
+        forwards on version k - S (k - S + 1 past the first K micro-batches: [Note:
+        micro-batch staleness] in pipefb.runtime.place), pushed by the owners after their
+        OPT of step k - S - 1 (k - S). A job resumed at step N runs no step before N: no
+        owner pushes versions N - S + 1 .. N, and the owners' backwards of steps N .. N +
+        S - 1 need the old versions those steps' forwards ran on. After step N - 1's OPT
+        the owners keep exactly those (`WeightVersions`), so their rank files of step
+        boundary N hold them (`kept_weights`) beside the live version N. Every resumed
+        rank restores the copies of its layers (`_restore_kept`); a forward rank also
+        keeps the live version N where a forward uses it, installs `first`, and takes
+        each newer version from its copies instead of a push (`install_kept`, from
+        `Exchange.install_version`), dropping each copy once installed. So the resumed
+        job's forwards and backwards run on the versions the uninterrupted job's ran on.
+        The owners keep them as if the job went on past its last step, whose OPT drops
+        them unless a checkpoint follows it (`StageRuntime._versions_needed_after`), so a
+        longer job resumes from that checkpoint too.
+
+        Raises:
+            ConfigError: the checkpoint holds no copy of one of `used`.
+        """
+        missing = sorted(used - {step} - set(self.versions.versions()))
+        if missing:
+            raise ConfigError(f"the checkpoint of step {step} holds no copy of weight version "
+                              f"{missing[0]}, which the forwards of its first steps run on "
+                              "(async staleness)")
+        self.versions.prune(used)
+        if first is not None and first < step:
+            if step in used:
+                self.versions.keep(step, {i: self.layers[i] for i in self.fwd_layers})
+            self.install_kept(first)
+
+    def install_kept(self, version: int) -> None:
+        """Installs a kept copy of `version` into the forward layers and drops the copies
+        of it and older versions ([Note: resumed stale forwards])."""
+        with torch.no_grad():
+            for i in self.fwd_layers:
+                for p, kept in zip(self.layers[i].parameters(),
+                                   self.versions.params(version, i), strict=True):
+                    p.copy_(kept)
+                self.execs[i].weights_changed()
+        self.version = version
+        self.versions.prune(v for v in self.versions.versions() if v > version)
 
     def weights_digest(self) -> str:
         """`weights_digest` of the owned parameters (the coordinator compares the groups';
