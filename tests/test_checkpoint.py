@@ -166,16 +166,16 @@ def test_pipedream_resumed_mid_run_from_a_checkpoint_its_lead_forwards_passed(
     assert_resumes_from_step_3(client, job, whole, want)
 
 
-# (staleness S, K): the default K (1 of 4 micro-batches stale) and every micro-batch stale
-ASYNC_RESUMES = [(1, 0), (2, 0), (1, 4), (2, 4)]
+# (staleness S, K, groups): the default K (1 of 4 micro-batches stale on one group, all
+# of them on two) and every micro-batch stale
+ASYNC_RESUMES = [(1, 0, 1), (2, 0, 1), (1, 4, 1), (2, 4, 1), (2, 0, 2)]
 
 
-def async_pipefb_job(staleness: int, k: int, name: str, **extra: Any) -> JobConfig:
-    """A 6-step async PipeFB job (forward ranks 0, 1; weight owners 2, 3) that checkpoints
-    every 3 steps into `name`."""
+def async_pipefb_job(staleness: int, k: int, name: str, groups: int = 1) -> JobConfig:
+    """A 6-step async PipeFB job on 4 workers that checkpoints every 3 steps into `name`."""
     return make_job("gpt", "pipefb", 4, "adamw", mode="async", staleness=staleness,
-                    staleness_microbatches=k, steps=6, checkpoint_every=3,
-                    checkpoint_dir=f"{name}-s{staleness}-k{k}", **extra)
+                    staleness_microbatches=k, groups=groups, steps=6, checkpoint_every=3,
+                    checkpoint_dir=f"{name}-s{staleness}-k{k}-g{groups}")
 
 
 def kept_versions(root: Path, step: int, rank: int) -> list[int]:
@@ -184,17 +184,21 @@ def kept_versions(root: Path, step: int, rank: int) -> list[int]:
     return sorted({int(n.split(".")[1]) for n in names if n.startswith("kept.")})
 
 
-@pytest.mark.parametrize(("staleness", "k"), ASYNC_RESUMES)
+@pytest.mark.parametrize(("staleness", "k", "groups"), ASYNC_RESUMES)
 def test_async_pipefb_resumed_mid_run_runs_its_first_forwards_on_the_kept_versions(
-        client: Any, cluster: Any, staleness: int, k: int) -> None:
+        client: Any, cluster: Any, staleness: int, k: int, groups: int) -> None:
     """The checkpoint of step 3 of a 6-step async PipeFB job: the owners' files hold
     versions 3 - S .. 2, which steps 3 .. 2 + S's forwards run on ([Note: resumed stale
     forwards] in pipefb/runtime/state.py); the job resumed from it (the step-6 checkpoint
     removed) reports steps 3-5 and ends bit for bit where the uninterrupted job ended."""
-    job = async_pipefb_job(staleness, k, "mid-async")
+    job = async_pipefb_job(staleness, k, "mid-async", groups)
     whole, want = run_on_cluster(client, job)
     root = cluster.checkpoint_root / job.checkpoint_dir
-    for owner in (2, 3):
+    found, _ = newest_intact(root, job.to_dict(), 3)
+    assert found is not None and found.step == 3
+    owners = [a["rank"] for a in found.plan["assignment"] if a["role"] != "forward"]
+    assert len(owners) == 2
+    for owner in owners:
         assert kept_versions(root, 3, owner) == list(range(3 - staleness, 3))
     for path in (root / "step-000006").iterdir():
         path.unlink()

@@ -450,7 +450,24 @@ def test_the_cli_replays_a_killed_pipedream_worker_from_its_checkpoint(tmp_path:
     """`pipefb local train --schedule pipedream --max-restarts 1 --checkpoint-every 5`,
     worker-2 SIGKILLed after step 12: the CLI exits 0 and report.json names the restart
     and the checkpoint step the replay started at (10 or later, not 0)."""
-    proc = subprocess.Popen([sys.executable, "-m", "pipefb.app.cli", *PIPEDREAM_CLI, "--out",
+    assert_the_cli_replays_from_a_checkpoint(tmp_path, PIPEDREAM_CLI)
+
+
+def test_the_cli_replays_a_killed_async_pipefb_worker_from_its_checkpoint(tmp_path: Path
+                                                                          ) -> None:
+    """The same with `--schedule pipefb --mode async --staleness 2`: worker-2 (a weight
+    owner) SIGKILLed after step 12, the replay starts at a checkpoint (10 or later)."""
+    cli = [*PIPEDREAM_CLI]
+    at = cli.index("pipedream")
+    cli[at:at + 1] = ["pipefb", "--mode", "async", "--staleness", "2"]
+    assert_the_cli_replays_from_a_checkpoint(tmp_path, cli)
+
+
+def assert_the_cli_replays_from_a_checkpoint(tmp_path: Path, cli: list[str]) -> None:
+    """Runs `pipefb` with `cli` (100 steps, a checkpoint every 5, one restart), SIGKILLs
+    worker-2 after step 12, and checks the CLI exits 0 and report.json names the restart
+    and the checkpoint step the replay started at (10 or later, not 0)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipefb.app.cli", *cli, "--out",
                              str(tmp_path)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, cwd=ROOT)
     assert proc.stderr is not None
