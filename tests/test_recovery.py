@@ -440,6 +440,28 @@ def test_a_relaunched_coordinator_resumes_an_async_pipefb_job_from_its_checkpoin
     assert_equals_run(client, job, reports, want, want_weights)
 
 
+def test_a_sigtermed_coordinator_drains_an_async_pipefb_job_and_its_successor_resumes(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """SIGTERM while the forward ranks of an async PipeFB job (S = 2) run ahead: every
+    rank ends the steps issued, the owners save at that boundary with the versions in
+    flight, and the relaunched coordinator resumes from exactly that step to the
+    uninterrupted run's losses and weights, bit for bit."""
+    job = replace(async_pipefb_job("drain-async", 2), checkpoint_every=100)
+    want, want_weights = uninterrupted(client, job)
+    client.submit(job)
+    running_at(client, job.job_id, 12)
+    old = restarting.process("coordinator")
+    old.popen.send_signal(signal.SIGTERM)
+    assert old.popen.wait(timeout=30) == 0
+    time.sleep(1.0)
+    client.wait_for_workers(4, timeout=120)
+    status = finished(client, job.job_id)
+    assert status.state == DONE, status.error
+    reports = list(client.follow(job.job_id))
+    assert reports[0].step >= 12 and reports[0].step % 100  # the drain's own checkpoint
+    assert_equals_run(client, job, reports, want, want_weights)
+
+
 PIPEDREAM_CLI = ["local", "train", "--model", "mlp", "--dataset", "digits", "--loss",
                  "cross_entropy", "--schedule", "pipedream", "--workers", "4", "--batch-size",
                  "8", "--microbatches", "4", "--steps", "100", "--optimizer", "sgd", "--lr",
