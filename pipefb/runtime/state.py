@@ -391,10 +391,10 @@ class RankState:
 
         [Note: resumed stale forwards] An async PipeFB forward rank runs step k's
         forwards on version k - S (k - S + 1 past the first K micro-batches: [Note:
-        micro-batch staleness] in pipefb.runtime.place), pushed by the owners after their
-        OPT of step k - S - 1 (k - S). A job resumed at step N runs no step before N: no
-        owner pushes versions N - S + 1 .. N, and the owners' backwards of steps N .. N +
-        S - 1 need the old versions those steps' forwards ran on. After step N - 1's OPT
+        micro-batch staleness] in pipefb.runtime.place), which the owners push once
+        their OPT of step k - S - 1 made it. A job resumed at step N runs no step before
+        N: no owner pushes versions N - S + 1 .. N, and the owners' backwards of steps N
+        .. N + S - 1 need the old versions those steps' forwards ran on. After step N - 1's OPT
         the owners keep exactly those (`WeightVersions`), so their rank files of step
         boundary N hold them (`kept_weights`) beside the live version N. Every resumed
         rank restores the copies of its layers (`_restore_kept`); a forward rank also
