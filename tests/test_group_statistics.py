@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
+from pipefb.errors import ConfigError
+from pipefb.job.checks import check_job
 from pipefb.runtime.checkpoint import load_rank
 from pipefb.runtime.groupstats import batch_statistics, replay
 from tests.test_any_model import DIGITS
@@ -80,3 +83,25 @@ def test_two_groups_end_with_one_processs_statistics(client: Any, cluster: Any, 
     assert {k: len(v) for k, v in copies.items()} == dict.fromkeys(stats, 2)  # a group each
     assert [k for k, v in copies.items() if not all(torch.equal(c, want[k]) for c in v)] == []
 
+
+
+CUMULATIVE = ("model 'zoo_bn_cumulative': layer 1 (BatchNorm1d) has momentum None (a "
+              "cumulative average, whose factor 1 / num_batches_tracked is read from a "
+              "buffer's value, which pipefb's traces on shapes alone cannot follow): not "
+              "supported; give it a momentum (torch's default is 0.1)")
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_cumulative_batchnorm_is_refused_at_submit_in_one_line(plugin_path: Any,
+                                                                 groups: int) -> None:
+    with pytest.raises(ConfigError) as caught:
+        check_job(make_job("zoo_bn_cumulative", "1f1b", 4, "adamw", groups=groups, **DIGITS))
+    assert str(caught.value) == CUMULATIVE
+
+
+def test_the_coordinator_refuses_a_cumulative_batchnorm_as_invalid_argument(client: Any
+                                                                            ) -> None:
+    with pytest.raises(grpc.RpcError) as rpc:
+        client.submit(make_job("zoo_bn_cumulative", "pipefb", 4, "adamw", groups=2, **DIGITS))
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rpc.value.details() == f"ConfigError: {CUMULATIVE}"

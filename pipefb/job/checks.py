@@ -73,6 +73,7 @@ def check_model(config: JobConfig, limits: SizeLimits | None = None) -> CheckedM
     layers = meta_layers(config)
     check_parameters(config, layers, limits)
     check_tied_parameters(config, layers)
+    check_cumulative_statistics(config, layers)
     dataset = job_dataset(config, check_all=True)  # paths, windows, token ids
     x, y = dataset.microbatch(0, 0, config.microbatch_size)
     try:  # the model, data and loss fit together
@@ -149,6 +150,24 @@ def _statistics_not_replayed(config: JobConfig) -> str | None:
     if config.precision != "fp32":
         return f"one process's are replayed at fp32 precision only, not at {config.precision}"
     return None
+
+
+def check_cumulative_statistics(config: JobConfig, layers: list[torch.nn.Module]) -> None:
+    """Refuses a BatchNorm with momentum None: its forward takes the factor of its
+    cumulative average, 1 / num_batches_tracked, from a buffer's value, which the traces
+    on shapes alone (the submit's shape check, a rank's split) cannot follow.
+
+    Raises:
+        ConfigError: naming the layer index and class.
+    """
+    norm = torch.nn.modules.batchnorm._BatchNorm
+    for i, layer in enumerate(layers):
+        if isinstance(layer, norm) and layer.track_running_stats and layer.momentum is None:
+            raise ConfigError(
+                f"model {config.model!r}: layer {i} ({type(layer).__name__}) has momentum "
+                "None (a cumulative average, whose factor 1 / num_batches_tracked is read "
+                "from a buffer's value, which pipefb's traces on shapes alone cannot "
+                "follow): not supported; give it a momentum (torch's default is 0.1)")
 
 
 def check_tied_parameters(config: JobConfig, layers: list[torch.nn.Module]) -> None:
