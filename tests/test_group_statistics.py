@@ -15,6 +15,7 @@ import torch
 from pipefb.errors import ConfigError
 from pipefb.job.checks import check_job
 from pipefb.runtime.checkpoint import load_rank
+from pipefb.runtime.evaluate import evaluate
 from pipefb.runtime.groupstats import batch_statistics, replay
 from tests.test_any_model import DIGITS
 from tests.test_transparency import make_job, reference, run_on_cluster
@@ -105,3 +106,14 @@ def test_the_coordinator_refuses_a_cumulative_batchnorm_as_invalid_argument(clie
         client.submit(make_job("zoo_bn_cumulative", "pipefb", 4, "adamw", groups=2, **DIGITS))
     assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert rpc.value.details() == f"ConfigError: {CUMULATIVE}"
+
+
+def test_the_held_out_evaluation_reads_one_processs_statistics(client: Any) -> None:
+    """The copy a combined rank keeps for the evaluation of version 2 (taken at its OPT)
+    holds the replayed statistics: the evaluation is `single`'s after 2 steps."""
+    job = make_job("zoo_batchnorm", "1f1b", 4, "adamw", groups=2, microbatches=2, steps=4,
+                   eval_every=2, **DIGITS)
+    reports, _ = run_on_cluster(client, job)
+    [evaluated] = [dict(r.eval) for r in reports if r.eval]
+    _, want = reference(replace(job, steps=2, eval_every=0))
+    assert evaluated["loss"] == evaluate(replace(job, steps=2, eval_every=0), want)["loss"]

@@ -240,7 +240,7 @@ class StageRuntime:
             if self.stopped is not None:  # between actions: one micro-batch's compute at most
                 raise Aborted(self.stopped)
             self._run_action(todo, index, it)
-        self.stats.reduce_()  # [Note: group statistics], once every group's forwards ran
+        self.stats.reduce_()  # [Note: group statistics] on a rank without OPT
         return self._result(it, self.transport.flush())
 
     def stop(self, reason: str) -> None:
@@ -484,6 +484,7 @@ class StageRuntime:
         if self.tied.holds_any:  # before the groups' sum and the norm: the whole gradient
             self.tied.reduce_(step)
         self.renorms.before_update(step)  # [Note: renormalised rows]
+        self.stats.reduce_()  # [Note: group statistics], before a copy kept for evaluation
         done = self.state.step(step, self._versions_needed_after(step, it.checkpoint),
                                self.reducer, self.clip)
         it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped
