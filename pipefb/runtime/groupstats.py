@@ -7,19 +7,20 @@ in order. So each rank that runs such a layer's forward records, before each
 micro-batch's forward, that micro-batch's batch mean and unbiased variance: the new
 running statistics of a second `native_batch_norm` of the same input with momentum 1 and
 zero statistics (the kernel's own values; momentum 1 makes its update `1 * stat + 0`,
-exact). After the step's forwards, the ranks of the same forward stage in every group
-sum one slot per (micro-batch, layer) over gloo, each slot filled by its group alone (the
-float32 values as int32 bit patterns, so zeros add exactly, signs of zero included); then
-each rank puts back its buffers as they were before the step and replays the G * M
-updates in one process's order: group 0's micro-batches, then group 1's. The CPU
-kernel's update, in float32, is `mean' = m * mean + (1 - m) * mean_run` and
-`var' = fma(m, u, (1 - m) * var_run)`, with `m` the momentum rounded to float32 (with
-momentum None, `1 / num_batches_tracked` after its increment) and `1 - m` taken in
-float32; `replay` computes exactly that, checked bit for bit against the kernel
-(tests/test_group_statistics.py). Only a float32 BatchNorm of torch's own forward
-computed on the CPU at fp32 precision in a sync schedule is replayed
-(`pipefb.job.shapes.replays_statistics`, `replays_on`); any other buffer-writing layer
-keeps its group's statistics and the submit check says so
+exact). Once the step's forwards ran (at OPT where the rank steps the optimizer, before
+it keeps a copy for the held-out evaluation; else after the step's last action), the
+ranks of the same forward stage in every group sum one slot per (micro-batch, layer)
+over gloo, each slot filled by its group alone (the float32 values as int32 bit
+patterns, so zeros add exactly, signs of zero included); then each rank puts back its
+buffers as they were before the step and replays the G * M updates in one process's
+order: group 0's micro-batches, then group 1's. The CPU kernel's update, in float32, is
+`mean' = m * mean + (1 - m) * mean_run` and `var' = fma(m, u, (1 - m) * var_run)`, with
+`m` the momentum rounded to float32 (with momentum None, `1 / num_batches_tracked` after
+its increment) and `1 - m` taken in float32; `replay` computes exactly that, checked bit
+for bit against the kernel (tests/test_group_statistics.py). Only a float32 BatchNorm of
+torch's own forward computed on the CPU at fp32 precision in a sync schedule is
+replayed (`pipefb.job.shapes.replays_statistics`, `replays_on`); any other
+buffer-writing layer keeps its group's statistics and the submit check says so
 (`pipefb.job.checks.group_statistics_warning`).
 """
 
