@@ -1,7 +1,8 @@
 """BatchNorm's statistics with two data-parallel groups: in PipeFB across a live layer move,
 on a cluster of 6 workers (each group: forward and backward ranks of its own), where the
-session's cluster of 4 has too few for a PipeFB group of two stages to move layers; and
-the warning at submit that they are group 0's, not one process's."""
+session's cluster of 4 has too few for a PipeFB group of two stages to move layers; every
+micro-batch counted once ([Note: group statistics] in pipefb.runtime.groupstats); and the
+warning at submit where each group keeps its own."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 from coordinator.client import CoordinatorClient
 from pipefb.app.cli import main
 from pipefb.app.local import LocalServices
+from pipefb.job.checks import group_statistics_warning
+from pipefb.job.shapes import TensorSpec
 from pipefb.runtime.splitcheck import check_submit
 from protos.security import Security
 from tests.conftest import WORKER_THREADS
@@ -63,32 +66,54 @@ def test_pipefb_groups_keep_their_statistics_across_a_move(six: Any) -> None:
     assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
 
 
-# [Note: mutated buffers] with groups: each group's statistics follow its own micro-batches
+# [Note: group statistics]: the line of a job whose groups keep their own statistics
 GROUP_STATS = ("updates buffers in the forward (running statistics); with 2 groups each "
-               "group's statistics follow only its own micro-batches, and the exported, "
+               "group's statistics follow only its own micro-batches ({}), and the exported, "
                "checkpointed and evaluated ones are group 0's, not where one process leaves "
                "them (parameters and training losses are not affected)")
 
 
-@pytest.mark.parametrize(("model", "groups", "warnings"), [
-    ("zoo_convbn", 2, [f"model 'zoo_convbn': layer 2 (BatchNorm2d) {GROUP_STATS}"]),
-    ("zoo_batchnorm", 2, ["model 'zoo_batchnorm': layers 1 (BatchNorm1d), 4 (BatchNorm1d) "
-                          + GROUP_STATS.replace("updates", "update", 1)]),
-    ("zoo_convbn", 1, []),
-    ("mlp", 2, []),
+@pytest.mark.parametrize(("model", "schedule", "fields", "reason"), [
+    ("zoo_convbn", "1f1b", {}, None),
+    ("zoo_batchnorm", "pipefb", {}, None),
+    ("zoo_convbn", "pipedream", {},
+     "one process's are replayed in sync schedules only, not in pipedream"),
+    ("zoo_batchnorm", "pipefb", {"mode": "async"},
+     "one process's are replayed in sync schedules only, not in async mode"),
+    ("zoo_convbn", "1f1b", {"precision": "bf16"},
+     "one process's are replayed at fp32 precision only, not at bf16"),
+    ("zoo_convbn", "1f1b", {"device": "cuda"},
+     "one process's are replayed on the cpu only, not on cuda"),
+    ("zoo_convbn", "1f1b", {"groups": 1}, None),
+    ("mlp", "1f1b", {}, None),
 ])
-def test_submit_warns_of_group_statistics_in_one_line(plugin_path: Path, model: str,
-                                                      groups: int, warnings: list[str]) -> None:
-    job = make_job(model, "1f1b", 4, "adamw", groups=groups, **DIGITS)
-    assert check_submit(job).warnings == warnings
+def test_submit_warns_in_one_line_where_groups_keep_their_own_statistics(
+        plugin_path: Path, model: str, schedule: str, fields: dict[str, Any],
+        reason: str | None) -> None:
+    job = make_job(model, schedule, 4, "adamw", **{"groups": 2, **DIGITS, **fields})
+    layers = ("layers 1 (BatchNorm1d), 4 (BatchNorm1d) update" if model == "zoo_batchnorm"
+              else "layer 2 (BatchNorm2d) updates")
+    want = [f"model {model!r}: {layers} " + GROUP_STATS.format(reason).split(" ", 1)[1]]
+    assert check_submit(job).warnings == (want if reason else [])
+
+
+def test_a_layer_that_is_not_a_float32_batchnorm_keeps_its_groups_statistics() -> None:
+    """A float64 BatchNorm's update is not the float32 kernel's that the ranks replay."""
+    layers: list[torch.nn.Module] = [torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3).double()]
+    specs = [[TensorSpec((2, 4), torch.float32)], [TensorSpec((2, 3), torch.float64)]]
+    job = make_job("mlp", "1f1b", 4, "adamw", groups=2)
+    assert group_statistics_warning(job, layers, specs) == (
+        "model 'mlp': layer 1 (BatchNorm1d) " + GROUP_STATS.format(
+            "one process's are replayed for float32 nn.BatchNorm layers only"))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipefb"])
-def test_a_grouped_batchnorm_job_warns_and_exports_group_zeros_statistics(
+def test_a_grouped_batchnorm_job_counts_every_microbatch_without_a_warning(
         cluster: Any, client: Any, capsys: pytest.CaptureFixture[str], schedule: str) -> None:
-    """The job runs (its parameters are one process's, as for any model with groups), and
-    its statistics are group 0's: half the micro-batches counted. `pipefb submit` prints
-    the warning on stderr, one line."""
+    """Two micro-batches per group: the parameters are one process's to rounding (the
+    groups' all-reduce adds in another order), and so are the statistics, which follow
+    them; every micro-batch is counted once ([Note: group statistics]). `pipefb submit`
+    prints no warning."""
     # SGD: AdamW scales the conv bias's gradient, zero in exact arithmetic before a
     # BatchNorm, up to the learning rate, whatever the groups' all-reduce rounding
     job = make_job("zoo_convbn", schedule, 4, "sgd", groups=2, **DIGITS)
@@ -96,19 +121,16 @@ def test_a_grouped_batchnorm_job_warns_and_exports_group_zeros_statistics(
     want_losses, want = reference(job)
     torch.testing.assert_close(torch.tensor([r.loss for r in reports], dtype=torch.float64),
                                torch.tensor(want_losses, dtype=torch.float64), rtol=1e-5, atol=0)
-    stats = {k for k in want if "running" in k or "num_batches" in k}
-    assert sorted(weights) == sorted(want) and len(stats) == 3
-    for name in sorted(set(want) - stats):
+    assert sorted(weights) == sorted(want)
+    for name in sorted(want):
         torch.testing.assert_close(weights[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
     count = "layers.2.num_batches_tracked"
-    assert int(weights[count]) == job.steps * job.microbatches // 2
-    assert int(want[count]) == job.steps * job.microbatches
+    assert int(weights[count]) == int(want[count]) == job.steps * job.microbatches
     assert main(["submit", "--coordinator", cluster.coordinator, "--model", "zoo_convbn",
                  "--dataset", "digits", "--loss", "cross_entropy", "--schedule", schedule,
                  "--workers", "4", "--groups", "2", "--batch-size", "8", "--microbatches", "4",
                  "--steps", "1", "--follow"]) == 0
     captured = capsys.readouterr()
-    assert captured.err == f"pipefb: warning: model 'zoo_convbn': layer 2 (BatchNorm2d) " \
-                           f"{GROUP_STATS}\n"
+    assert captured.err == ""
     assert captured.out.splitlines()[0].startswith("job-")
     assert captured.out.splitlines()[1].startswith("step 0 loss ")

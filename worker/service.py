@@ -28,7 +28,6 @@ from pipefb.runtime.allreduce import (
     GroupAllReduce,
     norm_rendezvous_key,
     rendezvous_key,
-    tie_rendezvous_key,
 )
 from pipefb.runtime.checkpoint import rank_file, resolve_under
 from pipefb.runtime.manifest import verified_files
@@ -39,6 +38,7 @@ from protos.convert import ProfileQuery, job_from_proto, plan_from_proto, profil
 from protos.server import FailedPrecondition
 from worker.caller import Caller
 from worker.metrics import WorkerMetrics
+from worker.sidegroups import join_stats_group, join_tie_group
 from worker.stepgate import StepGate
 from worker.takeover import Source, buffers_of, local_part, migrate_stream, pull
 
@@ -175,7 +175,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         tie_reducer: GroupAllReduce | None = None
         try:
             caller.check(what)
-            tie_reducer = _join_tie_group(request, runtime)
+            tie_reducer = join_tie_group(request, runtime)
+            join_stats_group(request, runtime)  # [Note: group statistics]
             caller.check(what)
             if request.HasField("source"):
                 migrated = self._take_over(request, plan, runtime, source)
@@ -198,7 +199,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             if caller.gone.is_set():
                 log.warning("%s: %s", what, error)
             transport.close()
-            for group in (reducer, norm_reducer, tie_reducer):
+            for group in (reducer, norm_reducer, tie_reducer, runtime.stats.reducer):
                 if group is not None:
                     group.close()
             raise
@@ -502,7 +503,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                             DRAIN_WAIT_SECONDS)
             self._assigned.transport.close()
             for group in (self._assigned.reducer, self._assigned.norm_reducer,
-                          self._assigned.tie_reducer):
+                          self._assigned.tie_reducer, self._assigned.runtime.stats.reducer):
                 if group is not None:
                     group.close()
             self._assigned = None
@@ -575,25 +576,3 @@ def _join_norm_group(request: worker_pb2.AssignRequest, plan: Plan, job: JobConf
     own_host = request.peers[request.rank].rpartition(":")[0]
     return GroupAllReduce(request.rendezvous, key, mine.stage, stages, job_device(job),
                           bind_host=own_host)
-
-
-def _join_tie_group(request: worker_pb2.AssignRequest, runtime: StageRuntime
-                    ) -> GroupAllReduce | None:
-    """An owner of a tied parameter's use joins its group's exchange of tied gradients
-    with the other stages that own a use ([Note: tied parameters] in
-    pipefb.runtime.tied); None where it owns none, or one stage owns them all. Every
-    member joins it after its stage's group and the norm exchange."""
-    member = runtime.tie_membership()
-    if member is None:
-        return None
-    if not request.rendezvous:
-        raise ConfigError("tied parameters on several stages need a rendezvous address")
-    index, size = member
-    key = tie_rendezvous_key(request.job.job_id, request.attempt, runtime.place.group)
-    own_host = request.peers[request.rank].rpartition(":")[0]
-    # gloo on the host whatever the device: NCCL refuses two ranks on one GPU, and the
-    # workers of a one-GPU machine share it ([Note: tied parameters])
-    reducer = GroupAllReduce(request.rendezvous, key, index, size, torch.device("cpu"),
-                             bind_host=own_host)
-    runtime.set_tie_reducer(reducer)
-    return reducer

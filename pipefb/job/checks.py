@@ -73,6 +73,7 @@ def check_model(config: JobConfig, limits: SizeLimits | None = None) -> CheckedM
     layers = meta_layers(config)
     check_parameters(config, layers, limits)
     check_tied_parameters(config, layers)
+    check_cumulative_statistics(config, layers)
     dataset = job_dataset(config, check_all=True)  # paths, windows, token ids
     x, y = dataset.microbatch(0, 0, config.microbatch_size)
     try:  # the model, data and loss fit together
@@ -109,26 +110,64 @@ def check_model(config: JobConfig, limits: SizeLimits | None = None) -> CheckedM
 def group_statistics_warning(config: JobConfig, layers: list[torch.nn.Module],
                              specs: list[list[TensorSpec]]) -> str | None:
     """The line that says a job with several pipeline groups does not end with one
-    process's buffer statistics, or None: each group's forwards update the statistics of
-    their own micro-batches only (BatchNorm's running mean and variance; [Note: mutated
-    buffers] in pipefb.runtime.layersplit), and the exported, checkpointed and evaluated
-    ones are group 0's. The parameters and losses are not affected (a training forward
-    normalises by its micro-batch's own statistics)."""
-    from pipefb.job.shapes import written_buffers
+    process's buffer statistics, or None where it does. Each group's forwards update the
+    statistics of their own micro-batches only ([Note: mutated buffers] in
+    pipefb.runtime.layersplit); the ranks replay one process's updates of a float32
+    BatchNorm computed on the cpu in a sync schedule at fp32 precision ([Note: group
+    statistics] in pipefb.runtime.groupstats). Any other buffer-writing layer keeps its
+    group's statistics, and the exported, checkpointed and evaluated ones are group 0's.
+    The parameters and losses are not affected (a training forward normalises by its
+    micro-batch's own statistics)."""
+    from pipefb.job.shapes import replays_statistics, written_buffers
 
     if config.groups == 1:
         return None
+    job_reason = _statistics_not_replayed(config)
     written = [f"{i} ({type(layer).__name__})" for i, (layer, layer_specs)
-               in enumerate(zip(layers, specs, strict=True)) if written_buffers(layer, layer_specs)]
+               in enumerate(zip(layers, specs, strict=True))
+               if written_buffers(layer, layer_specs)
+               and (job_reason or not replays_statistics(layer, layer_specs))]
     if not written:
         return None
     groups = (f"with {config.groups} groups" if config.groups > 1
               else "if the planner picks several groups")
+    reason = job_reason or "one process's are replayed for float32 nn.BatchNorm layers only"
     return (f"model {config.model!r}: layer{'s' * (len(written) > 1)} {', '.join(written)} "
             f"update{'s' * (len(written) == 1)} buffers in the forward (running statistics); "
-            f"{groups} each group's statistics follow only its own micro-batches, and the "
-            "exported, checkpointed and evaluated ones are group 0's, not where one process "
-            "leaves them (parameters and training losses are not affected)")
+            f"{groups} each group's statistics follow only its own micro-batches ({reason}), "
+            "and the exported, checkpointed and evaluated ones are group 0's, not where one "
+            "process leaves them (parameters and training losses are not affected)")
+
+
+def _statistics_not_replayed(config: JobConfig) -> str | None:
+    """Why a job's ranks do not replay one process's BatchNorm statistics, or None where
+    they do (`pipefb.runtime.groupstats.replays_on`)."""
+    if config.device != "cpu":
+        return f"one process's are replayed on the cpu only, not on {config.device}"
+    if config.mode != "sync" or config.schedule == "pipedream":
+        what = "pipedream" if config.schedule == "pipedream" else f"{config.mode} mode"
+        return f"one process's are replayed in sync schedules only, not in {what}"
+    if config.precision != "fp32":
+        return f"one process's are replayed at fp32 precision only, not at {config.precision}"
+    return None
+
+
+def check_cumulative_statistics(config: JobConfig, layers: list[torch.nn.Module]) -> None:
+    """Refuses a BatchNorm with momentum None: its forward takes the factor of its
+    cumulative average, 1 / num_batches_tracked, from a buffer's value, which the traces
+    on shapes alone (the submit's shape check, a rank's split) cannot follow.
+
+    Raises:
+        ConfigError: naming the layer index and class.
+    """
+    norm = torch.nn.modules.batchnorm._BatchNorm
+    for i, layer in enumerate(layers):
+        if isinstance(layer, norm) and layer.track_running_stats and layer.momentum is None:
+            raise ConfigError(
+                f"model {config.model!r}: layer {i} ({type(layer).__name__}) has momentum "
+                "None (a cumulative average, whose factor 1 / num_batches_tracked is read "
+                "from a buffer's value, which pipefb's traces on shapes alone cannot "
+                "follow): not supported; give it a momentum (torch's default is 0.1)")
 
 
 def check_tied_parameters(config: JobConfig, layers: list[torch.nn.Module]) -> None:

@@ -197,6 +197,18 @@ def _written(layer: nn.Module, input_specs: Sequence[TensorSpec],
         return [n for n in real if state[n]._version != before[n]]
 
 
+def replays_statistics(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> bool:
+    """Whether the buffers a layer's forward writes are running statistics that several
+    groups' ranks replay as one process updates them ([Note: group statistics] in
+    pipefb.runtime.groupstats): a float32 BatchNorm with torch's own forward, tracking
+    running statistics, of a float32 input."""
+    norm = nn.modules.batchnorm._BatchNorm
+    return (isinstance(layer, norm) and type(layer).forward is norm.forward
+            and layer.track_running_stats and layer.running_mean is not None
+            and layer.running_mean.dtype == torch.float32
+            and bool(input_specs) and input_specs[0].dtype == torch.float32)
+
+
 def renorms_rows(layer: nn.Module) -> bool:
     """Whether a layer is an `nn.Embedding` with `max_norm` (and torch's own forward): its
     forward renormalises, in place, the weight's rows its input ids look up

@@ -53,6 +53,12 @@ def tie_rendezvous_key(job_id: str, attempt: int, group: int) -> str:
     return f"pipefb/{job_id}/{attempt}/tied{group}/"
 
 
+def stats_rendezvous_key(job_id: str, attempt: int, stage: int) -> str:
+    """The TCPStore prefix of one forward stage's exchange of BatchNorm statistics across
+    the groups (pipefb.runtime.groupstats), in one attempt of a job."""
+    return f"pipefb/{job_id}/{attempt}/stats{stage}/"
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """Splits `host:port`.
 

@@ -21,7 +21,13 @@ import torch
 from pipefb.errors import Aborted, ConfigError
 from pipefb.job.config import JobConfig, build_layers, job_device
 from pipefb.job.precision import autocast
-from pipefb.job.shapes import TensorSpec, output_spec, spec_of, writes_its_input
+from pipefb.job.shapes import (
+    TensorSpec,
+    output_spec,
+    replays_statistics,
+    spec_of,
+    writes_its_input,
+)
 from pipefb.memory import DeviceMemory, MemoryAccount, storage_bytes, tensor_bytes
 from pipefb.plan.plan import Plan
 from pipefb.runtime.allreduce import Reducer
@@ -40,6 +46,7 @@ from pipefb.runtime.execs import (
     trains,
 )
 from pipefb.runtime.flight import InFlight
+from pipefb.runtime.groupstats import GroupStatistics, replays_on
 from pipefb.runtime.inputs import MicroBatches
 from pipefb.runtime.layersplit import DeferredGrads
 from pipefb.runtime.lossscale import LossScale
@@ -132,6 +139,13 @@ class StageRuntime:
         self.runner = LayerRunner(self.plan, self.job.seed, execs,
                                   {i: len(specs[i]) for i in held}, self.n_layers, self.data,
                                   self.clock, fixed=set(self.renorms.norms))
+        # [Note: group statistics]: every group's copy ends a step with one process's
+        exact = replays_on(self.device, self.plan.mode, self.job.precision,
+                           bool(self.lead_forwards))
+        self.stats = GroupStatistics(
+            layers, [i for i in self.fwd_layers if exact and replays_statistics(layers[i],
+                                                                                specs[i])],
+            self.plan.microbatches, self.plan.groups, self.place.mb_offset)
         # fp16: every owner's copy of the loss scale ([Note: loss scaling])
         scale = (LossScale(self.device, self.norm_reducer, self.job.initial_loss_scale,
                            growth_interval=self.job.loss_scale_window)
@@ -226,6 +240,7 @@ class StageRuntime:
             if self.stopped is not None:  # between actions: one micro-batch's compute at most
                 raise Aborted(self.stopped)
             self._run_action(todo, index, it)
+        self.stats.reduce_()  # [Note: group statistics] on a rank without OPT
         return self._result(it, self.transport.flush())
 
     def stop(self, reason: str) -> None:
@@ -335,6 +350,7 @@ class StageRuntime:
         self.renorms.before_forward(step, m, owner=self.role == "combined")
         for i in self.fwd_layers:
             inputs = [x, targets] if i == self.n_layers - 1 and targets is not None else [x]
+            self.stats.record(i, m, x)
             x, saved = self.runner.forward(i, step, m, inputs, self.state.params(version, i))
             kept = self.runner.kept(i, inputs, saved)
             if kept:
@@ -468,6 +484,7 @@ class StageRuntime:
         if self.tied.holds_any:  # before the groups' sum and the norm: the whole gradient
             self.tied.reduce_(step)
         self.renorms.before_update(step)  # [Note: renormalised rows]
+        self.stats.reduce_()  # [Note: group statistics], before a copy kept for evaluation
         done = self.state.step(step, self._versions_needed_after(step, it.checkpoint),
                                self.reducer, self.clip)
         it.lr, it.grad_norm, it.skipped = done.lr, done.grad_norm, done.skipped

@@ -434,7 +434,9 @@ class RankState:
 
     def weights_digest(self) -> str:
         """`weights_digest` of the owned parameters (the coordinator compares the groups';
-        buffers follow each group's own micro-batches)."""
+        buffers are left out: where the groups do not replay one process's statistics,
+        each group's follow its own micro-batches, [Note: group statistics] in
+        pipefb.runtime.groupstats)."""
         return weights_digest(self.weights_of(self.bwd_layers))
 
     def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:

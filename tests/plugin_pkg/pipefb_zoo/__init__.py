@@ -72,6 +72,13 @@ def batchnorm(config: dict[str, Any]) -> list[nn.Module]:
             nn.BatchNorm1d(h), nn.Linear(h, 10)]
 
 
+def batchnorm_cumulative(config: dict[str, Any]) -> list[nn.Module]:
+    """BatchNorm1d with momentum None: its running statistics are the cumulative average
+    over every micro-batch so far (the factor is 1 / num_batches_tracked)."""
+    h = int(config.get("hidden", 16))
+    return [nn.Linear(64, h), nn.BatchNorm1d(h, momentum=None), nn.ReLU(), nn.Linear(h, 10)]
+
+
 def convbn(config: dict[str, Any]) -> list[nn.Module]:
     """Conv + BatchNorm2d + pooling on the 8x8 images."""
     c = int(config.get("channels", 4))
