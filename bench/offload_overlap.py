@@ -41,6 +41,7 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 # and the node-local tier (the local cluster's default: on; "": off)
 SETTINGS: dict[str, dict[str, str]] = {
     "tier, background": {"PIPEFB_STASH_IN_FLIGHT_BYTES": "268435456"},
+    "tier, compute thread": {"PIPEFB_STASH_IN_FLIGHT_BYTES": "0"},
     "redis, background": {"PIPEFB_STASH_IN_FLIGHT_BYTES": "268435456",
                           "PIPEFB_LOCAL_TIER_DIR": ""},
     "redis, compute thread": {"PIPEFB_STASH_IN_FLIGHT_BYTES": "0", "PIPEFB_LOCAL_TIER_DIR": ""},

@@ -6,8 +6,9 @@ segment (`offload_store.segments`, one copy: a layer is the unit a consumer take
 a PipeFB forward rank's layers may go to several backward ranks) and then, in one
 round trip as the Redis backend's write would take, sets each layer's index key
 (`keys.segment_key`) to its segment's tier id, path and size, with the store's TTL. The
-consumer's take is one pipeline: GETDEL of the layers' index keys and of the stash's
-ordinary value keys. An index entry means the segment: it is checked and its tensors
+consumer's take is one pipeline of GETDEL of the layers' index keys, and a second one of
+the ordinary value keys of the layers that have no index entry (spilled ones). An index
+entry means the segment: it is checked and its tensors
 view a private mapping of it (no copy; with ``zero_copy=False`` they are read into new
 tensors, one copy), and its file becomes a spare for the producer's next write once
 they are gone (delete on consume; [Note: spare segments], [Note: segment mappings]); no
@@ -15,6 +16,14 @@ entry means the layer went to Redis, and its
 values come back as from the Redis backend. So a layer over the tier's cap (`write`
 refuses it) spills to Redis exactly as without the tier, and nothing is ever evicted: a
 segment leaves the tier only when it is taken, released, or its job cleared.
+
+[Note: private index] A combined rank whose layers are the same forward and backward
+(GPipe, 1F1B, PipeDream) takes back every stash it puts, whole, so nobody else looks its
+segments up: its store (``private``) writes a micro-batch's whole stash as one segment
+and keeps the index in a dict of its own instead of Redis, so a put and a take cost one
+file each and no round trip to Redis. The segments are the same files in the job's directory, so the
+tier's cap, the node's memory accounting and the leases below hold as for any segment;
+a layer past the cap still spills to Redis and comes back from there.
 
 [Note: tier ranks] A segment is only readable on its own host, so a job attempt uses the
 tier only when all of its ranks share one: each rank's store adds ``{tier id}/{token}``
@@ -59,7 +68,8 @@ from pipefb.errors import ConfigError
 DIR_ENV = "PIPEFB_LOCAL_TIER_DIR"  # the tier's base directory (a tmpfs); empty: no tier
 BYTES_ENV = "PIPEFB_LOCAL_TIER_BYTES"  # the tier's cap; unset or -1: `default_cap`
 CAP_SHARE = 0.5  # the default cap: this share of the base directory's file system
-TIER_OPTIONS = ("local_tier_dir", "local_tier_bytes", "local_tier_ranks")  # open_store's
+TIER_OPTIONS = ("local_tier_dir", "local_tier_bytes", "local_tier_ranks",  # open_store's
+                "local_tier_private")
 
 
 def default_cap(base: Path) -> int:
@@ -89,7 +99,7 @@ class SharedTierStore:
     `StashStore` ([Note: local tier index]). Safe to share between threads."""
 
     def __init__(self, inner: OffloadStore, base: Path, cap_bytes: int = -1,
-                 ranks: int = 1, zero_copy: bool = True) -> None:
+                 ranks: int = 1, zero_copy: bool = True, private: bool = False) -> None:
         """Opens the tier at `base` for `inner`'s job attempt and adds this rank to the
         attempt's tier ranks ([Note: tier ranks]).
 
@@ -100,6 +110,8 @@ class SharedTierStore:
             ranks: how many ranks the job attempt has.
             zero_copy: takes hand out tensors viewing the segments (`segments.lend`);
                 False: copies (`segments.read`).
+            private: this store takes back every stash it puts itself ([Note: private
+                index]); its index stays in this process.
 
         Raises:
             ValueError: a cap below -1 or fewer than one rank.
@@ -117,6 +129,9 @@ class SharedTierStore:
         self._dir: Path | None = None
         self._shared: bool | None = None  # every rank of the attempt uses this tier (None:
         # not known yet, some ranks have not opened their stores)
+        self._private = private
+        # a private store's index: (step, micro-batch, version) -> its segment's entry
+        self._own: dict[tuple[int, int, int], str] = {}
         self._stats = StoreStats()
         self._lock = threading.Lock()
         segments.clear_job(self.base, self.job, below_attempt=self.attempt)  # [Note: tier leases]
@@ -139,14 +154,18 @@ class SharedTierStore:
             tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
         """Writes each layer's tensors as a segment and sets their index keys in one
         round trip; to Redis the layers past the cap, and the whole stash while the
-        job's ranks are not all on this tier."""
+        job's ranks are not all on this tier (a private store: its own, [Note: private
+        index])."""
+        if self._private:
+            return self._put_private(step, microbatch, version, tensors)
         if not self._all_ranks_here():
             return self.inner.put(step, microbatch, version, tensors)
         entries: dict[str, str] = {}
         spilled: dict[int, Mapping[str, torch.Tensor]] = {}
         try:
             for layer, named in tensors.items():
-                written = self._write(step, microbatch, layer, version, named) if named else None
+                written = (self._write(step, microbatch, layer, version, {layer: named})
+                           if named else None)
                 if written is None:
                     spilled[layer] = named
                 else:
@@ -175,15 +194,13 @@ class SharedTierStore:
         wanted = [(layer, name) for layer, layer_names in names.items() for name in layer_names]
         if not wanted:
             return {}
+        if self._private:
+            return self._take_private(step, microbatch, version, names)
+        if self._shared is False:  # the attempt never uses the tier: all of it is in Redis
+            return self.inner.take(step, microbatch, version, names)
         layers = [layer for layer in names if names[layer]]
-        keys = [self.inner.key(step, microbatch, layer, version, name) for layer, name in wanted]
-        pipe = self.inner.client.pipeline(transaction=False)
-        for layer in layers:
-            pipe.getdel(segment_key(self.job, self.attempt, step, microbatch, layer, version))
-        for key in keys:
-            pipe.getdel(key)
-        replies = execute_once(pipe)
-        index, values = dict(zip(layers, replies, strict=False)), replies[len(layers):]
+        index = dict(zip(layers, self._take_index(step, microbatch, version, layers),
+                         strict=True))
         out: LayerTensors = {}
         for layer, entry in index.items():  # every segment is read (and freed) first
             if isinstance(entry, Exception):
@@ -192,10 +209,9 @@ class SharedTierStore:
                 path, size = self._segment(entry)
                 self._count(bytes_taken=size, keys_taken=1)
                 out.update(self._read(path, size, {layer: names[layer]}))
-        rest = [i for i, (layer, _) in enumerate(wanted) if layer not in out]  # in Redis
-        if rest:
-            out.update(self.inner.decode_taken([wanted[i] for i in rest], [keys[i] for i in rest],
-                                               [values[i] for i in rest]))
+        spilled = {layer: names[layer] for layer in layers if layer not in out}
+        if spilled:  # no index entry: the layer went to Redis (a second round trip)
+            out.update(self.inner.take(step, microbatch, version, spilled))
         return out
 
     def prefetch(self, step: int, microbatch: int, version: int,
@@ -205,25 +221,30 @@ class SharedTierStore:
     def release(self, step: int, microbatch: int, version: int,
                 names: Mapping[int, Sequence[str]]) -> int:
         """Frees the stash's segments and its Redis keys, whichever it has."""
-        pipe = self.inner.client.pipeline(transaction=False)
-        for layer in names:
-            pipe.getdel(segment_key(self.job, self.attempt, step, microbatch, layer, version))
         keys = [self.inner.key(step, microbatch, layer, version, name)
                 for layer, layer_names in names.items() for name in layer_names]
-        if keys:
-            pipe.unlink(*keys)
-        replies = pipe.execute()
-        freed = int(replies[len(names)]) if keys else 0
-        for layer, entry in zip(names, replies, strict=False):
-            if entry is not None:
-                path, size = self._segment(entry)
-                path.unlink(missing_ok=True)
-                self._count(bytes_taken=size, keys_taken=1)
-                freed += len(names[layer])
+        freed = int(self.inner.client.unlink(*keys)) if keys else 0
+        if self._private:  # one segment holds the whole stash ([Note: private index])
+            with self._lock:
+                entry = self._own.pop((step, microbatch, version), None)
+            found = [] if entry is None else [(entry, len(keys))]
+        else:
+            entries = self._take_index(step, microbatch, version, list(names))
+            found = [(e, len(names[layer])) for layer, e in zip(names, entries, strict=True)
+                     if e is not None]
+        for entry, tensors in found:
+            if isinstance(entry, Exception):
+                raise entry
+            path, size = self._segment(entry)
+            path.unlink(missing_ok=True)
+            self._count(bytes_taken=size, keys_taken=1)
+            freed += tensors
         return freed
 
     def clear_job(self) -> int:
         """Deletes the job's Redis keys and its segments on this host, any attempt."""
+        with self._lock:
+            self._own.clear()
         return self.inner.clear_job() + segments.clear_job(self.base, self.job)
 
     def node_bytes(self) -> int:
@@ -245,6 +266,31 @@ class SharedTierStore:
         self._maps.close()
         self.inner.close()
 
+    def _put_private(self, step: int, microbatch: int, version: int,
+                     tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
+        """A private store's put: the whole stash as one segment, indexed in this process,
+        or to Redis past the cap ([Note: private index])."""
+        stored = {layer: named for layer, named in tensors.items() if named}
+        entry = self._write(step, microbatch, min(stored), version, stored) if stored else None
+        if entry is None:
+            return self.inner.put(step, microbatch, version, tensors)
+        with self._lock:
+            self._own[(step, microbatch, version)] = entry
+        size = int(json.loads(entry)["size"])
+        self._count(bytes_put=size, keys_put=1)
+        return size
+
+    def _take_private(self, step: int, microbatch: int, version: int,
+                      names: Mapping[int, Sequence[str]]) -> LayerTensors:
+        """A private store's take: the stash's one segment, or Redis where it spilled."""
+        with self._lock:
+            entry = self._own.pop((step, microbatch, version), None)
+        if entry is None:
+            return self.inner.take(step, microbatch, version, names)
+        path, size = self._segment(entry)
+        self._count(bytes_taken=size, keys_taken=1)
+        return self._read(path, size, {layer: names[layer] for layer in names if names[layer]})
+
     def _all_ranks_here(self) -> bool:
         """Whether every rank of the attempt uses this tier ([Note: tier ranks]); asked of
         Redis until the set names every rank, then known for the attempt."""
@@ -259,12 +305,13 @@ class SharedTierStore:
         return bool(self._shared)
 
     def _write(self, step: int, microbatch: int, layer: int, version: int,
-               named: Mapping[str, torch.Tensor]) -> str | None:
-        """Writes one layer's segment; returns its index entry, or None past the cap."""
+               tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> str | None:
+        """Writes one segment of `tensors` (named after `layer`); returns its index entry,
+        or None past the cap."""
         name = segments.segment_name(self.attempt, step, microbatch, layer, version)
         path = self._job_dir() / name
         try:
-            size = segments.write(path, {layer: named}, self.cap_bytes, self._maps)
+            size = segments.write(path, tensors, self.cap_bytes, self._maps)
         except FileNotFoundError:  # the job's directory was cleared: use a new one
             with self._lock:
                 self._dir = None
@@ -285,6 +332,17 @@ class SharedTierStore:
         self._count(bytes_put=sum(sizes), keys_put=len(sizes))
         return int(sum(sizes))
 
+    def _take_index(self, step: int, microbatch: int, version: int, layers: Sequence[int]
+                    ) -> list[str | bytes | Exception | None]:
+        """Gets and deletes the layers' index entries (None: the layer has none), in one
+        round trip."""
+        keys = [segment_key(self.job, self.attempt, step, microbatch, layer, version)
+                for layer in layers]
+        pipe = self.inner.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getdel(key)
+        return list(execute_once(pipe))
+
     @staticmethod
     def _unlink(entries: Iterable[str]) -> None:
         """Removes the segments of index entries this store wrote."""
@@ -297,7 +355,7 @@ class SharedTierStore:
                 self._dir = segments.job_dir(self.base, self.job)
             return self._dir
 
-    def _segment(self, entry: bytes) -> tuple[Path, int]:
+    def _segment(self, entry: str | bytes) -> tuple[Path, int]:
         """The path and size an index entry names, checked ([Note: segment layout]).
 
         Raises:
@@ -323,7 +381,7 @@ class SharedTierStore:
 
 
 def with_local_tier(store: StashStore, local_tier_dir: str = "", local_tier_bytes: int = -1,
-                    local_tier_ranks: int = 1) -> StashStore:
+                    local_tier_ranks: int = 1, local_tier_private: bool = False) -> StashStore:
     """`store` behind the local tier at `local_tier_dir` (empty: `store` itself).
 
     Raises:
@@ -334,7 +392,8 @@ def with_local_tier(store: StashStore, local_tier_dir: str = "", local_tier_byte
         return store
     if not isinstance(store, OffloadStore):
         raise ValueError(f"the local tier needs the Redis backend, not {type(store).__name__}")
-    return SharedTierStore(store, Path(local_tier_dir), local_tier_bytes, local_tier_ranks)
+    return SharedTierStore(store, Path(local_tier_dir), local_tier_bytes, local_tier_ranks,
+                           private=local_tier_private)
 
 
 def tier_used_bytes() -> int:

@@ -25,6 +25,13 @@ def redis_input_bytes(cluster: Any) -> int:
     return int(store_client(cluster).info("stats")["total_net_input_bytes"])
 
 
+def redis_getdels(cluster: Any) -> int:
+    """GETDEL calls the cluster's Redis has served so far (each take of a stash from
+    Redis, or of a tier index entry, makes one)."""
+    stats = store_client(cluster).info("commandstats")
+    return int(stats.get("cmdstat_getdel", {}).get("calls", 0))
+
+
 def segments_left(tier: Path) -> list[Path]:
     return sorted(tier.glob("*/[0-9]*.seg"))  # segments, not spares
 
@@ -74,9 +81,12 @@ def test_stashes_through_the_tier_train_as_one_process(
         client: Any, cluster: Any, model: str, schedule: str, workers: int,
         policy: str) -> None:
     assert cluster.tier_dir is not None  # the local cluster turns the tier on
+    getdels = redis_getdels(cluster)
     stashed, to_redis = train(client, cluster, model, schedule, workers, policy)
     assert to_redis < stashed / 2, (to_redis, stashed)  # only index entries and control
     assert segments_left(cluster.tier_dir) == []  # every segment consumed
+    if schedule != "pipefb":  # combined ranks index their own stashes ([Note: private
+        assert redis_getdels(cluster) == getdels  # index]): no take asks Redis
 
 
 def unix_connections(socket: Path) -> int:

@@ -18,7 +18,7 @@ import redis
 import torch
 
 from offload_store import OffloadStore, RedisServer, connect, open_admin, open_store
-from offload_store.keys import segment_key
+from offload_store.keys import segment_key, tier_ranks_key
 from offload_store.segments import LENT_PREFIX, SPARE_PREFIX, SUFFIX, SegmentError, segment_size
 from offload_store.shm import DIR_ENV, SharedTierStore
 from offload_store.store import SOCKET_ENV
@@ -38,9 +38,10 @@ def base(tmp_path: Path) -> Path:
 
 
 def tier(server: RedisServer, base: Path, job: str = "j", attempt: int = 0,
-         ranks: int = 1, cap: int = -1) -> SharedTierStore:
+         ranks: int = 1, cap: int = -1, private: bool = False) -> SharedTierStore:
     store = open_store(server.address, job, attempt, local_tier_dir=str(base),
-                       local_tier_bytes=cap, local_tier_ranks=ranks)
+                       local_tier_bytes=cap, local_tier_ranks=ranks,
+                       local_tier_private=private)
     assert isinstance(store, SharedTierStore)
     return store
 
@@ -114,6 +115,46 @@ def test_a_stash_past_the_cap_spills_to_redis_and_comes_back(
     assert redis_client(server).exists(store.inner.key(0, 2, 1, 0, "a"))
     assert_same(store.take(0, 2, 0, names(mixed)), mixed)
     assert segment_files(base) == []
+    store.close()
+
+
+def redis_writes(server: RedisServer) -> int:
+    """Calls of every command that writes a key, so far."""
+    stats = redis_client(server).info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("set", "getdel", "del"))
+
+
+def test_a_private_store_keeps_a_whole_stash_in_one_segment_and_redis_out_of_it(
+        server: RedisServer, base: Path) -> None:
+    store, want = tier(server, base, job="own", ranks=2, private=True), stash()
+    writes = redis_writes(server)
+    size = store.put(3, 1, 2, want)  # its other rank never opened: a private store needs none
+    files = segment_files(base)
+    assert len(files) == 1 and files[0].stat().st_size == size  # both layers, one file
+    only = [tier_ranks_key("own", 0).encode()]  # no index entry, no value
+    assert redis_client(server).keys("pipefb:own:*") == only
+    got = store.take(3, 1, 2, names(want))
+    assert_same(got, want)
+    assert segment_files(base) == [] and redis_writes(server) == writes  # no round trip
+    assert store.stats.bytes_put == store.stats.bytes_taken == size
+    with pytest.raises(KeyError):
+        store.take(3, 1, 2, names(want))
+    store.put(4, 0, 2, want)
+    assert store.release(4, 0, 2, names(want)) == 4  # its four tensors
+    assert segment_files(base) == []
+    store.close()
+
+
+def test_a_private_store_spills_a_stash_past_the_cap_to_redis(
+        server: RedisServer, base: Path) -> None:
+    store = tier(server, base, job="ownfull", cap=4096, private=True)
+    big = {0: {"x": torch.randn(3, 5)}, 1: {"a": torch.randn(2000)}}  # 8 KB: past the cap
+    store.put(0, 0, 0, big)
+    assert segment_files(base) == []
+    assert redis_client(server).exists(store.inner.key(0, 0, 1, 0, "a"))
+    assert_same(store.take(0, 0, 0, names(big)), big)
+    assert redis_client(server).keys("pipefb:ownfull:*") == [
+        tier_ranks_key("ownfull", 0).encode()]
     store.close()
 
 

@@ -31,6 +31,7 @@ from pipefb.runtime.allreduce import (
 )
 from pipefb.runtime.checkpoint import rank_file, resolve_under
 from pipefb.runtime.manifest import verified_files
+from pipefb.runtime.place import takes_back_own_stash
 from pipefb.runtime.stage import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -149,7 +150,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         caller = Caller(context)  # checked between phases: [Note: callers that give up]
         what = f"Assign of job {job.job_id} rank {request.rank}"
         inbox = Inbox()
-        store = self._open_store(request, job.job_id)
+        store = self._open_store(request, job.job_id, plan)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
         try:
@@ -212,7 +213,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                                       parameter_bytes=runtime.param_bytes,
                                       migrated_bytes=migrated)
 
-    def _open_store(self, request: worker_pb2.AssignRequest, job_id: str) -> StashStore | None:
+    def _open_store(self, request: worker_pb2.AssignRequest, job_id: str, plan: Plan
+                    ) -> StashStore | None:
         """The job's stash in this worker's own store, as the job's store user; None for
         a job without a store ([Note: access] in protos/security.py).
 
@@ -233,7 +235,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                           username=request.store_user or None,
                           password=request.store_password or None,
                           local_tier_dir=tier_dir, local_tier_bytes=tier_bytes,
-                          local_tier_ranks=len(request.peers))
+                          local_tier_ranks=len(request.peers),
+                          local_tier_private=takes_back_own_stash(plan, request.rank))
 
     def _check_not_stale(self, job_id: str, attempt: int) -> None:
         """Refuses an Assign of an attempt older than the one this worker runs (hold the

@@ -117,6 +117,8 @@ class Exchange:
         m = microbatch(action)
         after = None
         if (step, m) not in self.flight.stashed_here:
+            if at == 0:
+                return  # a backward rank's first FETCH waits for its receive
             before = todo[at - 1][1]
             if self.place.role != "backward" or before.kind not in (Kind.RECV_L, Kind.RECV_B):
                 return

@@ -83,6 +83,7 @@ class StageRuntime:
         self.job, self.plan, self.rank, self.transport = job, plan, rank, transport
         # the rank's bytes in the node-local tier (memory kind `node_tier`); its host sets it
         self.node_tier_bytes: Callable[[], int] = _no_bytes
+        self._node_tier = 0  # its last figure (see `_account`)
         self.reducer = reducer  # sums gradients across groups; None with one group
         self.norm_reducer = norm_reducer
         self.place = place(plan, rank, job.stale_microbatches())
@@ -236,6 +237,7 @@ class StageRuntime:
         self.memory.reset_peak()
         self.device_memory.reset_peak()
         todo = iteration(self.actions, step, self.job.steps, self.start)
+        self.exchange.prefetch_next(todo, -1)  # the step's first FETCH: a lead's stash
         for index in range(len(todo)):
             if self.stopped is not None:  # between actions: one micro-batch's compute at most
                 raise Aborted(self.stopped)
@@ -276,7 +278,7 @@ class StageRuntime:
         it.record_phase(action.kind, elapsed, it.recompute - recomputed)
         label = str(Action(action.stage, action.kind, action.microbatch, at - it.step))
         it.record(label, action.kind, wall, elapsed)
-        self._account()
+        self._account(tier=action.kind in (Kind.STASH, Kind.FETCH))
 
     def _result(self, it: Iteration, sent: int) -> StepResult:
         """The step's report, once its actions ran and its `sent` bytes were flushed."""
@@ -321,7 +323,12 @@ class StageRuntime:
         on the job's `check_groups_every` cadence."""
         return self.tied.holds_any and due(step, self.job.check_groups_every, self.job.steps)
 
-    def _account(self) -> None:
+    def _account(self, tier: bool = True) -> None:
+        """Sets the memory account from what the rank holds now; `tier`: asks the node
+        tier for its bytes too (a directory scan: after the actions that change them,
+        STASH and FETCH, else the last figure stands)."""
+        if tier:
+            self._node_tier = self.node_tier_bytes()
         seen: set[int] = set()
         stashed = storage_bytes(self.flight.held(), exclude=self.state.param_storage, seen=seen)
         in_flight = 0
@@ -331,7 +338,7 @@ class StageRuntime:
         owned = self.state.memory()
         owned["gradients"] += self.tied.nbytes  # tied copies' gradients kept until OPT
         self.memory.set({**owned, "stashed": stashed,
-                         "stash_in_flight": in_flight, "node_tier": self.node_tier_bytes(),
+                         "stash_in_flight": in_flight, "node_tier": self._node_tier,
                          "activations": tensor_bytes(self.flight.live(), seen=seen)})
 
     # -- compute ---------------------------------------------------------------------------
