@@ -128,6 +128,9 @@ class GrpcTransport:
         # a forward rank's transfers leave after its earlier stashes are in the store, so
         # the backward rank that receives them finds those stashes there
         self.fence_sends = False
+        # FETCH's stash is taken ahead on a thread (`prefetch`); False: on the compute
+        # thread ([Note: copies on the compute thread] in offload_store/writer.py)
+        self.prefetches = True
         self.staging: HostStaging | None = None  # CUDA: host <-> device copies of stashes
 
     def _stub(self, rank: int) -> worker_pb2_grpc.StageWorkerStub:
@@ -229,7 +232,7 @@ class GrpcTransport:
         the transfer `after` names arrived (see `fetch`); on CUDA the thread also starts
         their copy to the device ([Note: staging])."""
         self._check_open()
-        if (step, microbatch) in self._prefetched or (
+        if not self.prefetches or (step, microbatch) in self._prefetched or (
                 self.local is not None and self.local.holds(step, microbatch)):
             return
         if self.store is not None:  # without one, the fetch raises WorkerFailed

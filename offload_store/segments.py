@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -65,6 +66,13 @@ _SEGMENT_NAME = re.compile(r"(\d+)-\d+-\d+-\d+-\d+-[0-9a-f]+\.seg")
 _DIR_NAME = re.compile(r"[A-Za-z0-9_.-]+\+[0-9a-f]{32}")
 
 LayerTensors = dict[int, dict[str, torch.Tensor]]
+Checked = tuple[str, list[int], int, int]  # a tensor's dtype, shape, offset and byte count
+# Headers that passed `_entries`' checks, by (header bytes, file size, names asked for): a
+# rank's stashes repeat a few headers, so each is parsed and checked once (at most
+# `CHECKED_HEADERS` kept; the callers only read the result)
+CHECKED_HEADERS = 256
+_CHECKED_HEADERS: dict[tuple[bytes, int, frozenset[tuple[int, str]]],
+                       dict[int, dict[str, Checked]]] = {}
 
 
 class SegmentError(CodecError):
@@ -86,25 +94,35 @@ def layout(tensors: Mapping[int, Mapping[str, torch.Tensor]]
     Raises:
         CodecError: a dtype the codec does not allow.
     """
-    entries, views = [], []
+    signature, views = [], []
     for layer, named in tensors.items():
         for name, tensor in named.items():
             dtype, shape, view = raw_view(tensor)
-            entries.append({"layer": layer, "name": name, "dtype": dtype,
-                            "shape": list(shape), "nbytes": view.nbytes})
+            signature.append((layer, name, dtype, shape, view.nbytes))
             views.append(view)
+    head, offsets, size = _planned(tuple(signature))
+    return head, list(zip(offsets, views, strict=True)), size
+
+
+@functools.lru_cache(maxsize=64)  # a rank's stashes repeat a few signatures, step after step
+def _planned(signature: tuple[tuple[int, str, str, tuple[int, ...], int], ...]
+             ) -> tuple[bytes, tuple[int, ...], int]:
+    """The head bytes, each tensor's offset and the total size of a segment of tensors
+    with this (layer, name, dtype, shape, byte count) each, in order."""
+    entries = [{"layer": layer, "name": name, "dtype": dtype, "shape": list(shape),
+                "nbytes": nbytes} for layer, name, dtype, shape, nbytes in signature]
     text = json.dumps(entries).encode()
     # each entry's offset adds at most `OFFSET_BYTES` to the header once it is written
     offset = _aligned(len(MAGIC) + _LENGTH.size + len(text) + OFFSET_BYTES * len(entries))
-    placed = []
-    for entry, view in zip(entries, views, strict=True):
+    offsets = []
+    for entry, (*_, nbytes) in zip(entries, signature, strict=True):
         entry["offset"] = offset
-        placed.append((offset, view))
-        offset = _aligned(offset + view.nbytes)
+        offsets.append(offset)
+        offset = _aligned(offset + nbytes)
     header = json.dumps(entries).encode()
     head = MAGIC + _LENGTH.pack(len(header)) + header
-    assert not placed or len(head) <= placed[0][0]
-    return head, placed, max(offset, len(head))
+    assert not offsets or len(head) <= offsets[0]
+    return head, tuple(offsets), max(offset, len(head))
 
 
 def write(path: Path, tensors: Mapping[int, Mapping[str, torch.Tensor]], cap_bytes: int,
@@ -273,9 +291,6 @@ def _check_file(path: Path, fd: int, size: int) -> None:
                            f"entry says {size}")
 
 
-Checked = tuple[str, list[int], int, int]  # a tensor's dtype, shape, offset and byte count
-
-
 def _entries(path: Path, fd: int, size: int, names: Mapping[int, Sequence[str]]
              ) -> dict[int, dict[str, Checked]]:
     """The segment's header, checked: layer -> name -> where its tensor lies."""
@@ -288,9 +303,14 @@ def _entries(path: Path, fd: int, size: int, names: Mapping[int, Sequence[str]]
     (length,) = _LENGTH.unpack_from(lead, len(MAGIC))
     if length > min(MAX_HEADER_BYTES, size - start):
         raise SegmentError(f"segment {path}: header of {length} bytes does not fit")
+    header = os.pread(fd, length, start)
+    want = {(int(i), str(n)) for i, ns in names.items() for n in ns}
+    key = (header, size, frozenset(want))
+    known = _CHECKED_HEADERS.get(key)
+    if known is not None:  # these very bytes passed every check below before
+        return known
     try:
-        entries = json.loads(os.pread(fd, length, start))
-        want = {(int(i), str(n)) for i, ns in names.items() for n in ns}
+        entries = json.loads(header)
         found = {(e["layer"], e["name"]) for e in entries}
     except (ValueError, TypeError, KeyError) as error:
         raise SegmentError(f"segment {path}: header does not parse: {error}") from None
@@ -300,6 +320,9 @@ def _entries(path: Path, fd: int, size: int, names: Mapping[int, Sequence[str]]
     for entry in entries:
         out.setdefault(entry["layer"], {})[entry["name"]] = _checked(path, size, entry,
                                                                      start + length)
+    if len(_CHECKED_HEADERS) >= CHECKED_HEADERS:
+        _CHECKED_HEADERS.clear()
+    _CHECKED_HEADERS[key] = out
     return out
 
 

@@ -27,6 +27,14 @@ is in the store. Three readers rely on that:
   never goes unreported. A failed write also wakes the waiters; its stash is not in the
   store, and the consumer's take fails with `KeyError` if the step was not failed first.
 
+[Note: copies on the compute thread] On the CPU, a rank whose stash goes into the node
+tier under its own index ([Note: private index] in offload_store/shm.py) puts and takes
+it on the compute thread, with no writer and no prefetch: such a put is one memcpy into
+a mapped file and a take is a view, with no round trip to wait on, so an I/O thread would
+only do the same work on the same cores, and take the interpreter's lock from the compute
+thread at each hand-over (bench/offload_overlap.py measures both ways; docs/benchmarks.md).
+Every other stash (a Redis round trip, or a CUDA copy) goes through the writer.
+
 On CUDA the stash is copied to host memory first (`offload_store.staging.HostStaging`:
 pinned, reused buffers, a copy stream ordered by events); the I/O thread waits for the
 copy's event before it writes. With a cap of 0 the put writes on the caller's thread.

@@ -150,7 +150,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         caller = Caller(context)  # checked between phases: [Note: callers that give up]
         what = f"Assign of job {job.job_id} rank {request.rank}"
         inbox = Inbox()
-        store = self._open_store(request, job.job_id, plan)
+        private = takes_back_own_stash(plan, request.rank)  # [Note: private index]
+        store = self._open_store(request, job.job_id, private)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
         try:
@@ -163,7 +164,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         cap = local_tier_cap(self.local_stash_bytes, runtime.device)
         if runtime.role == "combined" and cap:  # [Note: local tier]
             transport.local = LocalTier(runtime.device, cap)
-        if store is not None:
+        if store is not None and private and self.local_tier[0] and (
+                runtime.device.type == "cpu"):  # [Note: copies on the compute thread]
+            runtime.node_tier_bytes, transport.prefetches = store.node_bytes, False
+        elif store is not None:
             runtime.node_tier_bytes = store.node_bytes
             peaks = plan.predicted_peak_memory_bytes
             _write_in_background(transport, store, runtime, self.stash_in_flight_bytes,
@@ -213,7 +217,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                                       parameter_bytes=runtime.param_bytes,
                                       migrated_bytes=migrated)
 
-    def _open_store(self, request: worker_pb2.AssignRequest, job_id: str, plan: Plan
+    def _open_store(self, request: worker_pb2.AssignRequest, job_id: str, private: bool
                     ) -> StashStore | None:
         """The job's stash in this worker's own store, as the job's store user; None for
         a job without a store ([Note: access] in protos/security.py).
@@ -236,7 +240,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                           password=request.store_password or None,
                           local_tier_dir=tier_dir, local_tier_bytes=tier_bytes,
                           local_tier_ranks=len(request.peers),
-                          local_tier_private=takes_back_own_stash(plan, request.rank))
+                          local_tier_private=private)
 
     def _check_not_stale(self, job_id: str, attempt: int) -> None:
         """Refuses an Assign of an attempt older than the one this worker runs (hold the
