@@ -6,7 +6,10 @@ the demo's gpt (batch 16 in 4 micro-batches) and a model with large activations 
 Linear 64 -> 16384, ReLU, Linear 16384 -> 10; batch 128 in 4 micro-batches, 2 MiB saved
 per micro-batch and stage). One local cluster per setting (`SETTINGS`: the workers'
 `PIPEFB_STASH_IN_FLIGHT_BYTES`, 0 = the compute thread writes, and
-`PIPEFB_LOCAL_TIER_DIR`, empty = no shared-memory tier), the systems interleaved in each
+`PIPEFB_LOCAL_TIER_DIR`, empty = no shared-memory tier; with the tier, a PipeDream rank's
+private index puts and takes on its compute thread whatever the cap, [Note: copies on the
+compute thread] in offload_store/writer.py, so the cap matters to PipeFB's forward
+ranks there), the systems interleaved in each
 of `--repeats` repeats; each job's median step after its first 5 steps. Ratios are taken
 per repeat, then summarised. Run: `PYTHONPATH=. python bench/offload_overlap.py
 [--repeats 3] [--steps 20] [--settings ...] [--out DIR]`.
