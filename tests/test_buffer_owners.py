@@ -84,14 +84,18 @@ def test_sync_statistics_are_one_process_s_in_evaluation_checkpoint_and_export(
 
 
 @pytest.mark.parametrize("model", ["zoo_batchnorm", "zoo_convbn"])
-def test_async_pipefb_statistics_are_the_forward_ranks(client: Any, cluster: Any,
-                                                         model: str) -> None:
-    """Async PipeFB has no one-process reference; a job of 2 steps ends where the longer
+@pytest.mark.parametrize(("mode", "groups"), [("async", 1), ("sync", 2)])
+def test_pipefb_version_2_has_the_statistics_a_2_step_job_ends_with(
+        client: Any, cluster: Any, model: str, mode: str, groups: int) -> None:
+    """Async PipeFB has no one-process reference, and two sync groups' all-reduce rounds
+    the weights otherwise than one process; there a job of 2 steps ends where the longer
     job's version 2 is: its checkpoint and evaluation of version 2 hold the statistics of
-    the forwards of steps 0 and 1, which the forward ranks ran (never the built ones)."""
-    name = f"owners-async-{model}"
+    the forwards of steps 0 and 1, which the forward ranks ran (with groups, replayed in
+    one process's order: [Note: group statistics]), never the built ones."""
+    name = f"owners-{mode}-{groups}-{model}"
     job = make_job(model, "pipefb", 4, "adamw", steps=STEPS, eval_every=EVERY,
-                   checkpoint_every=EVERY, checkpoint_dir=name, mode="async", **DIGITS)
+                   checkpoint_every=EVERY, checkpoint_dir=name, mode=mode, groups=groups,
+                   **DIGITS)
     reports, weights = run_on_cluster(client, job)
     _, two = run_on_cluster(client, replace(job, steps=EVERY, eval_every=0,
                                             checkpoint_every=0, checkpoint_dir=""))
