@@ -129,14 +129,13 @@ def check_ties_agree(report: coordinator_pb2.StepReport) -> None:
 
 
 def collect_weights(job: Job, ranks: Ranks, version: int = 0) -> dict[str, torch.Tensor]:
-    """The whole model's weights from the ranks that own them (0: the current ones, with
-    the buffers of the ranks that run the forwards: [Note: buffer owners] in
-    pipefb.runtime.state; a kept version: the parameters)."""
+    """The whole model's weights (0: the current ones; else the copy of `version` kept
+    for evaluation): the parameters from the ranks that own them, the buffers from the
+    ranks that run the forwards ([Note: buffer owners] in pipefb.runtime.state), so every
+    rank of the first group sends its part."""
     weights: dict[str, torch.Tensor] = {}
     # every group holds the same parameters (summed gradients): group 0's are the model's
-    owners = ({a.rank for a in job.plan.assignment
-               if a.group == 0 and (a.role != "forward" or not version)}
-              if job.plan else set())
+    owners = {a.rank for a in job.plan.assignment if a.group == 0} if job.plan else set()
     for rank in sorted(owners):
         stream = ranks.stubs[rank].ExportWeights(
             job_pb2.ExportWeightsRequest(job_id=job.job_id, version=version), timeout=120)

@@ -243,6 +243,8 @@ class StageRuntime:
                 raise Aborted(self.stopped)
             self._run_action(todo, index, it)
         self.stats.reduce_()  # [Note: group statistics] on a rank without OPT
+        if self.role == "forward":  # its buffers, the model's, for version step + 1
+            self.state.keep_for_eval(step + 1)
         return self._result(it, self.transport.flush())
 
     def stop(self, reason: str) -> None:

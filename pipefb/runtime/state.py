@@ -156,11 +156,7 @@ class RankState:
         self.grad_bytes = 0
         self.version += 1
         self.versions.prune(needed)
-        every = self.job.eval_every
-        if every and self.version % every == 0 and self.version < self.job.steps:
-            self._eval_weights[self.version] = {k: v.clone()
-                                                for k, v in self.boundary_weights().items()}
-            self._eval_bytes = self._kept_eval_bytes()
+        self.keep_for_eval(self.version)
         return done
 
     def _sum_gradients_across_groups(self, reducer: Reducer) -> None:
@@ -439,8 +435,20 @@ class RankState:
         pipefb.runtime.groupstats)."""
         return weights_digest(self.weights_of(self.bwd_layers))
 
+    def keep_for_eval(self, version: int) -> None:
+        """Keeps a copy of the owned weights (`boundary_weights`) for the held-out
+        evaluation of `version` when the job's `eval_every` cadence asks for it: an owner
+        at the OPT that makes `version`, a rank that steps no optimizer (a PipeFB forward
+        rank, whose buffers are the model's: [Note: buffer owners]) once the forwards of
+        the step before `version` ran."""
+        every = self.job.eval_every
+        if every and version % every == 0 and version < self.job.steps:
+            self._eval_weights[version] = {k: v.clone()
+                                           for k, v in self.boundary_weights().items()}
+            self._eval_bytes = self._kept_eval_bytes()
+
     def take_eval_weights(self, version: int) -> dict[str, torch.Tensor]:
-        """The owned weights of `version`, kept after its OPT for evaluation (`eval_every`).
+        """The owned weights of `version`, kept for evaluation (`keep_for_eval`).
 
         Raises:
             KeyError: the version was not kept or was already taken.
@@ -465,7 +473,11 @@ def persistent_buffers(layer: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     is right on the rank that runs the layer's forward: a combined rank, or a PipeFB
     forward rank; a backward rank's copy never changes. So a rank exports the parameters
     of the layers whose backward it runs and the buffers of the layers whose forward it
-    runs, and the coordinator collects both from every rank of the first group.
+    runs, and the coordinator collects both from every rank of the first group: for the
+    exported weights, a checkpoint (each rank writes its own part) and the held-out
+    evaluation of a kept version (`keep_for_eval`: an owner keeps its parameters at the
+    OPT that makes version v, a PipeFB forward rank its buffers once step v - 1's
+    forwards ran).
     """
     kept = layer.state_dict(keep_vars=True)
     return [(name, b) for name, b in layer.named_buffers() if name in kept]
