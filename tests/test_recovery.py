@@ -247,12 +247,11 @@ def test_a_killed_coordinator_is_relaunched_and_resumes_its_job_from_the_journal
     assert not list((restarting.log_dir / "journal").glob("*.json"))  # finished: forgotten
 
 
-def test_a_sigtermed_coordinator_drains_checkpoints_and_its_successor_resumes(
-        client: CoordinatorClient, restarting: LocalServices) -> None:
-    """SIGTERM: the running steps end, every owner saves a checkpoint at that step (not
-    a multiple of checkpoint_every), the coordinator exits 0 with the job journaled, and
-    the relaunched one resumes from exactly that step: no step is lost or run twice."""
-    job = recoverable_job("drain", checkpoint_every=100)
+def drained_and_resumed(client: CoordinatorClient, restarting: LocalServices,
+                        job: JobConfig) -> list[Any]:
+    """Submits `job`, SIGTERMs the coordinator once the job runs at step 12 (it must
+    exit 0), and returns the step reports of the relaunched coordinator's run of it,
+    which must end DONE."""
     client.submit(job)
     running_at(client, job.job_id, 12)
     old = restarting.process("coordinator")
@@ -262,7 +261,16 @@ def test_a_sigtermed_coordinator_drains_checkpoints_and_its_successor_resumes(
     client.wait_for_workers(4, timeout=120)
     status = finished(client, job.job_id)
     assert status.state == DONE, status.error
-    reports = list(client.follow(job.job_id))
+    return list(client.follow(job.job_id))
+
+
+def test_a_sigtermed_coordinator_drains_checkpoints_and_its_successor_resumes(
+        client: CoordinatorClient, restarting: LocalServices) -> None:
+    """SIGTERM: the running steps end, every owner saves a checkpoint at that step (not
+    a multiple of checkpoint_every), the coordinator exits 0 with the job journaled, and
+    the relaunched one resumes from exactly that step: no step is lost or run twice."""
+    job = recoverable_job("drain", checkpoint_every=100)
+    reports = drained_and_resumed(client, restarting, job)
     first = reports[0].step
     assert first >= 12 and first % 100  # the drain's own checkpoint, not a periodic one
     root = restarting.checkpoint_root  # type: ignore[attr-defined]
@@ -355,27 +363,49 @@ def assert_equals_run(client: CoordinatorClient, job: JobConfig, reports: list[A
         assert got[name].equal(value), name
 
 
+def replays_from_its_checkpoint(client: CoordinatorClient, restarting: LocalServices,
+                                job: JobConfig, victim: str) -> None:
+    """Trains `job` uninterrupted, then again with `victim` SIGKILLed once the job runs at
+    step 8: its one restart starts from the newest checkpoint committed before the kill
+    (steps 5, 10, ...; not step 0), every step is reported once, the losses and final
+    weights equal the uninterrupted run's bit for bit, and no stash key is left."""
+    want, want_weights = uninterrupted(client, job)
+    client.submit(job)
+    at = running_at(client, job.job_id, 8).step
+    os.kill(restarting.process(victim).pid, signal.SIGKILL)
+    status = finished(client, job.job_id)
+    assert status.state == DONE, status.error
+    assert status.attempt == 1 and len(status.restarts) == 1
+    assert victim in status.restarts[0]
+    assert status.start_step >= at // 5 * 5 >= 5 and status.start_step % 5 == 0
+    reports = list(client.train(job.job_id))
+    assert reports[0].step == 0
+    assert_equals_run(client, job, reports, want, want_weights)
+    assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+
+
+def resumes_after_the_coordinator_is_killed(client: CoordinatorClient,
+                                            restarting: LocalServices, job: JobConfig) -> None:
+    """Trains `job` uninterrupted, then again with the coordinator SIGKILLed mid-run
+    (`with_the_coordinator_killed`): its successor resumes from a checkpoint (step 10 or
+    later, a multiple of 5), and the steps from there and the final weights equal the
+    uninterrupted run's bit for bit."""
+    want, want_weights = uninterrupted(client, job)
+    status = with_the_coordinator_killed(client, restarting, job)
+    assert status.start_step >= 10 and status.start_step % 5 == 0
+    reports = list(client.follow(job.job_id))
+    assert reports[0].step == status.start_step
+    assert_equals_run(client, job, reports, want, want_weights)
+
+
 def test_a_killed_pipedream_worker_replays_from_its_checkpoint_bit_for_bit(
         client: CoordinatorClient, restarting: LocalServices) -> None:
     """PipeDream (async, 4 combined ranks) with worker-3 SIGKILLed mid-run: the replay
     starts at the newest checkpoint before the kill, not step 0, whose rank files hold the
     version its warm-up forwards run on ([Note: resumed leads] in pipefb/runtime/state.py),
     and every step's loss and the final weights equal the uninterrupted run's bit for bit."""
-    job = pipedream_job("kill-pipedream")
-    want, want_weights = uninterrupted(client, job)
-    client.submit(job)
-    at = running_at(client, job.job_id, 8).step
-    os.kill(restarting.process("worker-3").pid, signal.SIGKILL)
-    status = finished(client, job.job_id)
-    assert status.state == DONE, status.error
-    assert status.attempt == 1 and len(status.restarts) == 1
-    assert "worker-3" in status.restarts[0]
-    # the newest checkpoint committed before the kill (steps 5, 10, ...), not step 0
-    assert status.start_step >= at // 5 * 5 >= 5 and status.start_step % 5 == 0
-    reports = list(client.train(job.job_id))
-    assert reports[0].step == 0  # each step reported once
-    assert_equals_run(client, job, reports, want, want_weights)
-    assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+    replays_from_its_checkpoint(client, restarting, pipedream_job("kill-pipedream"),
+                                "worker-3")
 
 
 def test_a_relaunched_coordinator_resumes_a_pipedream_job_from_its_checkpoint(
@@ -383,13 +413,8 @@ def test_a_relaunched_coordinator_resumes_a_pipedream_job_from_its_checkpoint(
     """The coordinator SIGKILLed mid-run: its successor resumes the journaled PipeDream
     job from its newest checkpoint (not step 0), and the steps from there on and the
     final weights equal the uninterrupted run's bit for bit."""
-    job = pipedream_job("kill-coordinator-pipedream")
-    want, want_weights = uninterrupted(client, job)
-    status = with_the_coordinator_killed(client, restarting, job)
-    assert status.start_step >= 10 and status.start_step % 5 == 0
-    reports = list(client.follow(job.job_id))
-    assert reports[0].step == status.start_step
-    assert_equals_run(client, job, reports, want, want_weights)
+    resumes_after_the_coordinator_is_killed(client, restarting,
+                                            pipedream_job("kill-coordinator-pipedream"))
 
 
 def async_pipefb_job(name: str, staleness: int, k: int = 0) -> JobConfig:
@@ -410,20 +435,9 @@ def test_a_killed_async_pipefb_worker_replays_from_its_checkpoint_bit_for_bit(
     owners' files hold the versions the forwards of its first S steps run on ([Note:
     resumed stale forwards] in pipefb/runtime/state.py), and every step's loss and the
     final weights equal the uninterrupted run's bit for bit."""
-    job = async_pipefb_job(f"kill-async-s{staleness}-{victim}", staleness, k)
-    want, want_weights = uninterrupted(client, job)
-    client.submit(job)
-    at = running_at(client, job.job_id, 8).step
-    os.kill(restarting.process(victim).pid, signal.SIGKILL)
-    status = finished(client, job.job_id)
-    assert status.state == DONE, status.error
-    assert status.attempt == 1 and len(status.restarts) == 1
-    assert victim in status.restarts[0]
-    assert status.start_step >= at // 5 * 5 >= 5 and status.start_step % 5 == 0
-    reports = list(client.train(job.job_id))
-    assert reports[0].step == 0  # each step reported once
-    assert_equals_run(client, job, reports, want, want_weights)
-    assert not list(store_client(restarting).scan_iter(match=f"pipefb:{job.job_id}:*"))
+    replays_from_its_checkpoint(
+        client, restarting, async_pipefb_job(f"kill-async-s{staleness}-{victim}", staleness, k),
+        victim)
 
 
 def test_a_relaunched_coordinator_resumes_an_async_pipefb_job_from_its_checkpoint(
@@ -431,13 +445,8 @@ def test_a_relaunched_coordinator_resumes_an_async_pipefb_job_from_its_checkpoin
     """The coordinator SIGKILLed mid-run: its successor resumes the journaled async
     PipeFB job (S = 2) from its newest checkpoint (not step 0), and the steps from there
     on and the final weights equal the uninterrupted run's bit for bit."""
-    job = async_pipefb_job("kill-coordinator-async", 2)
-    want, want_weights = uninterrupted(client, job)
-    status = with_the_coordinator_killed(client, restarting, job)
-    assert status.start_step >= 10 and status.start_step % 5 == 0
-    reports = list(client.follow(job.job_id))
-    assert reports[0].step == status.start_step
-    assert_equals_run(client, job, reports, want, want_weights)
+    resumes_after_the_coordinator_is_killed(client, restarting,
+                                            async_pipefb_job("kill-coordinator-async", 2))
 
 
 def test_a_sigtermed_coordinator_drains_an_async_pipefb_job_and_its_successor_resumes(
@@ -448,16 +457,7 @@ def test_a_sigtermed_coordinator_drains_an_async_pipefb_job_and_its_successor_re
     uninterrupted run's losses and weights, bit for bit."""
     job = replace(async_pipefb_job("drain-async", 2), checkpoint_every=100)
     want, want_weights = uninterrupted(client, job)
-    client.submit(job)
-    running_at(client, job.job_id, 12)
-    old = restarting.process("coordinator")
-    old.popen.send_signal(signal.SIGTERM)
-    assert old.popen.wait(timeout=30) == 0
-    time.sleep(1.0)
-    client.wait_for_workers(4, timeout=120)
-    status = finished(client, job.job_id)
-    assert status.state == DONE, status.error
-    reports = list(client.follow(job.job_id))
+    reports = drained_and_resumed(client, restarting, job)
     assert reports[0].step >= 12 and reports[0].step % 100  # the drain's own checkpoint
     assert_equals_run(client, job, reports, want, want_weights)
 
