@@ -164,15 +164,15 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         cap = local_tier_cap(self.local_stash_bytes, runtime.device)
         if runtime.role == "combined" and cap:  # [Note: local tier]
             transport.local = LocalTier(runtime.device, cap)
-        if store is not None and private and self.local_tier[0] and (
-                runtime.device.type == "cpu"):  # [Note: copies on the compute thread]
-            runtime.node_tier_bytes, transport.prefetches = store.node_bytes, False
-        elif store is not None:
+        if store is not None:
             runtime.node_tier_bytes = store.node_bytes
-            peaks = plan.predicted_peak_memory_bytes
-            _write_in_background(transport, store, runtime, self.stash_in_flight_bytes,
-                                 job.memory_cap, peaks[request.rank]
-                                 if request.rank < len(peaks) else 0)
+            if private and self.local_tier[0] and runtime.device.type == "cpu":
+                transport.prefetches = False  # [Note: copies on the compute thread]
+            else:
+                peaks = plan.predicted_peak_memory_bytes
+                _write_in_background(transport, store, runtime, self.stash_in_flight_bytes,
+                                     job.memory_cap, peaks[request.rank]
+                                     if request.rank < len(peaks) else 0)
         takes = job.checkpoint_every or (request.resume_step and source is None) or (
             job.checkpoint_dir and self.checkpoint_root)  # Checkpoint on request writes there
         checkpoints = resolve_under(self.checkpoint_root, job.checkpoint_dir) if takes else None
