@@ -25,15 +25,9 @@ file each and no round trip to Redis. The segments are the same files in the job
 tier's cap, the node's memory accounting and the leases below hold as for any segment;
 a layer past the cap still spills to Redis and comes back from there.
 
-[Note: tier ranks] A segment is only readable on its own host, so a job attempt uses the
-tier only when all of its ranks share one: each rank's store adds ``{tier id}/{token}``
-to the attempt's set (`keys.tier_ranks_key`) when it opens, and a producer writes
-segments once the set names as many ranks as the job has, all with its own tier id
-(until then, and for a job spread over hosts, every stash goes to Redis). The tier id is
-the base directory's own (`segments.node_id`), so processes that share the directory
-share the tier. A rank's store takes itself out of the set when it closes (when its
-worker drops the job), and the set goes with the last one; a crashed rank's entry goes
-with its job's clear or the TTL.
+Which layers go to the tier: those whose consumer's store uses the same tier, [Note: tier
+ranks] in `offload_store.tierranks` (the others, and every layer until the consumer's
+store has opened, go to Redis).
 
 [Note: tier leases] A segment lives as long as its index key or its job: the store of a
 job's next attempt removes the job's segments of earlier attempts on its host when it
@@ -48,28 +42,27 @@ import dataclasses
 import functools
 import json
 import os
-import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 
 import torch
-from redis.exceptions import RedisError
 
 from offload_store import segments
 from offload_store.api import LayerTensors, StashStore, StoreStats
-from offload_store.keys import segment_key, tier_ranks_key
+from offload_store.keys import segment_key
 from offload_store.mapped import SegmentMaps
 from offload_store.segments import SegmentError
 from offload_store.store import OffloadStore, execute_once
+from offload_store.tierranks import TierRanks
 from pipefb.errors import ConfigError
 
 DIR_ENV = "PIPEFB_LOCAL_TIER_DIR"  # the tier's base directory (a tmpfs); empty: no tier
 BYTES_ENV = "PIPEFB_LOCAL_TIER_BYTES"  # the tier's cap; unset or -1: `default_cap`
 CAP_SHARE = 0.5  # the default cap: this share of the base directory's file system
 TIER_OPTIONS = ("local_tier_dir", "local_tier_bytes", "local_tier_ranks",  # open_store's
-                "local_tier_private")
+                "local_tier_private", "local_tier_rank", "local_tier_consumers")
 
 
 def default_cap(base: Path) -> int:
@@ -99,9 +92,11 @@ class SharedTierStore:
     `StashStore` ([Note: local tier index]). Safe to share between threads."""
 
     def __init__(self, inner: OffloadStore, base: Path, cap_bytes: int = -1,
-                 ranks: int = 1, zero_copy: bool = True, private: bool = False) -> None:
+                 ranks: int = 1, zero_copy: bool = True, private: bool = False,
+                 rank: int | None = None, consumers: Mapping[int, int] | None = None
+                 ) -> None:
         """Opens the tier at `base` for `inner`'s job attempt and adds this rank to the
-        attempt's tier ranks ([Note: tier ranks]).
+        attempt's tier ranks ([Note: tier ranks] in `offload_store.tierranks`).
 
         Args:
             inner: the Redis stash of the same job attempt (index and spill).
@@ -112,13 +107,18 @@ class SharedTierStore:
                 False: copies (`segments.read`).
             private: this store takes back every stash it puts itself ([Note: private
                 index]); its index stays in this process.
+            rank: this rank's index in the job attempt; None: not known.
+            consumers: layer -> the rank that takes this rank's stash of it; a layer not
+                named goes to the tier only when every rank is on it.
 
         Raises:
-            ValueError: a cap below -1 or fewer than one rank.
+            ValueError: a cap below -1, fewer than one rank, or a rank or layer out of
+                range; names it.
             PermissionError: `base` is another user's or open to others.
         """
         if cap_bytes < -1 or ranks < 1:
             raise ValueError(f"local tier cap {cap_bytes} must be >= -1 and ranks {ranks} >= 1")
+        self.consumers = _check_consumers(consumers or {}, rank, ranks)
         self.inner, self.job, self.attempt = inner, inner.job, inner.attempt
         self.base = segments.private_base(base.absolute())
         self.cap_bytes = default_cap(self.base) if cap_bytes == -1 else cap_bytes
@@ -127,19 +127,14 @@ class SharedTierStore:
         self._read = (functools.partial(segments.lend, maps=self._maps) if zero_copy
                       else segments.read)
         self._dir: Path | None = None
-        self._shared: bool | None = None  # every rank of the attempt uses this tier (None:
-        # not known yet, some ranks have not opened their stores)
         self._private = private
         # a private store's index: (step, micro-batch, version) -> its segment's entry
         self._own: dict[tuple[int, int, int], str] = {}
         self._stats = StoreStats()
         self._lock = threading.Lock()
         segments.clear_job(self.base, self.job, below_attempt=self.attempt)  # [Note: tier leases]
-        self._member = f"{self.node}/{secrets.token_hex(8)}"
-        pipe = inner.client.pipeline(transaction=False)
-        pipe.sadd(tier_ranks_key(self.job, self.attempt), self._member)
-        pipe.expire(tier_ranks_key(self.job, self.attempt), inner.ttl_seconds)
-        pipe.execute()
+        self.tier_ranks = TierRanks(inner.client, self.job, self.attempt, self.node, ranks,
+                                    rank, inner.ttl_seconds)
 
     @property
     def stats(self) -> StoreStats:
@@ -152,20 +147,20 @@ class SharedTierStore:
 
     def put(self, step: int, microbatch: int, version: int,
             tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
-        """Writes each layer's tensors as a segment and sets their index keys in one
-        round trip; to Redis the layers past the cap, and the whole stash while the
-        job's ranks are not all on this tier (a private store: its own, [Note: private
-        index])."""
+        """Writes as a segment each layer whose consumer uses this tier ([Note: tier
+        ranks]) and sets their index keys in one round trip; to Redis the other layers
+        and those past the cap (a private store: its own, [Note: private index])."""
         if self._private:
             return self._put_private(step, microbatch, version, tensors)
-        if not self._all_ranks_here():
+        here = self._layers_here(tensors)
+        if not here:
             return self.inner.put(step, microbatch, version, tensors)
         entries: dict[str, str] = {}
         spilled: dict[int, Mapping[str, torch.Tensor]] = {}
         try:
             for layer, named in tensors.items():
                 written = (self._write(step, microbatch, layer, version, {layer: named})
-                           if named else None)
+                           if named and layer in here else None)
                 if written is None:
                     spilled[layer] = named
                 else:
@@ -175,7 +170,7 @@ class SharedTierStore:
         except BaseException:
             self._unlink(entries.values())
             raise
-        if spilled:  # past the cap: to Redis ([Note: local tier index])
+        if spilled:  # elsewhere or past the cap: to Redis ([Note: local tier index])
             try:
                 nbytes += self.inner.put(step, microbatch, version, spilled)
             except BaseException:
@@ -196,8 +191,6 @@ class SharedTierStore:
             return {}
         if self._private:
             return self._take_private(step, microbatch, version, names)
-        if self._shared is False:  # the attempt never uses the tier: all of it is in Redis
-            return self.inner.take(step, microbatch, version, names)
         layers = [layer for layer in names if names[layer]]
         index = dict(zip(layers, self._take_index(step, microbatch, version, layers),
                          strict=True))
@@ -258,8 +251,7 @@ class SharedTierStore:
         """Takes this rank out of the attempt's tier ranks (the last one out deletes the
         set), removes its spare files and closes the Redis client; segments stay for
         their consumers."""
-        with suppress(RedisError):
-            self.inner.client.srem(tier_ranks_key(self.job, self.attempt), self._member)
+        self.tier_ranks.leave()
         with self._lock:
             if self._dir is not None:  # its spares go; segments not yet taken stay
                 segments.drop_spares(self._dir)
@@ -291,18 +283,15 @@ class SharedTierStore:
         self._count(bytes_taken=size, keys_taken=1)
         return self._read(path, size, {layer: names[layer] for layer in names if names[layer]})
 
-    def _all_ranks_here(self) -> bool:
-        """Whether every rank of the attempt uses this tier ([Note: tier ranks]); asked of
-        Redis until the set names every rank, then known for the attempt."""
-        if self._shared is None:
-            members = self.inner.client.smembers(tier_ranks_key(self.job, self.attempt))
-            nodes = {(m.decode() if isinstance(m, bytes) else str(m)).partition("/")[0]
-                     for m in members}
-            if len(members) >= self.ranks:
-                self._shared = nodes == {self.node}
-            elif nodes - {self.node}:  # a rank on another tier already: never shared
-                self._shared = False
-        return bool(self._shared)
+    def _layers_here(self, tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> set[int]:
+        """The layers of `tensors` whose consumer uses this tier ([Note: tier ranks]): a
+        named consumer's own entry decides; a layer with none needs every rank here."""
+        named = {layer: self.consumers[layer] for layer in tensors if layer in self.consumers}
+        here = self.tier_ranks.on_this_tier(set(named.values())) if named else set()
+        out = {layer for layer, rank in named.items() if rank in here}
+        if len(named) < len(tensors) and self.tier_ranks.all_here():
+            out.update(layer for layer in tensors if layer not in named)
+        return out
 
     def _write(self, step: int, microbatch: int, layer: int, version: int,
                tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> str | None:
@@ -381,11 +370,15 @@ class SharedTierStore:
 
 
 def with_local_tier(store: StashStore, local_tier_dir: str = "", local_tier_bytes: int = -1,
-                    local_tier_ranks: int = 1, local_tier_private: bool = False) -> StashStore:
-    """`store` behind the local tier at `local_tier_dir` (empty: `store` itself).
+                    local_tier_ranks: int = 1, local_tier_private: bool = False,
+                    local_tier_rank: int | None = None,
+                    local_tier_consumers: Mapping[int, int] | None = None) -> StashStore:
+    """`store` behind the local tier at `local_tier_dir` (empty: `store` itself); the
+    other options are `SharedTierStore`'s (``ranks``, ``private``, ``rank``, ``consumers``).
 
     Raises:
-        ValueError: a tier in front of a store other than Redis, or a bad cap or rank count.
+        ValueError: a tier in front of a store other than Redis, or a bad cap, rank count,
+            rank or consumer.
         PermissionError: a base directory that is another user's or open to others.
     """
     if not local_tier_dir:
@@ -393,7 +386,25 @@ def with_local_tier(store: StashStore, local_tier_dir: str = "", local_tier_byte
     if not isinstance(store, OffloadStore):
         raise ValueError(f"the local tier needs the Redis backend, not {type(store).__name__}")
     return SharedTierStore(store, Path(local_tier_dir), local_tier_bytes, local_tier_ranks,
-                           private=local_tier_private)
+                           private=local_tier_private, rank=local_tier_rank,
+                           consumers=local_tier_consumers)
+
+
+def _check_consumers(consumers: Mapping[int, int], rank: int | None, ranks: int
+                     ) -> dict[int, int]:
+    """`consumers` as a dict, checked against the job attempt's `ranks`.
+
+    Raises:
+        ValueError: `rank` or a consumer rank outside 0..ranks-1, or a negative layer;
+            names the value.
+    """
+    if rank is not None and not 0 <= rank < ranks:
+        raise ValueError(f"local tier rank {rank} is not one of the job's ranks 0..{ranks - 1}")
+    for layer, consumer in consumers.items():
+        if layer < 0 or not 0 <= consumer < ranks:
+            raise ValueError(f"local tier consumer of layer {layer}: rank {consumer} (layers "
+                             f"are >= 0, ranks 0..{ranks - 1})")
+    return dict(consumers)
 
 
 def tier_used_bytes() -> int:

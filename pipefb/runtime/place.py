@@ -136,5 +136,18 @@ def takes_back_own_stash(plan: Plan, rank: int) -> bool:
         list(topology.layers_of_forward(fwd)) == list(topology.layers_of_backward(bwd)))
 
 
+def stash_consumers(plan: Plan, rank: int) -> dict[int, int]:
+    """Layer -> the rank that takes rank `rank`'s stash of it: for each layer of the rank's
+    forward stage, the rank of the backward stage in its group that holds the layer (the
+    rank itself on a combined one); empty for a backward rank, which stashes nothing."""
+    topology = plan.topology(plan.group_of(rank))
+    fwd = _stage_of(topology.forward_workers, rank)
+    if fwd is None:
+        return {}
+    owner = {layer: worker for stage, worker in enumerate(topology.backward_workers)
+             for layer in topology.layers_of_backward(stage)}
+    return {layer: owner[layer] for layer in topology.layers_of_forward(fwd)}
+
+
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:
     return workers.index(rank) if rank in workers else None

@@ -1,0 +1,203 @@
+"""Per-layer use of the node-local tier ([Note: tier ranks] in offload_store/tierranks.py):
+a producer writes a layer to the tier when the rank that takes it shares its tier and to
+Redis otherwise, against a real redis-server with two tier directories standing for two
+hosts; and whole PipeFB jobs on worker processes spread over tiers train as one process
+with each pair's bytes where its placement puts them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from offload_store import RedisServer, connect, open_store
+from offload_store.keys import segment_key
+from offload_store.shm import SharedTierStore
+from pipefb.plan.partition import balanced_plan
+from pipefb.runtime.place import stash_consumers
+from tests.conftest import WORKER_THREADS
+from tests.test_shm_cluster import redis_input_bytes, segments_left
+from tests.test_shm_tier import assert_same, names, segment_files
+from tests.test_transparency import assert_same_training, make_job, run_on_cluster
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer(maxmemory="64mb") as srv:
+        yield srv
+
+
+def rank_store(server: RedisServer, base: Path, job: str, rank: int, ranks: int = 3,
+               consumers: dict[int, int] | None = None) -> SharedTierStore:
+    store = open_store(server.address, job, 0, local_tier_dir=str(base),
+                       local_tier_ranks=ranks, local_tier_rank=rank,
+                       local_tier_consumers=consumers)
+    assert isinstance(store, SharedTierStore)
+    return store
+
+
+def two_layers() -> dict[int, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return {1: {"x": torch.randn(3, 5, generator=g), "i": torch.arange(7)},
+            2: {"m": torch.rand(4, generator=g) > 0.5, "h": torch.randn(2, 2).half()}}
+
+
+def test_a_layer_goes_to_the_tier_only_when_its_consumer_shares_it(
+        server: RedisServer, tmp_path: Path) -> None:
+    """Rank 0 stashes layer 1 for rank 1 (its host) and layer 2 for rank 2 (another)."""
+    here, there = tmp_path / "host-a", tmp_path / "host-b"
+    producer = rank_store(server, here, "pair", 0, consumers={1: 1, 2: 2})
+    first, second = rank_store(server, here, "pair", 1), rank_store(server, there, "pair", 2)
+    assert producer.node == first.node != second.node
+    want, redis = two_layers(), connect(server.address)
+    producer.put(4, 1, 3, want)
+    (segment,) = segment_files(here)  # layer 1's, in rank 1's tier
+    assert segment.stat().st_size > 0 and segment_files(there) == []
+    assert redis.exists(segment_key("pair", 0, 4, 1, 1, 3))  # its index entry
+    assert not any(redis.exists(producer.inner.key(4, 1, 1, 3, n)) for n in want[1])
+    assert not redis.exists(segment_key("pair", 0, 4, 1, 2, 3))  # layer 2: values in Redis
+    assert all(redis.exists(producer.inner.key(4, 1, 2, 3, n)) for n in want[2])
+    assert_same(first.take(4, 1, 3, {1: names(want)[1]}), {1: want[1]})
+    assert_same(second.take(4, 1, 3, {2: names(want)[2]}), {2: want[2]})
+    assert segment_files(here) == [] and redis.keys("pipefb:pair:0:4:*") == []
+    for store in (producer, first, second):
+        store.close()
+    assert redis.keys("pipefb:pair:*") == []  # the tier ranks' set went with the last one
+
+
+def test_a_layer_goes_to_redis_until_its_consumer_has_opened(
+        server: RedisServer, tmp_path: Path) -> None:
+    base = tmp_path / "host"
+    producer = rank_store(server, base, "late", 0, ranks=2, consumers={1: 1, 2: 1})
+    want = two_layers()
+    producer.put(0, 0, 0, want)  # rank 1 has not opened its store yet
+    assert segment_files(base) == []
+    consumer = rank_store(server, base, "late", 1, ranks=2)
+    assert_same(consumer.take(0, 0, 0, names(want)), want)  # from Redis, as spilled ones
+    producer.put(0, 1, 0, want)
+    assert len(segment_files(base)) == 2  # now known: both layers to the tier
+    assert_same(consumer.take(0, 1, 0, names(want)), want)
+    producer.close()
+    consumer.close()
+
+
+def test_a_layer_with_no_named_consumer_needs_every_rank_on_the_tier(
+        server: RedisServer, tmp_path: Path) -> None:
+    here, there = tmp_path / "host-a", tmp_path / "host-b"
+    producer = rank_store(server, here, "unnamed", 0, consumers={1: 1})
+    stores = [rank_store(server, here, "unnamed", 1), rank_store(server, there, "unnamed", 2)]
+    want = two_layers()
+    producer.put(0, 0, 0, want)  # layer 2's consumer unknown, and rank 2 is elsewhere
+    assert len(segment_files(here)) == 1
+    assert not connect(server.address).exists(segment_key("unnamed", 0, 0, 0, 2, 0))
+    assert_same(stores[0].take(0, 0, 0, names(want)), want)
+    for store in (producer, *stores):
+        store.close()
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"local_tier_rank": 3}, "rank 3"), ({"local_tier_rank": -1}, "rank -1"),
+    ({"local_tier_consumers": {1: 3}}, "rank 3"),
+    ({"local_tier_consumers": {-2: 0}}, "layer -2")])
+def test_a_rank_or_consumer_out_of_range_is_refused(
+        server: RedisServer, tmp_path: Path, options: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        open_store(server.address, "bad", 0, local_tier_dir=str(tmp_path / "t"),
+                   local_tier_ranks=3, **options)
+
+
+def test_the_consumers_of_a_ranks_layers_follow_the_plan() -> None:
+    costs = [1.0] * 6
+    split = balanced_plan("pipefb", 4, costs, 8, 4)  # forward ranks 0, 1; backward 2, 3
+    assert [stash_consumers(split, r) for r in range(4)] == [
+        {0: 2, 1: 2, 2: 2}, {3: 3, 4: 3, 5: 3}, {}, {}]
+    uneven = balanced_plan("pipefb", 3, costs, 8, 4)  # one forward stage, two backward
+    assert [stash_consumers(uneven, r) for r in range(3)] == [
+        {0: 1, 1: 1, 2: 1, 3: 2, 4: 2, 5: 2}, {}, {}]
+    combined = balanced_plan("1f1b", 2, costs, 8, 4)
+    assert [stash_consumers(combined, r) for r in range(2)] == [
+        {0: 0, 1: 0, 2: 0}, {3: 1, 4: 1, 5: 1}]
+    groups = balanced_plan("pipefb", 4, costs, 8, 4, groups=2)  # each group: its own pair
+    assert [stash_consumers(groups, r) for r in range(4)] == [
+        {i: 1 for i in range(6)}, {}, {i: 3 for i in range(6)}, {}]
+
+
+# worker -> its tier ("main": the cluster's own): worker i registers i-th, so it is rank i
+# of a job on all four. PipeFB on 4 puts forward stage s on rank s and its backward on
+# rank 2 + s: ranks 0 and 2 share the main tier, rank 1 (tier b) and 3 (tier c) do not.
+TIERS = ["main", "b", "main", "c"]
+BATCH = 256  # samples per step: the mlp's stash, far above the store's own traffic
+
+
+@pytest.fixture(scope="module")
+def spread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, dict[str, Path]]]:
+    """A local cluster whose 4 workers use 3 tier directories (`TIERS`), as on 3 hosts."""
+    from coordinator.client import CoordinatorClient
+    from pipefb.app.local import LocalServices
+
+    root = tmp_path_factory.mktemp("spread")
+    with LocalServices(0, root / "logs", threads=WORKER_THREADS) as cluster, \
+            CoordinatorClient(cluster.coordinator) as client:
+        assert cluster.tier_dir is not None
+        dirs = {"main": cluster.tier_dir, "b": root / "tier-b", "c": root / "tier-c"}
+        for index, name in enumerate(TIERS):  # one at a time: registry ids in this order
+            flags = [] if name == "main" else ["--local-tier-dir", str(dirs[name])]
+            cluster.add_worker(index, flags).wait_ready()
+            client.wait_for_workers(index + 1)
+        yield client, cluster, dirs
+
+
+def rank_tiers(client: Any, job_id: str) -> list[str]:
+    """The tier of each rank of the job, from the registry ids the coordinator gave them."""
+    names = {w.worker_id: w.name for w in client.workers()}
+    return [TIERS[int(names[i].rpartition("-")[2])] for i in client.status(job_id).worker_ids]
+
+
+def train_spread(client: Any, cluster: Any, workers: int) -> tuple[list[str], list[Any], int]:
+    """Runs an mlp PipeFB job on `workers` ranks, checks it against one process; returns
+    its ranks' tiers, its reports and the bytes Redis received meanwhile."""
+    job = make_job("mlp", "pipefb", workers, "adamw", batch_size=BATCH)
+    before = redis_input_bytes(cluster)
+    reports, weights = run_on_cluster(client, job)
+    assert_same_training(job, reports, weights)
+    return rank_tiers(client, reports[0].job_id), reports, redis_input_bytes(cluster) - before
+
+
+def stashed(reports: list[Any]) -> list[int]:
+    """The bytes each rank stashed, all steps."""
+    return [sum(r.workers[k].bytes_stashed for r in reports)
+            for k in range(len(reports[0].workers))]
+
+
+def in_tier(reports: list[Any]) -> list[list[int]]:
+    """Each rank's peak bytes in the node-local tier (memory kind `node_tier`), by step."""
+    return [[r.workers[k].kind_peak_bytes["node_tier"] for r in reports]
+            for k in range(len(reports[0].workers))]
+
+
+def test_the_pair_on_one_tier_uses_it_and_the_pair_across_tiers_redis(
+        spread: tuple[Any, Any, dict[str, Path]]) -> None:
+    client, cluster, dirs = spread
+    tiers, reports, to_redis = train_spread(client, cluster, 4)
+    assert tiers == TIERS
+    put = stashed(reports)
+    assert put[0] > 0 and put[1] > 0 and put[2:] == [0, 0]
+    peaks = in_tier(reports)
+    assert max(peaks[0]) > 0  # rank 0's stashes went to rank 2 through the main tier
+    assert peaks[1:] == [[0] * len(reports)] * 3  # rank 1's to rank 3 through Redis
+    assert put[1] <= to_redis < put[1] + put[0] / 2, (to_redis, put)
+    assert all(segments_left(folder) == [] for folder in dirs.values())  # all consumed
+
+
+def test_a_job_with_every_rank_on_another_tier_stashes_in_redis(
+        spread: tuple[Any, Any, dict[str, Path]]) -> None:
+    client, cluster, dirs = spread
+    tiers, reports, to_redis = train_spread(client, cluster, 2)  # workers 0 and 1
+    assert tiers == TIERS[:2]
+    put = sum(stashed(reports))
+    assert put > 0 and to_redis > put
+    assert in_tier(reports) == [[0] * len(reports)] * 2
+    assert all(segments_left(folder) == [] for folder in dirs.values())
