@@ -20,7 +20,7 @@ from pipefb.plan.partition import balanced_plan
 from pipefb.runtime.place import stash_consumers
 from tests.conftest import WORKER_THREADS
 from tests.test_shm_cluster import redis_input_bytes, segments_left
-from tests.test_shm_tier import assert_same, names, segment_files
+from tests.test_shm_tier import assert_same, names, segment_files, stash, tier
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
 
 
@@ -32,17 +32,14 @@ def server() -> Iterator[RedisServer]:
 
 def rank_store(server: RedisServer, base: Path, job: str, rank: int, ranks: int = 3,
                consumers: dict[int, int] | None = None) -> SharedTierStore:
-    store = open_store(server.address, job, 0, local_tier_dir=str(base),
-                       local_tier_ranks=ranks, local_tier_rank=rank,
-                       local_tier_consumers=consumers)
-    assert isinstance(store, SharedTierStore)
-    return store
+    return tier(server, base, job, ranks=ranks, local_tier_rank=rank,
+                local_tier_consumers=consumers)
 
 
 def two_layers() -> dict[int, dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return {1: {"x": torch.randn(3, 5, generator=g), "i": torch.arange(7)},
-            2: {"m": torch.rand(4, generator=g) > 0.5, "h": torch.randn(2, 2).half()}}
+    """`stash`'s two layers as layers 1 and 2."""
+    layers = stash()
+    return {1: layers[0], 2: layers[2]}
 
 
 def test_a_layer_goes_to_the_tier_only_when_its_consumer_shares_it(
