@@ -3,7 +3,7 @@ layers, its action list, and the weight version each of its forwards uses."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pipefb.errors import ConfigError
@@ -144,9 +144,27 @@ def stash_consumers(plan: Plan, rank: int) -> dict[int, int]:
     fwd = _stage_of(topology.forward_workers, rank)
     if fwd is None:
         return {}
-    owner = {layer: worker for stage, worker in enumerate(topology.backward_workers)
-             for layer in topology.layers_of_backward(stage)}
+    owner = _by_layer(topology.backward_workers, topology.layers_of_backward)
     return {layer: owner[layer] for layer in topology.layers_of_forward(fwd)}
+
+
+def stash_producers(plan: Plan, rank: int) -> dict[int, int]:
+    """Layer -> the rank whose stash of it rank `rank` takes: for each layer of the rank's
+    backward stage, the rank of the forward stage in its group that runs the layer (the
+    rank itself on a combined one); empty for a forward rank, which takes nothing. The
+    mirror of `stash_consumers`."""
+    topology = plan.topology(plan.group_of(rank))
+    bwd = _stage_of(topology.backward_workers, rank)
+    if bwd is None:
+        return {}
+    runner = _by_layer(topology.forward_workers, topology.layers_of_forward)
+    return {layer: runner[layer] for layer in topology.layers_of_backward(bwd)}
+
+
+def _by_layer(workers: tuple[int, ...], layers_of: Callable[[int], range]) -> dict[int, int]:
+    """Layer -> the worker of the stage (of `workers`, whose layers `layers_of` gives) that
+    holds it."""
+    return {layer: worker for stage, worker in enumerate(workers) for layer in layers_of(stage)}
 
 
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:
