@@ -1,8 +1,9 @@
 """Per-layer use of the node-local tier ([Note: tier ranks] in offload_store/tierranks.py):
 a producer writes a layer to the tier when the rank that takes it shares its tier and to
-Redis otherwise, against a real redis-server with two tier directories standing for two
-hosts; and whole PipeFB jobs on worker processes spread over tiers train as one process
-with each pair's bytes where its placement puts them."""
+Redis otherwise, and a consumer takes a layer whose producer is on another tier from
+Redis in one round trip, against a real redis-server with two tier directories standing
+for two hosts; and whole PipeFB jobs on worker processes spread over tiers train as one
+process with each pair's bytes where its placement puts them."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import torch
 from offload_store import RedisServer, connect, open_store
 from offload_store.keys import segment_key
 from offload_store.shm import SharedTierStore
+from pipefb.job.config import build_layers
 from pipefb.plan.partition import balanced_plan
 from pipefb.plan.plan import Plan
 from pipefb.runtime.place import stash_consumers, stash_producers
-from tests.conftest import WORKER_THREADS
+from tests.conftest import WORKER_THREADS, store_client
 from tests.test_shm_cluster import redis_input_bytes, segments_left
 from tests.test_shm_tier import assert_same, names, segment_files, stash, tier
 from tests.test_transparency import assert_same_training, make_job, run_on_cluster
@@ -292,10 +294,20 @@ def rank_tiers(client: Any, job_id: str) -> list[str]:
 
 def train_spread(client: Any, cluster: Any, workers: int) -> tuple[list[str], list[Any], int]:
     """Runs an mlp PipeFB job on `workers` ranks, checks it against one process; returns
-    its ranks' tiers, its reports and the bytes Redis received meanwhile."""
+    its ranks' tiers, its reports and the bytes Redis received meanwhile.
+
+    Each key the job sets is taken once, so GETDELs past SETs are index look-ups that
+    found nothing; a backward rank takes from Redis straight once it has seen its forward
+    rank on another tier, which its first take (one on each of its two threads, the
+    compute thread's and the prefetch's, at most) may not have yet.
+    """
     job = make_job("mlp", "pipefb", workers, "adamw", batch_size=BATCH)
-    before = redis_input_bytes(cluster)
+    before, calls = redis_input_bytes(cluster), command_calls(store_client(cluster))
     reports, weights = run_on_cluster(client, job)
+    after = command_calls(store_client(cluster))
+    missed = after["getdel"] - calls.get("getdel", 0) - (after["set"] - calls.get("set", 0))
+    layers = len(build_layers(job))
+    assert 0 <= missed <= 2 * layers, (missed, layers)
     assert_same_training(job, reports, weights)
     return rank_tiers(client, reports[0].job_id), reports, redis_input_bytes(cluster) - before
 
