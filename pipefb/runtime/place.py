@@ -3,7 +3,7 @@ layers, its action list, and the weight version each of its forwards uses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pipefb.errors import ConfigError
@@ -140,12 +140,7 @@ def stash_consumers(plan: Plan, rank: int) -> dict[int, int]:
     """Layer -> the rank that takes rank `rank`'s stash of it: for each layer of the rank's
     forward stage, the rank of the backward stage in its group that holds the layer (the
     rank itself on a combined one); empty for a backward rank, which stashes nothing."""
-    topology = plan.topology(plan.group_of(rank))
-    fwd = _stage_of(topology.forward_workers, rank)
-    if fwd is None:
-        return {}
-    owner = _by_layer(topology.backward_workers, topology.layers_of_backward)
-    return {layer: owner[layer] for layer in topology.layers_of_forward(fwd)}
+    return _across(plan, rank, from_forward=True)
 
 
 def stash_producers(plan: Plan, rank: int) -> dict[int, int]:
@@ -153,18 +148,23 @@ def stash_producers(plan: Plan, rank: int) -> dict[int, int]:
     backward stage, the rank of the forward stage in its group that runs the layer (the
     rank itself on a combined one); empty for a forward rank, which takes nothing. The
     mirror of `stash_consumers`."""
+    return _across(plan, rank, from_forward=False)
+
+
+def _across(plan: Plan, rank: int, from_forward: bool) -> dict[int, int]:
+    """For each layer of rank `rank`'s forward stage (`from_forward`) or backward stage,
+    the rank of its group's stage on the other side that holds the layer; empty where the
+    rank has no stage on its own side."""
     topology = plan.topology(plan.group_of(rank))
-    bwd = _stage_of(topology.backward_workers, rank)
-    if bwd is None:
+    forward = (topology.forward_workers, topology.layers_of_forward)
+    backward = (topology.backward_workers, topology.layers_of_backward)
+    (own, own_layers), (other, other_layers) = (
+        (forward, backward) if from_forward else (backward, forward))
+    stage = _stage_of(own, rank)
+    if stage is None:
         return {}
-    runner = _by_layer(topology.forward_workers, topology.layers_of_forward)
-    return {layer: runner[layer] for layer in topology.layers_of_backward(bwd)}
-
-
-def _by_layer(workers: tuple[int, ...], layers_of: Callable[[int], range]) -> dict[int, int]:
-    """Layer -> the worker of the stage (of `workers`, whose layers `layers_of` gives) that
-    holds it."""
-    return {layer: worker for stage, worker in enumerate(workers) for layer in layers_of(stage)}
+    holder = {layer: worker for s, worker in enumerate(other) for layer in other_layers(s)}
+    return {layer: holder[layer] for layer in own_layers(stage)}
 
 
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:
