@@ -31,7 +31,7 @@ from pipefb.runtime.allreduce import (
 )
 from pipefb.runtime.checkpoint import rank_file, resolve_under
 from pipefb.runtime.manifest import verified_files
-from pipefb.runtime.place import stash_consumers, takes_back_own_stash
+from pipefb.runtime.place import stash_consumers, stash_producers, takes_back_own_stash
 from pipefb.runtime.stage import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -221,8 +221,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     private: bool) -> StashStore | None:
         """The job's stash in this worker's own store, as the job's store user; None for
         a job without a store ([Note: access] in protos/security.py). With the node-local
-        tier it learns this rank and which rank takes each layer it stashes ([Note: tier
-        ranks] in offload_store/tierranks.py).
+        tier it learns this rank, which rank takes each layer it stashes and which rank
+        stashed each layer it takes ([Note: tier ranks] in offload_store/tierranks.py).
 
         Raises:
             PermissionError: the Assign names another store (nothing is sent there).
@@ -243,7 +243,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                           local_tier_dir=tier_dir, local_tier_bytes=tier_bytes,
                           local_tier_ranks=len(request.peers),
                           local_tier_private=private, local_tier_rank=request.rank,
-                          local_tier_consumers=stash_consumers(plan, request.rank))
+                          local_tier_consumers=stash_consumers(plan, request.rank),
+                          local_tier_producers=stash_producers(plan, request.rank))
 
     def _check_not_stale(self, job_id: str, attempt: int) -> None:
         """Refuses an Assign of an attempt older than the one this worker runs (hold the
