@@ -4,12 +4,17 @@ store's I/O thread and prefetch (the rule the workers follow and the simulator m
 from __future__ import annotations
 
 from pipefb.plan.plan import Plan
+from pipefb.schedule import Topology
 
 
 def takes_back_own_stash(plan: Plan, rank: int) -> bool:
     """Whether rank `rank` takes back every stash it puts itself: a combined rank whose
     forward and backward stages hold the same layers (GPipe, 1F1B, PipeDream)."""
-    topology = plan.topology(plan.group_of(rank))
+    return takes_back_own_stash_in(plan.topology(plan.group_of(rank)), rank)
+
+
+def takes_back_own_stash_in(topology: Topology, rank: int) -> bool:
+    """`takes_back_own_stash` of a rank of `topology` (its group's)."""
     if rank not in topology.forward_workers or rank not in topology.backward_workers:
         return False
     fwd = topology.forward_workers.index(rank)
@@ -28,4 +33,4 @@ def copies_on_compute_thread(private: bool, local_tier: bool, device: str) -> bo
     return private and local_tier and device == "cpu"
 
 
-__all__ = ["copies_on_compute_thread", "takes_back_own_stash"]
+__all__ = ["copies_on_compute_thread", "takes_back_own_stash", "takes_back_own_stash_in"]

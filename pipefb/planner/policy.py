@@ -72,7 +72,7 @@ def relieve(space: SearchSpace, plan: Plan, over: dict[int, int],
         if free is not None:
             policy[free], changed = "offload", True
             continue
-        copies = tier_copies(plan, space.cluster, r) or space.cluster.store
+        copies = tier_copies(topology, space.cluster, r) or space.cluster.store
         options = _options(plan, policy, _layers_of_rank(topology, r), prof, copies)
         if options:
             _, best, new = max(options)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pipefb.errors import ScheduleError
 from pipefb.plan.plan import Plan, recompute_runs
-from pipefb.plan.stashpath import copies_on_compute_thread, takes_back_own_stash
-from pipefb.schedule import Action, Kind
+from pipefb.plan.stashpath import copies_on_compute_thread, takes_back_own_stash_in
+from pipefb.schedule import Action, Kind, Topology
 from pipefb.sim.cluster import Cluster, Link, group_view, ring_link
 from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
 
@@ -68,7 +68,7 @@ class Costs:
         self._compute: dict[tuple[int, Kind, int], float] = {}
         self._stash: dict[tuple[Kind, int], int] = {}
         self.on_compute = frozenset(r for r in self.topology.workers()  # [Note: tier copies]
-                                    if tier_copies(plan, cluster, r) is not None)
+                                    if tier_copies(self.topology, cluster, r) is not None)
 
     def boundary_bytes(self, layer: int) -> int:
         """Bytes of the tensor entering `layer` from the layer before (0 for the data)."""
@@ -154,11 +154,11 @@ class Costs:
         return self.profile.param_bytes(sorted(layers))
 
 
-def tier_copies(plan: Plan, cluster: Cluster, rank: int) -> Link | None:
-    """The node-local tier that `rank` puts and takes its stashes in on its compute lane,
-    or None where they go through its copy lane ([Note: tier copies])."""
+def tier_copies(topology: Topology, cluster: Cluster, rank: int) -> Link | None:
+    """The node-local tier that `rank` of `topology` puts and takes its stashes in on its
+    compute lane, or None where they go through its copy lane ([Note: tier copies])."""
     tier = cluster.local_tier
-    private = takes_back_own_stash(plan, rank)
+    private = takes_back_own_stash_in(topology, rank)
     if tier is None or not copies_on_compute_thread(private, True, cluster.device):
         return None
     return tier
