@@ -77,6 +77,18 @@ def test_a_cpu_private_ranks_stash_and_fetch_run_on_its_compute_lane():
     assert sim.peak_memory_by_kind[0]["stash_in_flight"] == 0
 
 
+def test_on_a_loopback_host_a_tier_copy_is_the_ranks_own_cpu_work_alone():
+    """One loopback core whose store traffic keeps two cores busy (`cpu` 2: the worker and
+    Redis): a tier copy asks Redis nothing, so no second job shares the core with it and
+    the timeline is the one above, 40 ms."""
+    one = replace(CPU_TIER, workers=(replace(CPU_TIER.workers[0], host="box"),),
+                  host_cores={"box": 1}, loopback_hosts=frozenset({"box"}),
+                  store=Link(1e8, 0.0, cpu=2.0))
+    sim = _one_rank(one)
+    assert sim.step_seconds == pytest.approx(40 * MS)
+    assert _spans(sim)["0STASH0"] == pytest.approx((4, 5))
+
+
 @pytest.mark.parametrize("name", sorted(LANE))
 def test_on_cuda_or_without_the_tier_the_stash_keeps_the_copy_lane(name):
     # STASH0 hands 1 MB over at 4 (written 4-14), STASH1 at 8 (written 14-24): the
