@@ -107,8 +107,7 @@ def tier_link(address: str, settings: Settings) -> Link:
     Back to back, no idle gap: a memcpy has no link to wake ([Note: tier copies] in
     pipefb.sim.costmodel). The line goes through the medians, not the means: these copies
     are the rank's own CPU work, and their slow tail is other processes taking the cores
-    (a 16 MiB put of 1 ms took 10-130 ms in one probe in ten on a loaded host), which the
-    simulator charges the computes beside them as processor sharing already."""
+    (bench/findings.md), which the simulator charges as processor sharing already."""
     root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-tier-", dir=root) as folder:
         inner = OffloadStore(connect(address, username=None, password=None), JOB,

@@ -33,7 +33,8 @@ def job_cluster(cluster: Cluster, workers: int, speeds: Sequence[float] | None =
     in pipefb.sim.costmodel). Under a cap, as without one,
     stashes go through the copy lane and their bytes in flight count in each rank's peak
     ([Note: copy lane] in pipefb.sim.copylane), as the workers write them
-    ([Note: background stash] in offload_store/writer.py).
+    ([Note: background stash] in offload_store/writer.py), but for a CPU rank that copies
+    them on its compute thread ([Note: tier copies]).
 
     Raises:
         ConfigError: the cluster describes fewer workers than the job uses.
