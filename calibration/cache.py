@@ -23,7 +23,7 @@ from calibration.settings import HOST, Measured
 from pipefb.errors import ConfigError
 from pipefb.sim.cluster import Cluster
 
-PROBE_VERSION = 10  # bumped when a probe measures differently: older caches are re-measured
+PROBE_VERSION = 11  # bumped when a probe measures differently: older caches are re-measured
 
 
 def cache_path(cache_dir: Path | None = None) -> Path:
@@ -76,7 +76,8 @@ def read_cache(path: Path) -> tuple[Measured, str]:
     head = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
     return Measured(cluster.network, cluster.store, cluster.action_overhead,
                     cluster.step_overhead, cluster.step_cpu,
-                    cluster.oversubscribed_of(HOST), cluster.busy_send), head
+                    cluster.oversubscribed_of(HOST), cluster.busy_send,
+                    cluster.local_tier), head
 
 
 def write_cache(path: Path, text: str) -> None:

@@ -3,8 +3,8 @@
 
 `measure` starts the probe Redis and the echo peer and runs each probe with the parts a
 local run uses: the worker-to-worker link and busy senders (`calibration.links`), the
-offload-store link (`calibration.store`), the runtime's and the Step call's overheads
-(`calibration.overheads`) and the cores' speed when oversubscribed
+offload-store link and the node-local tier's (`calibration.store`), the runtime's and the
+Step call's overheads (`calibration.overheads`) and the cores' speed when oversubscribed
 (`calibration.crowding`). `local_cluster` reads the result from the cache
 (`calibration.cache`) where it is current and measures again where not.
 """
@@ -88,15 +88,17 @@ def measure(settings: Settings = DEFAULTS) -> Measured:
                                       [os.getpid(), peer.pid])
         store_link = store.store_link(redis_proc.address, settings,
                                       child_pids(redis_proc.pid))
+        tier = store.tier_link(redis_proc.address, settings)
         action, step = overheads.runtime_overheads(settings.steps)
     oversubscribed = crowding.oversubscribed(os.cpu_count() or 1, settings.crowd_seconds)
     return Measured(network, store_link, action, rpc + step, step_cpu, oversubscribed,
-                    busy_send)
+                    busy_send, tier)
 
 
 def build_cluster(workers: int, measured: Measured) -> Cluster:
     """`workers` workers w0..w{n-1} on one loopback host with this machine's cores and
-    links: transfers and store traffic are CPU work there, as on this machine."""
+    links: transfers and store traffic are CPU work there, as on this machine; they share
+    a node-local tier (`pipefb local` and the tests' clusters give them one)."""
     if workers < 1:
         raise ConfigError(f"a cluster needs at least one worker, got {workers}")
     return Cluster(tuple(WorkerSpec(f"w{i}", host=HOST) for i in range(workers)),
@@ -105,7 +107,7 @@ def build_cluster(workers: int, measured: Measured) -> Cluster:
                    action_overhead=measured.action_overhead,
                    step_overhead=measured.step_overhead, step_cpu=measured.step_cpu,
                    host_oversubscribed={HOST: measured.oversubscribed},
-                   busy_send=measured.busy_send)
+                   busy_send=measured.busy_send, local_tier=measured.local_tier)
 
 
 def calibrated(workers: int, *, cache_dir: Path | None = None, refresh: bool = False,

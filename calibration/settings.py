@@ -49,6 +49,7 @@ class Measured:
     step_cpu: float = 0.0  # CPU seconds of one Step call, the coordinator's and worker's end
     oversubscribed: float = 1.0  # the cores' speed with twice as many busy threads
     busy_send: float = 0.0  # how much later a send followed by compute starts
+    local_tier: Link | None = None  # one put or take of a private rank's node-local tier
 
 
 DEFAULTS = Settings()  # the settings of a real calibration

@@ -1,5 +1,6 @@
 """The offload-store link probe: stashes shaped as a stage's put into and taken from a
-real Redis through `OffloadStore`, the worker's own stash and fetch.
+real Redis through `OffloadStore`, the worker's own stash and fetch; and the node-local
+tier's, through the store a CPU rank that takes back its own stashes opens (`tier_link`).
 
 The Redis is started as `LocalServices` starts it (`python -m offload_store`). A probe
 round puts `STASH_DEPTH` fresh stashes of `STASH_TENSORS` tensors over `STASH_LAYERS`
@@ -13,22 +14,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from calibration.cpu import CpuMeter
-from calibration.fit import fit_probes
+from calibration.fit import fit_link, fit_probes
 from calibration.settings import JOB, PROBE_TIMEOUT_S, Settings
-from offload_store import OffloadStore, connect
+from offload_store import OffloadStore, StashStore, connect
+from offload_store.shm import with_local_tier
 from pipefb.sim.cluster import Link
 
 STORE_MAXMEMORY = "256mb"  # the probe Redis holds `STASH_DEPTH` stashes at a time
 STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several per layer
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
+SHM_ROOT = Path("/dev/shm")  # where the tier probe's directory goes (= pipefb.app.local's)
 
 
 def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -40,7 +46,7 @@ def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
             for layer in range(STASH_LAYERS)}
 
 
-def _store_round(store: OffloadStore, first_step: int, size: int, gap: float,
+def _store_round(store: StashStore, first_step: int, size: int, gap: float,
                  meter: CpuMeter | None = None) -> float:
     """Mean seconds of one put or take of `STASH_DEPTH` fresh stashes, all put before the
     first is taken, each after the store sat idle `gap` seconds ([Note: idle links]);
@@ -62,7 +68,7 @@ def _store_round(store: OffloadStore, first_step: int, size: int, gap: float,
     return seconds / len(ops)
 
 
-def _store_seconds(store: OffloadStore, size: int, repeats: int, warmup: int,
+def _store_seconds(store: StashStore, size: int, repeats: int, warmup: int,
                    first_step: int, gap: float, meter: CpuMeter | None = None
                    ) -> list[float]:
     """Seconds of one stash or fetch of `size` bytes, in each of `repeats` rounds after
@@ -91,3 +97,30 @@ def store_link(address: str, settings: Settings, pids: Sequence[int] = ()) -> Li
         store.close()
     link = fit_probes("Redis store", settings.small_bytes, small, settings.large_bytes, large)
     return replace(link, cpu=meter.cores())
+
+
+def tier_link(address: str, settings: Settings) -> Link:
+    """The node-local tier as a CPU rank that takes back its own stashes uses it: the
+    store's probe stashes put into and taken from a private tier store ([Note: private
+    index] in offload_store/shm.py: one segment per stash, a take a view of it) in a
+    directory of its own, in front of the Redis at `address` (which it never reaches).
+    Back to back, no idle gap: a memcpy has no link to wake ([Note: tier copies] in
+    pipefb.sim.costmodel). The line goes through the medians, not the means: these copies
+    are the rank's own CPU work, and their slow tail is other processes taking the cores
+    (bench/findings.md), which the simulator charges as processor sharing already."""
+    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-tier-", dir=root) as folder:
+        inner = OffloadStore(connect(address, username=None, password=None), JOB,
+                             max_wait_seconds=PROBE_TIMEOUT_S)
+        store = with_local_tier(inner, folder, local_tier_private=True)
+        try:
+            small = _store_seconds(store, settings.small_bytes, settings.small_repeats,
+                                   settings.warmup, 0, 0.0)
+            large = _store_seconds(store, settings.large_bytes, settings.large_repeats,
+                                   settings.warmup,
+                                   (settings.warmup + settings.small_repeats) * STASH_DEPTH, 0.0)
+            store.clear_job()
+        finally:
+            store.close()
+    return fit_link("node-local tier", settings.small_bytes, statistics.median(small),
+                    settings.large_bytes, statistics.median(large))

@@ -65,7 +65,7 @@ def auto_plan(job: Job, ranks: Ranks, profiles: ProfileCache, cluster: Cluster |
     profile, speeds, reused = profile_workers(ranks.stubs, cfg, cfg.microbatch_size,
                                               cache=(profiles, names))
     base = cluster or Cluster.uniform(cfg.workers)
-    planned_on = job_cluster(base, cfg.workers, speeds, cfg.memory_cap)
+    planned_on = job_cluster(base, cfg.workers, speeds, cfg.memory_cap, cfg.device)
     result = plan_job(cfg, profile, planned_on)
     job.costs = (profile, planned_on)
     job.planner = {**summary(result), "profile": profile.to_dict(),

@@ -77,6 +77,11 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
     # a send followed by compute arrives later, never earlier
     assert 0.0 <= cluster.busy_send < 0.05
     assert cached["overheads"].get("busy_send", 0.0) == cluster.busy_send
+    # the node-local tier's put and take (a memcpy and a view): less work than Redis's
+    tier = cluster.local_tier
+    assert tier is not None and 10e6 <= tier.bandwidth <= 1e12 and tier.latency < 0.01, tier
+    assert tier.seconds(16 << 20) < cluster.store.seconds(16 << 20), (tier, cluster.store)
+    assert cached["local_tier"] == {"bandwidth": tier.bandwidth, "latency": tier.latency}
 
 
 def test_the_step_probe_answers_as_a_worker_does() -> None:

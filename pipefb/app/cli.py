@@ -321,7 +321,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         cluster = local_cluster(job.workers)
     warn(check_submit(replace(job, workers=cluster.size)).warnings)
-    cluster = job_cluster(cluster, cluster.size, memory_cap=job.memory_cap)
+    cluster = job_cluster(cluster, cluster.size, memory_cap=job.memory_cap, device=job.device)
     profile = _plan_profile(job, args, cluster.size)
     from pipefb.planner.job import plan_job
 

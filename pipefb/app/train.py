@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from rich.progress import (
 from rich.table import Table
 
 from pipefb.allocator import keep_freed_memory
-from pipefb.app.local import LocalServices
+from pipefb.app.local import TIER_ENV, LocalServices
 from pipefb.app.report import write_report
 from pipefb.errors import NonFiniteLoss
 from pipefb.job.config import JobConfig
@@ -251,12 +253,16 @@ def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
 
 def local_cluster_file(workers: int, out: Path) -> Path:
     """`out`/cluster.yaml: this machine's cluster description for `workers` workers
-    (measured once, cached), what the coordinator plans "auto" on."""
+    (measured once, cached), what the coordinator plans "auto" on; without the node-local
+    tier where the environment turns the workers' off (`TIER_ENV` empty)."""
     from calibration.cluster import local_cluster
 
     path = out / "cluster.yaml"
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(local_cluster(workers).to_dict(), sort_keys=False))
+    cluster = local_cluster(workers)
+    if os.environ.get(TIER_ENV) == "":
+        cluster = replace(cluster, local_tier=None)
+    path.write_text(yaml.safe_dump(cluster.to_dict(), sort_keys=False))
     return path
 
 

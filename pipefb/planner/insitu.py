@@ -125,14 +125,17 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
                                                * factors.get("OPT", 1.0)),
                       weight_copy_seconds_per_byte=(profile.weight_copy_seconds_per_byte
                                                     * factors.get("OPT", 1.0)))
-    store = replace(cluster.store, bandwidth=cluster.store.bandwidth
-                    / factors.get("STASH", 1.0))
+    stash = factors.get("STASH", 1.0)  # the store's copies and the tier's alike
+    store = replace(cluster.store, bandwidth=cluster.store.bandwidth / stash)
+    tier = (None if cluster.local_tier is None else
+            replace(cluster.local_tier, bandwidth=cluster.local_tier.bandwidth / stash))
     hop = factors.get(LATENCY, 1.0)
 
     def slower(link: Link) -> Link:
         return Link(link.bandwidth, link.latency * hop)
 
-    return profile, replace(cluster, store=store, network=slower(cluster.network),
+    return profile, replace(cluster, store=store, local_tier=tier,
+                            network=slower(cluster.network),
                             links={pair: slower(x) for pair, x in cluster.links.items()})
 
 

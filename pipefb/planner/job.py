@@ -26,12 +26,15 @@ def job_schedules(job: JobConfig) -> tuple[str, ...]:
 
 
 def job_cluster(cluster: Cluster, workers: int, speeds: Sequence[float] | None = None,
-                memory_cap: int = 0) -> Cluster:
-    """The first `workers` workers of `cluster`, with measured relative speeds multiplied in
-    and every cap lowered to `memory_cap` (0: unchanged). Under a cap, as without one,
+                memory_cap: int = 0, device: str = "") -> Cluster:
+    """The first `workers` workers of `cluster`, with measured relative speeds multiplied in,
+    every cap lowered to `memory_cap` (0: unchanged), computing on the job's `device` (""
+    keeps the cluster's; it decides where a rank's stash copies run, [Note: tier copies]
+    in pipefb.sim.costmodel). Under a cap, as without one,
     stashes go through the copy lane and their bytes in flight count in each rank's peak
     ([Note: copy lane] in pipefb.sim.copylane), as the workers write them
-    ([Note: background stash] in offload_store/writer.py).
+    ([Note: background stash] in offload_store/writer.py), but for a CPU rank that copies
+    them on its compute thread ([Note: tier copies]).
 
     Raises:
         ConfigError: the cluster describes fewer workers than the job uses.
@@ -44,7 +47,7 @@ def job_cluster(cluster: Cluster, workers: int, speeds: Sequence[float] | None =
         speed = w.speed * (speeds[i] if speeds is not None else 1.0)
         memory = min(w.memory, memory_cap) if memory_cap else w.memory
         specs.append(WorkerSpec(w.name, speed, memory, w.host))
-    return replace(cluster, workers=tuple(specs))
+    return replace(cluster, workers=tuple(specs), device=device or cluster.device)
 
 
 def plan_job(job: JobConfig, profile: Profile, cluster: Cluster) -> GroupSearch:

@@ -10,6 +10,7 @@ from pipefb.plan.plan import Plan, recompute_runs
 from pipefb.planner.candidates import SearchSpace
 from pipefb.schedule import Topology, schedule_kind
 from pipefb.sim.cluster import Link
+from pipefb.sim.costmodel import tier_copies
 from pipefb.sim.costs import Profile, kept_bytes
 
 #: (bytes freed per second of extra time, the layers changed, their new policy)
@@ -54,7 +55,9 @@ def relieve(space: SearchSpace, plan: Plan, over: dict[int, int],
     simulation hides its copies behind compute ([Note: copy lane] in
     pipefb.sim.copylane); else a kept layer offloaded, or a layer recomputed (alone or
     with the layer before it, as one run), whichever frees the most bytes per second of
-    extra time; None if no change frees anything.
+    extra time (an offload priced as a put and a take on the compute lane: through the
+    store, or the node-local tier where the rank copies there, [Note: tier copies] in
+    pipefb.sim.costmodel); None if no change frees anything.
 
     Args:
         nearly_free: whether under a policy the simulated step is at most `NEARLY_FREE`
@@ -69,8 +72,8 @@ def relieve(space: SearchSpace, plan: Plan, over: dict[int, int],
         if free is not None:
             policy[free], changed = "offload", True
             continue
-        options = _options(plan, policy, _layers_of_rank(topology, r), prof,
-                           space.cluster.store)
+        copies = tier_copies(topology, space.cluster, r) or space.cluster.store
+        options = _options(plan, policy, _layers_of_rank(topology, r), prof, copies)
         if options:
             _, best, new = max(options)
             for j in best:
@@ -91,15 +94,16 @@ def _free_offload(policy: list[str], rank: int, layers: list[int], prof: Profile
     return i if nearly_free(trial, rank) else None
 
 
-def _options(plan: Plan, policy: list[str], layers: list[int], prof: Profile, store: Link
+def _options(plan: Plan, policy: list[str], layers: list[int], prof: Profile, copies: Link
              ) -> list[_Option]:
-    """Every single change to `policy` that frees memory on a rank holding `layers`."""
+    """Every single change to `policy` that frees memory on a rank holding `layers`, an
+    offload costing a put and a take over `copies`."""
     held = _held_bytes(plan, policy, layers, prof)
     options: list[_Option] = []
     for i in layers:
         x = prof.layers[i]
         if policy[i] == "keep" and x.saved_bytes > 0:
-            options.append((x.saved_bytes / max(2 * store.seconds(x.saved_bytes), 1e-12),
+            options.append((x.saved_bytes / max(2 * copies.seconds(x.saved_bytes), 1e-12),
                             (i,), "offload"))
         for run in ((i,), (i - 1, i)):
             if run[0] not in layers or all(policy[j] == "recompute" for j in run):

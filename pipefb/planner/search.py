@@ -22,9 +22,11 @@ into forward and backward roles:
    its forward is cheaper than moving its saved tensors through the store; while a worker's
    simulated peak exceeds its cap, its kept layer with the largest stash is offloaded if
    the simulation says that is nearly free (the copy lane hides its copies behind compute,
-   `NEARLY_FREE`), else its layers switch to offload or recompute, whichever frees more
-   bytes per second of extra time; the partition is re-balanced, and the plan simulated
-   again;
+   or a CPU rank's node-local tier copies them in less than the step's `NEARLY_FREE`:
+   [Note: tier copies] in pipefb.sim.costmodel), else its layers switch to offload or
+   recompute, whichever frees more bytes per second of extra time (an offload costing a
+   put and a take, through the store or that tier); the partition is re-balanced, and the
+   plan simulated again;
 3. an analytic estimate ranks the candidates; the best ones are simulated (as many as an
    event budget allows, and at least the best of each schedule kind: the estimate ignores
    the caps, so a kind's best estimate may lose most to fitting its memory);

@@ -126,16 +126,6 @@ def place(plan: Plan, rank: int, stale_microbatches: int = 0) -> RankPlace:
     )
 
 
-def takes_back_own_stash(plan: Plan, rank: int) -> bool:
-    """Whether rank `rank` takes back every stash it puts itself: a combined rank whose
-    forward and backward stages hold the same layers (GPipe, 1F1B, PipeDream)."""
-    topology = plan.topology(plan.group_of(rank))
-    fwd = _stage_of(topology.forward_workers, rank)
-    bwd = _stage_of(topology.backward_workers, rank)
-    return fwd is not None and bwd is not None and (
-        list(topology.layers_of_forward(fwd)) == list(topology.layers_of_backward(bwd)))
-
-
 def stash_consumers(plan: Plan, rank: int) -> dict[int, int]:
     """Layer -> the rank that takes rank `rank`'s stash of it: for each layer of the rank's
     forward stage, the rank of the backward stage in its group that holds the layer (the

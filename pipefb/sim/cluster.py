@@ -22,6 +22,11 @@ simulator take it as plain data. Sizes and rates accept units::
                                    # handed to its copy lane and not yet written, at most,
                                    # the workers' --stash-in-flight-bytes; 0: stashes are
                                    # written on the compute lane; default 256MiB)
+    local_tier: {bandwidth: 5GB/s, latency: 50us}  # optional: the workers' node-local
+                                   # shared-memory tier (--local-tier-dir); a put or take
+                                   # of a private rank's stash there ([Note: tier copies]
+                                   # in pipefb.sim.costmodel)
+    device: cpu                    # what the workers compute on (cpu or cuda; default cpu)
     overheads: {action: 20us, step: 1ms}           # per executed action; per step and worker
                                    # (step_cpu: 0.5ms -> on a loopback host each worker's
                                    # step also keeps a core busy that long: its Step call,
@@ -47,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from pipefb.errors import ConfigError
+from pipefb.job.config import DEVICES
 
 _UNITS = {"": 1.0, "b": 1.0, "k": 1e3, "kb": 1e3, "kib": 2.0**10, "m": 1e6, "mb": 1e6,
           "mib": 2.0**20, "g": 1e9, "gb": 1e9, "gib": 2.0**30, "t": 1e12, "tb": 1e12,
@@ -167,8 +173,17 @@ class Cluster:
     #: the most stash bytes a worker hands to its copy lane and has not yet written; 0:
     #: stashes are written on the compute lane ([Note: copy lane] in pipefb.sim.copylane)
     stash_in_flight_bytes: int = STASH_IN_FLIGHT_BYTES
+    #: what the workers compute on (`JobConfig.device`); a job's cluster takes its job's
+    #: (`pipefb.planner.job.job_cluster`)
+    device: str = "cpu"
+    #: the workers' node-local shared-memory tier (worker --local-tier-dir), None: none;
+    #: a put or a take of a private rank's stash there costs its `seconds` ([Note: tier
+    #: copies] in pipefb.sim.costmodel)
+    local_tier: Link | None = None
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"cluster device {self.device!r} is not one of {DEVICES}")
         if not self.workers:
             raise ConfigError("a cluster needs at least one worker")
         names = [w.name for w in self.workers]
@@ -242,7 +257,7 @@ class Cluster:
     def from_dict(data: Any, source: str = "cluster") -> Cluster:
         """Reads the YAML form (see the module docstring); ConfigError names the bad field."""
         top = _mapping(data, source, {"workers", "hosts", "network", "links", "store",
-                                      "overheads"})
+                                      "overheads", "device", "local_tier"})
         if "workers" not in top:
             raise ConfigError(f"{source} needs `workers`")
         workers = _workers(top["workers"], f"{source}.workers")
@@ -267,6 +282,10 @@ class Cluster:
                 kwargs["stash_in_flight_bytes"] = int(parse_quantity(
                     store.pop("in_flight"), f"{source}.store.in_flight", "bytes"))
             kwargs["store"] = Link.parse(store, f"{source}.store")
+        if "local_tier" in top:
+            kwargs["local_tier"] = Link.parse(top["local_tier"], f"{source}.local_tier")
+        if "device" in top:
+            kwargs["device"] = str(top["device"])
         return Cluster(
             workers, links=links, host_cores=hosts, loopback_hosts=frozenset(loopback),
             host_oversubscribed=oversubscribed,
@@ -319,6 +338,10 @@ class Cluster:
                           **({"step_cpu": self.step_cpu} if self.step_cpu else {}),
                           **({"busy_send": self.busy_send} if self.busy_send else {})},
         }
+        if self.local_tier is not None:
+            out["local_tier"] = link(self.local_tier)
+        if self.device != "cpu":
+            out["device"] = self.device
         if self.host_cores:
             out["hosts"] = [{"name": h, "cores": c,
                              **({"loopback": True} if h in self.loopback_hosts else {}),

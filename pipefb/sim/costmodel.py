@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pipefb.errors import ScheduleError
 from pipefb.plan.plan import Plan, recompute_runs
-from pipefb.schedule import Action, Kind
-from pipefb.sim.cluster import Cluster, group_view, ring_link
+from pipefb.plan.stashpath import copies_on_compute_thread, takes_back_own_stash_in
+from pipefb.schedule import Action, Kind, Topology
+from pipefb.sim.cluster import Cluster, Link, group_view, ring_link
 from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
 
 # [Note: cost model]
@@ -24,11 +25,23 @@ from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
 #   pipefb.sim.copylane): a STASH holds the compute lane only while the bytes in flight
 #   are at their cap (a cap of 0: for its whole write), a FETCH only for what is left of
 #   its prefetched take. A STASH whose FETCH comes right after it moves nothing
-#   ([Note: back-to-back stash] in pipefb.runtime.exchange).
+#   ([Note: back-to-back stash] in pipefb.runtime.exchange). A rank that copies its
+#   stashes on its compute thread keeps them off the lane: [Note: tier copies].
 # - RECV_* and RECV_W wait for the arrival; every action adds the cluster's action
 #   overhead, every iteration its step overhead (and, on a loopback host, its Step call's
 #   CPU beside it: [Note: step calls] in pipefb.sim.engine). On a loopback host a send
 #   followed by compute starts later ([Note: busy senders] in pipefb.sim.engine).
+
+# [Note: tier copies]
+# On the CPU a rank that takes back its own stashes, in front of a node-local tier, puts
+# and takes them on its compute thread, with no I/O thread and no prefetch
+# (`pipefb.plan.stashpath.copies_on_compute_thread`, the workers' own rule; [Note: copies
+# on the compute thread] in offload_store/writer.py): a put is one memcpy into a mapped
+# segment, a take a view of it, no round trip. So for such a rank STASH and FETCH are
+# compute-lane work of `Cluster.local_tier.seconds(bytes)` each (the calibration times a
+# put and a take of the same tier, as it times the store's), nothing goes on its copy
+# lane, no bytes are in flight (`stash_in_flight` 0) and no FETCH is prefetched. Every
+# other rank (PipeFB's, one without the tier, one on CUDA) keeps the copy lane.
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
 SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L})
@@ -54,6 +67,8 @@ class Costs:
         self.split = self.topology.is_split
         self._compute: dict[tuple[int, Kind, int], float] = {}
         self._stash: dict[tuple[Kind, int], int] = {}
+        self.on_compute = frozenset(r for r in self.topology.workers()  # [Note: tier copies]
+                                    if tier_copies(self.topology, cluster, r) is not None)
 
     def boundary_bytes(self, layer: int) -> int:
         """Bytes of the tensor entering `layer` from the layer before (0 for the data)."""
@@ -117,6 +132,12 @@ class Costs:
                   else self.topology.layers_of_backward(a.stage))
         return sum(self.kept_bytes(i) for i in self.stashed_layers(layers))
 
+    def tier_seconds(self, a: Action) -> float:
+        """Compute-lane seconds of a STASH or FETCH on a rank that copies its stashes on
+        its compute thread ([Note: tier copies])."""
+        assert self.cluster.local_tier is not None
+        return self.cluster.local_tier.seconds(self.stash_bytes(a))
+
     def send_bytes(self, a: Action) -> int:
         """Bytes a SEND_F, SEND_B or SEND_L moves per micro-batch."""
         t = self.topology
@@ -133,9 +154,19 @@ class Costs:
         return self.profile.param_bytes(sorted(layers))
 
 
+def tier_copies(topology: Topology, cluster: Cluster, rank: int) -> Link | None:
+    """The node-local tier that `rank` of `topology` puts and takes its stashes in on its
+    compute lane, or None where they go through its copy lane ([Note: tier copies])."""
+    tier = cluster.local_tier
+    private = takes_back_own_stash_in(topology, rank)
+    if tier is None or not copies_on_compute_thread(private, True, cluster.device):
+        return None
+    return tier
+
+
 def stage_of(workers: tuple[int, ...], rank: int) -> int | None:
     """The stage `rank` runs among a role's `workers` (None: it has none there)."""
     return workers.index(rank) if rank in workers else None
 
 
-__all__ = ["COMPUTE", "LOSS_BYTES", "SENDS", "STORE_KINDS", "Costs", "stage_of"]
+__all__ = ["COMPUTE", "LOSS_BYTES", "SENDS", "STORE_KINDS", "Costs", "stage_of", "tier_copies"]

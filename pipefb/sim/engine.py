@@ -176,7 +176,7 @@ class Engine:
             else:
                 self._start_job(self.host[r][0], t, op.seconds,
                                 self._finisher(r, k, step, op, t))
-            if op.action.kind in STORE_KINDS:
+            if op.action.kind in STORE_KINDS and r not in self.costs.on_compute:
                 self._store_side(r, t, op.seconds - self.cluster.action_overhead)
 
     def _finisher(self, r: int, k: int, step: int, op: Op, start: float

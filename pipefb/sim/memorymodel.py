@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 # activations (received inputs until F, outputs until sent, gradients likewise); stashed
 # saved tensors (keep until B; offload until STASH and from FETCH to B; recompute: the
 # input of each run); stashes handed to the copy lane until their write ends
-# (`stash_in_flight`, [Note: copy lane] in pipefb.sim.copylane).
+# (`stash_in_flight`, [Note: copy lane] in pipefb.sim.copylane; none on a rank that copies
+# on its compute lane, [Note: tier copies] in pipefb.sim.costmodel).
 
 
 class RankMemory:
@@ -34,6 +35,7 @@ class RankMemory:
         owned = t.layers_of_backward(self.bwd) if self.bwd is not None else range(0)
         self.owned_bytes = costs.profile.param_bytes(owned)
         self.combined = self.fwd is not None and self.bwd is not None
+        self.on_compute = rank in costs.on_compute  # [Note: tier copies] in pipefb.sim.costmodel
         self.now = dict.fromkeys(KINDS, 0)
         self.now["parameters"] = costs.profile.param_bytes(sorted(held | set(owned)))
         self.now["optimizer_state"] = round(costs.profile.optimizer_state_ratio
@@ -65,7 +67,8 @@ class RankMemory:
             out.append(("stashed", c.stash_bytes(a)))
         elif a.kind is Kind.STASH:
             out.append(("stashed", -c.stash_bytes(a)))
-            if c.cluster.stash_in_flight_bytes:  # until its write ends: `written`
+            if c.cluster.stash_in_flight_bytes and not self.on_compute:  # until its
+                # write ends (`written`); none where the compute lane copies it
                 out.append(("stash_in_flight", c.stash_bytes(a)))
         elif a.kind is Kind.RECV_B:
             out.append(("activations", c.boundary_bytes(t.backward_partition[a.stage + 1])))

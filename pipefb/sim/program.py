@@ -9,7 +9,7 @@ from typing import Any
 from pipefb.schedule import Action, Kind, Schedule, Topology
 from pipefb.schedule.deps import requirements
 from pipefb.schedule.ir import STAGE_KINDS
-from pipefb.sim.costmodel import COMPUTE, SENDS, Costs, stage_of
+from pipefb.sim.costmodel import COMPUTE, SENDS, STORE_KINDS, Costs, stage_of
 from pipefb.sim.memorymodel import RankMemory
 
 
@@ -112,6 +112,8 @@ class Program:
             seconds += c.compute(r, a)
             if a.kind is Kind.OPT and self.keeps_versions[r]:
                 seconds += c.weight_copy(r, a.stage)
+        elif a.kind in STORE_KINDS and r in c.on_compute:
+            seconds += c.tier_seconds(a)  # [Note: tier copies]
         elif a.kind is Kind.STASH and not c.cluster.stash_in_flight_bytes:
             seconds += c.cluster.store.seconds(c.stash_bytes(a))  # on the compute lane
         # local needs too: an unvalidated list may put them after (a deadlock)
@@ -153,8 +155,9 @@ class Program:
             sends, key = (), -1
         elif runs is not None and shape.early is not None:
             return self._early(a, i, mb, shape, needs, runs.get(mb, 0))
-        lane = a.kind is Kind.FETCH or (a.kind is Kind.STASH
-                                         and bool(self.costs.cluster.stash_in_flight_bytes))
+        lane = r not in self.costs.on_compute and (
+            a.kind is Kind.FETCH or (a.kind is Kind.STASH
+                                     and bool(self.costs.cluster.stash_in_flight_bytes)))
         return Op(a.base, i, mb, a.kind in COMPUTE, shape.seconds, needs, key, sends,
                   shape.deltas, self.costs.stash_bytes(a) if lane else 0)
 
