@@ -8,9 +8,10 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import torch
@@ -19,11 +20,14 @@ from redis.client import Pipeline
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.retry import Retry
 
+from offload_store import chunks
 from offload_store.acl import USER_ENV
 from offload_store.api import LayerTensors, StashFullError, StoreStats
+from offload_store.chunks import CHUNK_BYTES, CONNECTIONS, Manifest, check_chunk_bytes
 from offload_store.frames import Frame, FramePacker
 from offload_store.keys import TIER_RANKS_SUFFIX, check_index, check_name, job_pattern, stash_key
 from pipefb.codec import unpack
+from pipefb.errors import CodecError
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
 MAX_DELAY_S = 1.0  # backoff doubles up to this
@@ -33,7 +37,14 @@ PASSWORD_ENV = "PIPEFB_STORE_PASSWORD"  # the store's AUTH password (Redis requi
 # the unix socket of the same Redis as the address (a store on this host): clients use it
 # instead of TCP; unset or empty: TCP
 SOCKET_ENV = "PIPEFB_STORE_SOCKET"
-STORE_OPTIONS = ("ttl_seconds", "max_wait_seconds")  # open_redis_store's OffloadStore options
+# the chunk size of the stores `open_redis_store` opens ([Note: chunked values] in
+# offload_store.chunks; 0: never chunk); unset or empty: `chunks.CHUNK_BYTES`
+CHUNK_ENV = "PIPEFB_STORE_CHUNK_BYTES"
+STORE_OPTIONS = ("ttl_seconds", "max_wait_seconds", "chunk_bytes",  # open_redis_store's
+                 "chunk_connections")  # OffloadStore options
+Value = bytes | Frame  # what a SET of `put` writes: a frame, or a chunked value's manifest
+T = TypeVar("T")  # a group of `_in_parallel`'s work
+R = TypeVar("R")  # what the work of one group returns
 
 # Client defaults of `connect`; a stash value can be hundreds of MB, hence the long read timeout.
 CLIENT_DEFAULTS: dict[str, Any] = {
@@ -87,6 +98,34 @@ def connect(address: str, **kw: Any) -> redis.Redis:
     return client
 
 
+def chunk_bytes_from_env() -> int:
+    """The chunk size ``$PIPEFB_STORE_CHUNK_BYTES`` sets; unset or empty: `CHUNK_BYTES`.
+
+    Raises:
+        ValueError: not 0 or an int >= `chunks.MIN_CHUNK_BYTES`; names the variable.
+    """
+    raw = os.environ.get(CHUNK_ENV, "")
+    if not raw:
+        return CHUNK_BYTES
+    try:
+        return check_chunk_bytes(int(raw))
+    except ValueError:
+        raise ValueError(f"${CHUNK_ENV} {raw!r} must be 0 (no chunks) or an int >= "
+                         f"{chunks.MIN_CHUNK_BYTES}") from None
+
+
+def _chunk_error(key: str, got: chunks.Received, expected: int) -> BaseException | None:
+    """What a chunk's GETDEL makes its value raise: the server's error, `KeyError` for a
+    missing chunk, `CodecError` for one of the wrong length; None for a whole chunk."""
+    if isinstance(got, Exception):
+        return got
+    if got is None:
+        return KeyError(key)
+    if got != expected:
+        return CodecError(f"chunk {key!r} holds {got} bytes; its manifest says {expected}")
+    return None
+
+
 def _is_oom(error: Exception) -> bool:
     """Whether a reply is the server refusing a write because it reached `maxmemory`."""
     return isinstance(error, OutOfMemoryError) or (
@@ -113,7 +152,10 @@ class OffloadStore:
     [Note: delete on consume] `take` reads and deletes in one GETDEL per key; the TTL only
     reclaims what a crashed job never takes. Redis must run with ``noeviction``: a full
     store refuses writes and `put` backs off until a `take` frees memory; nothing is
-    evicted. Safe to share between threads (each call uses its own pipeline).
+    evicted. A value over `chunk_bytes` goes as chunks over several connections ([Note:
+    chunked values] in `offload_store.chunks`); `stats` count it as one key of its frame's
+    bytes, `count_keys` counts its chunk keys too. Safe to share between threads (each
+    call uses its own pipelines).
     """
 
     def __init__(
@@ -124,6 +166,8 @@ class OffloadStore:
         *,
         ttl_seconds: int = 3600,
         max_wait_seconds: float = 30.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        chunk_connections: int = CONNECTIONS,
     ) -> None:
         """Binds a client to one job attempt.
 
@@ -133,9 +177,11 @@ class OffloadStore:
             attempt: restart count of the job; a new attempt never sees old keys.
             ttl_seconds: expiry of every key, a safety net only.
             max_wait_seconds: how long `put` backs off on a full store before giving up.
+            chunk_bytes: values longer than this are chunked; 0: never.
+            chunk_connections: connections a chunked put or take uses at once.
 
         Raises:
-            ValueError: a bad job id, attempt, TTL or wait.
+            ValueError: a bad job id, attempt, TTL, wait, chunk size or connection count.
         """
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the client decodes responses; tensor values must stay bytes")
@@ -143,6 +189,10 @@ class OffloadStore:
             raise ValueError(f"ttl_seconds {ttl_seconds} must be positive")
         if not max_wait_seconds >= 0:
             raise ValueError(f"max_wait_seconds {max_wait_seconds!r} must be >= 0")
+        if check_index("chunk_connections", chunk_connections) == 0:
+            raise ValueError(f"chunk_connections {chunk_connections} must be positive")
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.chunk_connections = chunk_connections
         self.job = check_name("job", job)
         self.attempt = check_index("attempt", attempt)
         self.ttl_seconds = ttl_seconds
@@ -150,6 +200,7 @@ class OffloadStore:
         self._client = client
         self._stats = StoreStats()
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # the chunks' I/O threads, made on use
 
     @property
     def stats(self) -> StoreStats:
@@ -168,7 +219,8 @@ class OffloadStore:
         version: int,
         tensors: Mapping[int, Mapping[str, torch.Tensor]],
     ) -> int:
-        """Stashes tensors in one pipeline of ``SET key value EX ttl``.
+        """Stashes tensors in one pipeline of ``SET key value EX ttl``, a value over the
+        chunk size as chunks over several connections ([Note: chunked values]).
 
         Args:
             step: training step.
@@ -177,11 +229,11 @@ class OffloadStore:
             tensors: layer -> name -> tensor.
 
         Returns:
-            The value bytes written.
+            The value bytes written (a chunked value's frame bytes, not its manifest's).
 
         Raises:
             StashFullError: the store stayed full for `max_wait_seconds`; keys this put
-                wrote are removed again, so a put is all or nothing.
+                wrote (chunks too) are removed again, so a put is all or nothing.
             CodecError: a dtype the codec does not allow.
             ValueError: a bad index or name.
         """
@@ -193,12 +245,15 @@ class OffloadStore:
         if not items:
             return 0
         nbytes = sum(map(len, items.values()))
+        stored: dict[str, Value] = {}
+        for key, frame in items.items():
+            stored.update(chunks.split(key, frame, self.chunk_bytes))
         try:
-            if not self._write_with_backoff(items):
+            if not self._write_with_backoff(stored, spread=len(stored) > len(items)):
                 raise self._full_error(step, microbatch, nbytes)
         except BaseException:
             with suppress(RedisError):
-                self._client.unlink(*items)
+                self._client.unlink(*stored)
             raise
         self._count(bytes_put=nbytes, keys_put=len(items))
         return nbytes
@@ -206,9 +261,11 @@ class OffloadStore:
     def take(
         self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
     ) -> LayerTensors:
-        """Fetches and deletes stashed tensors in one pipeline of GETDEL.
+        """Fetches and deletes stashed tensors in one pipeline of GETDEL, then the chunks
+        of chunked values over several connections ([Note: chunked values]).
 
-        Every requested key is deleted even when another one is missing or corrupt.
+        Every requested key is deleted even when another one is missing or corrupt, and
+        every chunk of a chunked value whose manifest was found.
 
         Args:
             step: training step.
@@ -220,8 +277,10 @@ class OffloadStore:
             layer -> name -> tensor.
 
         Raises:
-            KeyError: a key that is not in the store; the argument is the full key.
-            CodecError: a value that is not a valid tensor frame.
+            KeyError: a key that is not in the store, or a chunk of a chunked value that
+                is not; the argument is the full key.
+            CodecError: a value that is not a valid tensor frame, or a chunk of the wrong
+                length.
         """
         wanted = [(layer, name) for layer, layer_names in names.items() for name in layer_names]
         keys = [self.key(step, microbatch, layer, version, name) for layer, name in wanted]
@@ -232,17 +291,64 @@ class OffloadStore:
     def decode_taken(self, wanted: Sequence[tuple[int, str]], keys: Sequence[str],
                      values: Sequence[Any]) -> LayerTensors:
         """The tensors of a GETDEL pipeline's replies (counted as taken), as `take`
-        returns them; raises as `take` does."""
-        found = [value for value in values if isinstance(value, bytes)]
-        self._count(bytes_taken=sum(map(len, found)), keys_taken=len(found))
+        returns them, with the chunks of chunked values fetched first; raises as `take`
+        does."""
+        frames, layouts = self._take_chunks(keys, values)
+        found = [i for i, value in enumerate(values) if isinstance(value, bytes)]
+        self._count(bytes_taken=sum(layouts[i].frame_bytes if i in layouts else len(values[i])
+                                    for i in found), keys_taken=len(found))
         out: LayerTensors = {}
-        for (layer, name), key, value in zip(wanted, keys, values, strict=True):
-            if isinstance(value, Exception):
-                raise value
-            if value is None:
+        for (layer, name), key, frame in zip(wanted, keys, frames, strict=True):
+            if isinstance(frame, BaseException):
+                raise frame
+            if frame is None:
                 raise KeyError(key)
-            out.setdefault(layer, {})[name] = unpack(value)
+            out.setdefault(layer, {})[name] = unpack(frame)
         return out
+
+    def _take_chunks(self, keys: Sequence[str], values: Sequence[Any]
+                     ) -> tuple[list[Any], dict[int, Manifest]]:
+        """The GETDEL replies with each chunked value's manifest replaced by its whole
+        frame, its chunks received into one buffer (or by the error its chunks make:
+        `KeyError` naming a missing chunk, `CodecError` for one of the wrong length),
+        and the manifests by reply index."""
+        layouts: dict[int, Manifest] = {}
+        out = list(values)
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if chunks.is_manifest(value):
+                try:
+                    layouts[i] = Manifest.parse(value, key)
+                except CodecError as error:
+                    out[i] = error
+        if not layouts:
+            return out, layouts
+        buffers = {i: bytearray(m.frame_bytes) for i, m in layouts.items()}
+        jobs: dict[str, memoryview] = {}
+        for i, m in layouts.items():
+            buffers[i][:len(m.head)] = m.head
+            view = memoryview(buffers[i])
+            for index, chunk in enumerate(chunks.chunk_keys(keys[i], m)):
+                jobs[chunk] = view[slice(*m.span(index))]
+        got = self._fetch_chunks(jobs)
+        for i, m in layouts.items():
+            faults = (_chunk_error(chunk, got[chunk], len(jobs[chunk]))
+                      for chunk in chunks.chunk_keys(keys[i], m))
+            out[i] = next((fault for fault in faults if fault is not None), buffers[i])
+        return out, layouts
+
+    def _fetch_chunks(self, jobs: Mapping[str, memoryview]) -> dict[str, chunks.Received]:
+        """GETDELs the chunk keys over up to `chunk_connections` connections, each value
+        received into its view; returns what each key got (`chunks.fetch_into`)."""
+        groups = chunks.spread(jobs, self.chunk_connections)
+        pool = self._client.connection_pool
+
+        def fetch(group: dict[str, memoryview]) -> dict[str, chunks.Received]:
+            return dict(zip(group, chunks.fetch_into(pool, group.items()), strict=True))
+
+        got: dict[str, chunks.Received] = {}
+        for part in self._in_parallel(fetch, groups):
+            got.update(part)
+        return got
 
     def prefetch(
         self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
@@ -252,17 +358,27 @@ class OffloadStore:
     def release(
         self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
     ) -> int:
-        """Unlinks the keys of these tensors that are still stored (a taken key is gone).
+        """Deletes the keys of these tensors that are still stored (a taken key is gone)
+        in one GETDEL pipeline, whose replies are dropped, then the chunks of the chunked
+        ones its manifests name in one UNLINK ([Note: chunked values]).
 
         Returns:
-            The number of keys deleted.
+            The number of tensors' keys deleted (chunks not counted).
 
         Raises:
             ValueError: a bad index or name.
         """
         keys = [self.key(step, microbatch, layer, version, name)
                 for layer, layer_names in names.items() for name in layer_names]
-        return int(self._client.unlink(*keys)) if keys else 0
+        values = self._getdel(keys) if keys else []
+        chunked: list[str] = []
+        for key, value in zip(keys, values, strict=True):
+            if chunks.is_manifest(value):
+                with suppress(CodecError):  # a corrupt manifest's chunks go with the TTL
+                    chunked += chunks.chunk_keys(key, Manifest.parse(value, key))
+        if chunked:
+            self._client.unlink(*chunked)
+        return sum(1 for value in values if isinstance(value, bytes))
 
     def clear_job(self) -> int:
         """Deletes every key of this job, any attempt (SCAN + UNLINK).
@@ -277,22 +393,27 @@ class OffloadStore:
         return 0
 
     def close(self) -> None:
-        """Closes the Redis client's connections."""
+        """Stops the chunk threads and closes the Redis client's connections."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
         self._client.close()
 
     def count_keys(self) -> int:
         """The number of keys of this job in the store, any attempt."""
         return count_job_keys(self._client, self.job)
 
-    def _write_with_backoff(self, items: dict[str, Frame]) -> bool:
-        """Writes all items, re-sending those refused for OOM with exponential backoff.
+    def _write_with_backoff(self, items: dict[str, Value], spread: bool) -> bool:
+        """Writes all items, re-sending those refused for OOM with exponential backoff;
+        over several connections at once where `spread` (items with chunks).
 
         Returns:
             True once every item is written; False when `max_wait_seconds` ran out.
         """
         deadline = time.monotonic() + self.max_wait_seconds
         delay = FIRST_DELAY_S
-        pending = self._set_all(items)
+        pending = self._set_all(items, spread)
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -300,11 +421,24 @@ class OffloadStore:
             self._count(retries=1)
             time.sleep(min(delay, remaining))
             delay = min(2 * delay, MAX_DELAY_S)
-            pending = self._set_all(pending)
+            pending = self._set_all(pending, spread)
         return True
 
-    def _set_all(self, items: dict[str, Frame]) -> dict[str, Frame]:
-        """Sends one SET pipeline (idempotent) and returns the items refused for OOM.
+    def _set_all(self, items: dict[str, Value], spread: bool) -> dict[str, Value]:
+        """Sends the items' SETs (idempotent) in one pipeline, or where `spread` in up to
+        `chunk_connections` pipelines at once; returns the items refused for OOM.
+
+        Raises:
+            RedisError: any error other than OOM, once every pipeline has finished.
+        """
+        groups = chunks.spread(items, self.chunk_connections) if spread else [items]
+        refused: dict[str, Value] = {}
+        for part in self._in_parallel(self._set_group, groups):
+            refused.update(part)
+        return refused
+
+    def _set_group(self, items: dict[str, Value]) -> dict[str, Value]:
+        """Sends one SET pipeline and returns the items refused for OOM.
 
         Raises:
             RedisError: any error other than OOM.
@@ -312,13 +446,27 @@ class OffloadStore:
         pipe = self._client.pipeline(transaction=False)
         for key, value in items.items():
             pipe.set(key, value, ex=self.ttl_seconds)
-        refused: dict[str, Frame] = {}
+        refused: dict[str, Value] = {}
         for (key, value), reply in zip(items.items(), pipe.execute(False), strict=True):
             if isinstance(reply, Exception):
                 if not _is_oom(reply):
                     raise reply
                 refused[key] = value
         return refused
+
+    def _in_parallel(self, work: Callable[[T], R], groups: Sequence[T]) -> list[R]:
+        """`work` of each group, on the chunk threads when there are several; raises the
+        first group's error only once every group has finished (so a failed put's clean-up
+        runs after its last write)."""
+        if len(groups) == 1:
+            return [work(groups[0])]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.chunk_connections, "store-chunks")
+            pool = self._pool
+        futures = [pool.submit(work, group) for group in groups]
+        wait(futures)
+        return [future.result() for future in futures]
 
     @property
     def client(self) -> redis.Redis:
@@ -361,13 +509,18 @@ def open_redis_store(address: str, job: str, attempt: int = 0, /, **options: Any
         address: ``host:port`` of the Redis server.
         job: job id, ``[A-Za-z0-9_.-]+``.
         attempt: restart count of the job.
-        **options: ``ttl_seconds`` and ``max_wait_seconds`` go to `OffloadStore`, the
-            rest to `connect` (``username=None, password=None`` ignores the environment).
+        **options: ``ttl_seconds``, ``max_wait_seconds``, ``chunk_bytes`` (default
+            ``$PIPEFB_STORE_CHUNK_BYTES``, else `chunks.CHUNK_BYTES`) and
+            ``chunk_connections`` go to `OffloadStore`, the rest to `connect`
+            (``username=None, password=None`` ignores the environment).
 
     Raises:
-        ValueError: a bad address, job id, attempt or option value.
+        ValueError: a bad address, job id, attempt, option value or
+            ``$PIPEFB_STORE_CHUNK_BYTES``.
     """
     store_options = {k: options.pop(k) for k in STORE_OPTIONS if k in options}
+    if "chunk_bytes" not in store_options:
+        store_options["chunk_bytes"] = chunk_bytes_from_env()
     return OffloadStore(connect(address, **options), job, attempt, **store_options)
 
 
@@ -382,8 +535,10 @@ def clear_job_keys(client: redis.Redis, job: str) -> int:
 
 
 def count_job_keys(client: redis.Redis, job: str) -> int:
-    """The number of stash keys of `job` in the store, any attempt (the local tier's
-    sets of ranks, which the ranks remove as they drop the job, not counted).
+    """The number of stash keys of `job` in the store, any attempt: chunk keys too, so a
+    half-written chunked value's show ([Note: chunked values] in `offload_store.chunks`);
+    the local tier's sets of ranks, which the ranks remove as they drop the job, not
+    counted.
 
     Raises:
         ValueError: a bad job id.
