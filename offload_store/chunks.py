@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass
 from typing import TypeVar
@@ -174,7 +175,12 @@ def fetch_into(pool: ConnectionPool, jobs: Iterable[tuple[str, memoryview]]
         if sock is None:
             raise RedisConnectionError("the connection closed while sending")
         replies = _Replies(sock)
-        return [replies.bulk_into(view) for _, view in jobs]
+        got = [replies.bulk_into(view) for _, view in jobs]
+        # the connection answered: as after redis-py's own reads, its next use sends no
+        # PING before `health_check_interval` has passed
+        if conn.health_check_interval:
+            conn.next_health_check = time.monotonic() + conn.health_check_interval
+        return got
     except TimeoutError as error:
         conn.disconnect()
         raise RedisTimeoutError(f"timeout reading chunks: {error}") from None

@@ -169,6 +169,22 @@ def test_a_chunk_of_the_wrong_length_is_refused_with_codec_error(
     with pytest.raises(CodecError, match=error):
         store.take(0, 0, 0, _names(tensors))
     assert store.count_keys() == 0
+    store.put(1, 0, 0, tensors)  # the replies after the bad chunk were read in step
+    _assert_same(store.take(1, 0, 0, _names(tensors)), tensors)
+
+
+def test_a_chunk_of_the_wrong_type_raises_the_server_s_error(client: redis.Redis) -> None:
+    store, tensors = _store(client, "chunks.type"), _stash()
+    store.put(0, 0, 0, tensors)
+    wrong = chunk_key(store.key(0, 0, 2, 0, "wide_t"), 3)
+    client.delete(wrong)
+    client.rpush(wrong, b"x")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        store.take(0, 0, 0, _names(tensors))
+    client.delete(wrong)
+    assert store.count_keys() == 0
+    store.put(1, 0, 0, tensors)
+    _assert_same(store.take(1, 0, 0, _names(tensors)), tensors)
 
 
 def test_a_corrupt_manifest_is_refused_before_anything_is_allocated(
