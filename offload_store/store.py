@@ -322,13 +322,15 @@ class OffloadStore:
                     out[i] = error
         if not layouts:
             return out, layouts
-        buffers = {i: bytearray(m.frame_bytes) for i, m in layouts.items()}
+        # bytes, not a tensor of the value: `unpack` checks them whole first; `torch.empty`
+        # leaves the memory unwritten until the chunks arrive (a bytearray zeroes it)
+        buffers = {i: memoryview(torch.empty(m.frame_bytes, dtype=torch.uint8).numpy())
+                   for i, m in layouts.items()}
         jobs: dict[str, memoryview] = {}
         for i, m in layouts.items():
             buffers[i][:len(m.head)] = m.head
-            view = memoryview(buffers[i])
             for index, chunk in enumerate(chunks.chunk_keys(keys[i], m)):
-                jobs[chunk] = view[slice(*m.span(index))]
+                jobs[chunk] = buffers[i][slice(*m.span(index))]
         got = self._fetch_chunks(jobs)
         for i, m in layouts.items():
             faults = (_chunk_error(chunk, got[chunk], len(jobs[chunk]))
