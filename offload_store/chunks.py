@@ -10,35 +10,40 @@ codec's magic), so a take knows a chunked value from the reply of its one GETDEL
 values up to the chunk size are stored and taken exactly as before. A put sends the
 chunks (views of the tensor's memory, [Note: zero-copy put]) with the manifests and small
 values spread over up to `connections` pooled connections, one SET pipeline each, from a
-small thread pool (redis-py sends with the GIL released). A take, after that first
-pipeline, GETDELs the chunks the same way, each connection's replies received straight
-from its socket into one preallocated buffer per value (`fetch_into`: no bytes object per
-chunk), then validates and decodes the whole buffer with `pipefb.codec.unpack`, as a
-value of one key. A manifest is written with its chunks, not after them, so a value left
-half written (a store full midway, a crashed writer) may have a manifest and not every
-chunk: a take checks that each chunk came back with exactly its span's bytes, and a
-missing one raises `KeyError` naming the chunk's key, a short or long one `CodecError`,
-never a tensor. Every chunk a take asks for is deleted by its GETDEL all the same; a put
-that fails unlinks every key it may have written; SCAN by the job's pattern finds chunk
-keys, so `clear_job` and the TTL reclaim a crashed writer's chunks.
+small thread pool (`ChunkIO`; redis-py sends with the GIL released). A take, after that
+first pipeline, GETDELs the chunks the same way, each connection's replies received
+straight from its socket into one buffer per value (`receive.getdel_into`: no bytes object
+per chunk, no copy between), then validates and decodes the whole buffer with
+`pipefb.codec.unpack`, as a value of one key: no tensor exists before those checks. A
+manifest is written with its chunks, not after them, so a value left half written (a
+store full midway, a crashed writer) may have a manifest and not every chunk: a take
+checks that each chunk came back with exactly its span's bytes, and a missing one raises
+`KeyError` naming the chunk's key, a short or long one `CodecError`, never a tensor. A
+manifest's sizes are bounded (the codec's largest tensor, `MIN_CHUNK_BYTES`) before its
+buffer is allocated. Every chunk a take asks for is deleted by its GETDEL all the same; a
+put that fails unlinks every key it may have written (after its last pipeline finished);
+SCAN by the job's pattern finds chunk keys, so `clear_job` and the TTL reclaim a crashed
+writer's chunks. Chunks also keep each SET under Redis's largest argument
+(`proto-max-bulk-len`, 512 MB by default), which a value of one key must fit.
 """
 
 from __future__ import annotations
 
-import socket
+import os
 import struct
-import time
-from collections.abc import Iterable, Mapping, Sized
+import threading
+from collections.abc import Callable, Mapping, Sequence, Sized
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import suppress
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import torch
 from redis.connection import ConnectionPool
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from offload_store.frames import Frame
 from offload_store.keys import chunk_key
+from offload_store.receive import Received, getdel_into
 from pipefb.codec import DEFAULT_MAX_BYTES, MAX_RANK
 from pipefb.errors import CodecError
 
@@ -52,9 +57,13 @@ MIN_CHUNK_BYTES = 4096  # the smallest chunk size a store accepts (bounds a valu
 MAGIC = b"PFC1"  # a manifest's first bytes; a frame starts with the codec's b"PFT1"
 _LAYOUT = struct.Struct("<4sQQ")  # magic, tensor data bytes, chunk bytes; the header follows
 MAX_HEADER_BYTES = 6 + 8 * MAX_RANK  # the longest codec header: bounds a manifest
+# the chunk size of the stores `offload_store.store.open_redis_store` opens (0: never
+# chunk); unset or empty: `CHUNK_BYTES`
+CHUNK_ENV = "PIPEFB_STORE_CHUNK_BYTES"
+Value = bytes | Frame  # what one SET of a put writes: a frame, a manifest or a chunk
 V = TypeVar("V", bound=Sized)  # a value that `spread` weighs by its length
-LINE_READ = 4096  # bytes asked of the socket while reading a reply's first line
-MAX_LINE = 64  # a longer reply line than this is not a GETDEL reply
+T = TypeVar("T")  # a group of `ChunkIO.run`'s work
+R = TypeVar("R")  # what the work of one group returns
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,22 @@ def is_manifest(value: object) -> bool:
     return isinstance(value, bytes) and value.startswith(MAGIC)
 
 
+def chunk_bytes_from_env() -> int:
+    """The chunk size ``$PIPEFB_STORE_CHUNK_BYTES`` sets; unset or empty: `CHUNK_BYTES`.
+
+    Raises:
+        ValueError: not 0 or an int >= `MIN_CHUNK_BYTES`; names the variable.
+    """
+    raw = os.environ.get(CHUNK_ENV, "")
+    if not raw:
+        return CHUNK_BYTES
+    try:
+        return check_chunk_bytes(int(raw))
+    except ValueError:
+        raise ValueError(f"${CHUNK_ENV} {raw!r} must be 0 (no chunks) or an int >= "
+                         f"{MIN_CHUNK_BYTES}") from None
+
+
 def check_chunk_bytes(chunk_bytes: int) -> int:
     """Returns a valid chunk size (0: values are never chunked).
 
@@ -119,13 +144,13 @@ def check_chunk_bytes(chunk_bytes: int) -> int:
     return chunk_bytes
 
 
-def split(key: str, frame: Frame, chunk_bytes: int) -> dict[str, bytes | Frame]:
+def split(key: str, frame: Frame, chunk_bytes: int) -> dict[str, Value]:
     """The keys and values of one frame: itself under `key` when it fits a chunk (or
     `chunk_bytes` is 0), else its manifest and its chunks, views of its data."""
     if not chunk_bytes or len(frame) <= chunk_bytes:
         return {key: frame}
     manifest = Manifest(frame.head, frame.body.nbytes, chunk_bytes)
-    out: dict[str, bytes | Frame] = {key: manifest.encode()}
+    out: dict[str, Value] = {key: manifest.encode()}
     for index in range(manifest.count):
         start, stop = (offset - len(frame.head) for offset in manifest.span(index))
         out[chunk_key(key, index)] = Frame(b"", frame.body[start:stop])
@@ -149,109 +174,119 @@ def chunk_keys(key: str, manifest: Manifest) -> list[str]:
     return [chunk_key(key, index) for index in range(manifest.count)]
 
 
-Received = int | None | ResponseError  # a chunk's byte count, None: missing, or an error
+def named_chunks(keys: Sequence[str], values: Sequence[Any]) -> list[str]:
+    """The chunk keys that the manifests among a GETDEL pipeline's replies name (a corrupt
+    manifest names none: its chunks go with the TTL or the job's clear)."""
+    out: list[str] = []
+    for key, value in zip(keys, values, strict=True):
+        if is_manifest(value):
+            with suppress(CodecError):
+                out += chunk_keys(key, Manifest.parse(value, key))
+    return out
 
 
-def fetch_into(pool: ConnectionPool, jobs: Iterable[tuple[str, memoryview]]
-               ) -> list[Received]:
-    """GETDELs each key on one pooled connection, sent once (no resend, [Note: no
-    resend] in offload_store.store), and receives each value straight into its view.
+class ChunkIO:
+    """A store's chunk size, and the threads that move chunks over its client's pooled
+    connections ([Note: chunked values]). Safe to share between threads."""
 
-    A value whose length is not its view's is read and dropped, its length returned.
+    def __init__(self, pool: ConnectionPool, chunk_bytes: int = CHUNK_BYTES,
+                 connections: int = CONNECTIONS) -> None:
+        """Binds a redis-py connection pool.
 
-    Returns:
-        Per key: the value's byte count, None where the key was missing, or the server's
-        error reply.
-
-    Raises:
-        redis.exceptions.ConnectionError, TimeoutError: the connection failed (it is
-            disconnected before it goes back to the pool, never left mid-reply).
-    """
-    jobs = list(jobs)
-    conn = pool.get_connection()
-    try:
-        conn.send_packed_command(conn.pack_commands([("GETDEL", key) for key, _ in jobs]))
-        sock = conn._sock  # the parser holds nothing: every reply is still on the socket
-        if sock is None:
-            raise RedisConnectionError("the connection closed while sending")
-        replies = _Replies(sock)
-        got = [replies.bulk_into(view) for _, view in jobs]
-        # the connection answered: as after redis-py's own reads, its next use sends no
-        # PING before `health_check_interval` has passed
-        if conn.health_check_interval:
-            conn.next_health_check = time.monotonic() + conn.health_check_interval
-        return got
-    except TimeoutError as error:
-        conn.disconnect()
-        raise RedisTimeoutError(f"timeout reading chunks: {error}") from None
-    except OSError as error:
-        conn.disconnect()
-        raise RedisConnectionError(f"error reading chunks: {error}") from None
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
-
-
-class _Replies:
-    """RESP replies read from a socket, bulk strings received into the caller's buffers."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buf = bytearray()  # bytes received past the last line read
-
-    def bulk_into(self, view: memoryview) -> Received:
-        """Reads one GETDEL reply; its value goes into `view` when its length is the view's.
+        Raises:
+            ValueError: a bad chunk size (see `check_chunk_bytes`) or fewer than one
+                connection; names the value.
         """
-        line = self._line()
-        kind, rest = line[:1], bytes(line[1:])
-        if kind == b"-":
-            return ResponseError(rest.decode(errors="replace"))
-        if kind == b"_" or line == b"$-1":  # nil (RESP3, RESP2)
-            return None
-        if kind != b"$" or not rest.isdigit():
-            raise InvalidResponse(f"unexpected reply to GETDEL: {bytes(line[:MAX_LINE])!r}")
-        length = int(rest)
-        if length == len(view):
-            self._into(view)
-        else:
-            self._skip(length)
-        if self._line():
-            raise InvalidResponse("a bulk string not followed by CRLF")
-        return length
+        if not isinstance(connections, int) or isinstance(connections, bool) or connections < 1:
+            raise ValueError(f"chunk_connections {connections!r} must be a positive int")
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.connections = connections
+        self._pool = pool
+        self._threads: ThreadPoolExecutor | None = None  # made on first use
+        self._lock = threading.Lock()
 
-    def _line(self) -> bytearray:
-        """The next line, without its CRLF."""
-        while (end := self._buf.find(b"\r\n")) < 0:
-            if len(self._buf) > MAX_LINE:
-                raise InvalidResponse(f"reply line too long: {bytes(self._buf[:MAX_LINE])!r}")
-            self._more(LINE_READ)
-        line = self._buf[:end]
-        del self._buf[:end + 2]
-        return line
+    def split(self, items: Mapping[str, Frame]) -> dict[str, Value]:
+        """What a put of `items` writes: each frame under its key, or a chunked one's
+        manifest and chunks (`split`)."""
+        out: dict[str, Value] = {}
+        for key, frame in items.items():
+            out.update(split(key, frame, self.chunk_bytes))
+        return out
 
-    def _more(self, nbytes: int) -> None:
-        data = self._sock.recv(nbytes)
-        if not data:
-            raise RedisConnectionError("the store closed the connection")
-        self._buf += data
+    def spread(self, items: Mapping[str, V]) -> list[dict[str, V]]:
+        """`items` dealt over up to `connections` groups by bytes (`spread`)."""
+        return spread(items, self.connections)
 
-    def _into(self, view: memoryview) -> None:
-        """Fills `view`: first from the bytes already received, then from the socket."""
-        got = min(len(self._buf), len(view))
-        view[:got] = self._buf[:got]
-        del self._buf[:got]
-        while got < len(view):
-            n = self._sock.recv_into(view[got:])
-            if n == 0:
-                raise RedisConnectionError("the store closed the connection")
-            got += n
+    def run(self, work: Callable[[T], R], groups: Sequence[T]) -> list[R]:
+        """`work` of each group, on this object's threads when there are several; raises
+        the first group's error only once every group has finished (so a failed put's
+        clean-up runs after its last write)."""
+        if len(groups) == 1:
+            return [work(groups[0])]
+        with self._lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(self.connections, "store-chunks")
+            threads = self._threads
+        futures = [threads.submit(work, group) for group in groups]
+        wait(futures)
+        return [future.result() for future in futures]
 
-    def _skip(self, nbytes: int) -> None:
-        """Reads and drops `nbytes` bytes."""
-        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
-        while nbytes:
-            part = scratch[:min(nbytes, len(scratch))]
-            self._into(part)
-            nbytes -= len(part)
+    def receive(self, keys: Sequence[str], values: Sequence[Any]
+                ) -> tuple[list[Any], dict[int, Manifest]]:
+        """A GETDEL pipeline's replies with each chunked value's manifest replaced by its
+        whole frame, its chunks GETDEL'd over up to `connections` connections into one
+        buffer (or by the error they make: `KeyError` naming a missing chunk,
+        `CodecError` for one of the wrong length, the server's error reply); and the
+        manifests by reply index. Every chunk of every manifest found is GETDEL'd."""
+        layouts: dict[int, Manifest] = {}
+        out = list(values)
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if is_manifest(value):
+                try:
+                    layouts[i] = Manifest.parse(value, key)
+                except CodecError as error:
+                    out[i] = error
+        if not layouts:
+            return out, layouts
+        # bytes, not a tensor of the value: `unpack` checks them whole first; `torch.empty`
+        # leaves the memory unwritten until the chunks arrive (a bytearray zeroes it)
+        buffers = {i: memoryview(torch.empty(m.frame_bytes, dtype=torch.uint8).numpy())
+                   for i, m in layouts.items()}
+        jobs: dict[str, memoryview] = {}
+        for i, m in layouts.items():
+            buffers[i][:len(m.head)] = m.head
+            for index, chunk in enumerate(chunk_keys(keys[i], m)):
+                jobs[chunk] = buffers[i][slice(*m.span(index))]
+        got: dict[str, Received] = {}
+        for part in self.run(self._getdel_into, self.spread(jobs)):
+            got.update(part)
+        for i, m in layouts.items():
+            faults = (_chunk_error(chunk, got[chunk], len(jobs[chunk]))
+                      for chunk in chunk_keys(keys[i], m))
+            out[i] = next((fault for fault in faults if fault is not None), buffers[i])
+        return out, layouts
+
+    def close(self) -> None:
+        """Stops the threads (a later `run` starts new ones)."""
+        with self._lock:
+            threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.shutdown(wait=False)
+
+    def _getdel_into(self, group: dict[str, memoryview]) -> dict[str, Received]:
+        """One connection's share of a take's chunks (`receive.getdel_into`)."""
+        return dict(zip(group, getdel_into(self._pool, group.items()), strict=True))
+
+
+def _chunk_error(key: str, got: Received, expected: int) -> BaseException | None:
+    """What a chunk's GETDEL makes its value raise: the server's error, `KeyError` for a
+    missing chunk, `CodecError` for one of the wrong length; None for a whole chunk."""
+    if isinstance(got, Exception):
+        return got
+    if got is None:
+        return KeyError(key)
+    if got != expected:
+        return CodecError(f"chunk {key!r} holds {got} bytes; its manifest says {expected}")
+    return None
+
+

@@ -8,10 +8,9 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 import torch
@@ -20,14 +19,19 @@ from redis.client import Pipeline
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.retry import Retry
 
-from offload_store import chunks
 from offload_store.acl import USER_ENV
 from offload_store.api import LayerTensors, StashFullError, StoreStats
-from offload_store.chunks import CHUNK_BYTES, CONNECTIONS, Manifest, check_chunk_bytes
+from offload_store.chunks import (
+    CHUNK_BYTES,
+    CONNECTIONS,
+    ChunkIO,
+    Value,
+    chunk_bytes_from_env,
+    named_chunks,
+)
 from offload_store.frames import Frame, FramePacker
 from offload_store.keys import TIER_RANKS_SUFFIX, check_index, check_name, job_pattern, stash_key
 from pipefb.codec import unpack
-from pipefb.errors import CodecError
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
 MAX_DELAY_S = 1.0  # backoff doubles up to this
@@ -37,14 +41,8 @@ PASSWORD_ENV = "PIPEFB_STORE_PASSWORD"  # the store's AUTH password (Redis requi
 # the unix socket of the same Redis as the address (a store on this host): clients use it
 # instead of TCP; unset or empty: TCP
 SOCKET_ENV = "PIPEFB_STORE_SOCKET"
-# the chunk size of the stores `open_redis_store` opens ([Note: chunked values] in
-# offload_store.chunks; 0: never chunk); unset or empty: `chunks.CHUNK_BYTES`
-CHUNK_ENV = "PIPEFB_STORE_CHUNK_BYTES"
 STORE_OPTIONS = ("ttl_seconds", "max_wait_seconds", "chunk_bytes",  # open_redis_store's
                  "chunk_connections")  # OffloadStore options
-Value = bytes | Frame  # what a SET of `put` writes: a frame, or a chunked value's manifest
-T = TypeVar("T")  # a group of `_in_parallel`'s work
-R = TypeVar("R")  # what the work of one group returns
 
 # Client defaults of `connect`; a stash value can be hundreds of MB, hence the long read timeout.
 CLIENT_DEFAULTS: dict[str, Any] = {
@@ -96,34 +94,6 @@ def connect(address: str, **kw: Any) -> redis.Redis:
     # every connection the pool opens writes stash frames without copying them
     client.connection_pool.connection_kwargs["command_packer"] = FramePacker()
     return client
-
-
-def chunk_bytes_from_env() -> int:
-    """The chunk size ``$PIPEFB_STORE_CHUNK_BYTES`` sets; unset or empty: `CHUNK_BYTES`.
-
-    Raises:
-        ValueError: not 0 or an int >= `chunks.MIN_CHUNK_BYTES`; names the variable.
-    """
-    raw = os.environ.get(CHUNK_ENV, "")
-    if not raw:
-        return CHUNK_BYTES
-    try:
-        return check_chunk_bytes(int(raw))
-    except ValueError:
-        raise ValueError(f"${CHUNK_ENV} {raw!r} must be 0 (no chunks) or an int >= "
-                         f"{chunks.MIN_CHUNK_BYTES}") from None
-
-
-def _chunk_error(key: str, got: chunks.Received, expected: int) -> BaseException | None:
-    """What a chunk's GETDEL makes its value raise: the server's error, `KeyError` for a
-    missing chunk, `CodecError` for one of the wrong length; None for a whole chunk."""
-    if isinstance(got, Exception):
-        return got
-    if got is None:
-        return KeyError(key)
-    if got != expected:
-        return CodecError(f"chunk {key!r} holds {got} bytes; its manifest says {expected}")
-    return None
 
 
 def _is_oom(error: Exception) -> bool:
@@ -189,10 +159,7 @@ class OffloadStore:
             raise ValueError(f"ttl_seconds {ttl_seconds} must be positive")
         if not max_wait_seconds >= 0:
             raise ValueError(f"max_wait_seconds {max_wait_seconds!r} must be >= 0")
-        if check_index("chunk_connections", chunk_connections) == 0:
-            raise ValueError(f"chunk_connections {chunk_connections} must be positive")
-        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
-        self.chunk_connections = chunk_connections
+        self._chunks = ChunkIO(client.connection_pool, chunk_bytes, chunk_connections)
         self.job = check_name("job", job)
         self.attempt = check_index("attempt", attempt)
         self.ttl_seconds = ttl_seconds
@@ -200,7 +167,11 @@ class OffloadStore:
         self._client = client
         self._stats = StoreStats()
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None  # the chunks' I/O threads, made on use
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Values longer than this are chunked; 0: none is."""
+        return self._chunks.chunk_bytes
 
     @property
     def stats(self) -> StoreStats:
@@ -245,9 +216,7 @@ class OffloadStore:
         if not items:
             return 0
         nbytes = sum(map(len, items.values()))
-        stored: dict[str, Value] = {}
-        for key, frame in items.items():
-            stored.update(chunks.split(key, frame, self.chunk_bytes))
+        stored = self._chunks.split(items)
         try:
             if not self._write_with_backoff(stored, spread=len(stored) > len(items)):
                 raise self._full_error(step, microbatch, nbytes)
@@ -293,7 +262,7 @@ class OffloadStore:
         """The tensors of a GETDEL pipeline's replies (counted as taken), as `take`
         returns them, with the chunks of chunked values fetched first; raises as `take`
         does."""
-        frames, layouts = self._take_chunks(keys, values)
+        frames, layouts = self._chunks.receive(keys, values)
         found = [i for i, value in enumerate(values) if isinstance(value, bytes)]
         self._count(bytes_taken=sum(layouts[i].frame_bytes if i in layouts else len(values[i])
                                     for i in found), keys_taken=len(found))
@@ -305,52 +274,6 @@ class OffloadStore:
                 raise KeyError(key)
             out.setdefault(layer, {})[name] = unpack(frame)
         return out
-
-    def _take_chunks(self, keys: Sequence[str], values: Sequence[Any]
-                     ) -> tuple[list[Any], dict[int, Manifest]]:
-        """The GETDEL replies with each chunked value's manifest replaced by its whole
-        frame, its chunks received into one buffer (or by the error its chunks make:
-        `KeyError` naming a missing chunk, `CodecError` for one of the wrong length),
-        and the manifests by reply index."""
-        layouts: dict[int, Manifest] = {}
-        out = list(values)
-        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
-            if chunks.is_manifest(value):
-                try:
-                    layouts[i] = Manifest.parse(value, key)
-                except CodecError as error:
-                    out[i] = error
-        if not layouts:
-            return out, layouts
-        # bytes, not a tensor of the value: `unpack` checks them whole first; `torch.empty`
-        # leaves the memory unwritten until the chunks arrive (a bytearray zeroes it)
-        buffers = {i: memoryview(torch.empty(m.frame_bytes, dtype=torch.uint8).numpy())
-                   for i, m in layouts.items()}
-        jobs: dict[str, memoryview] = {}
-        for i, m in layouts.items():
-            buffers[i][:len(m.head)] = m.head
-            for index, chunk in enumerate(chunks.chunk_keys(keys[i], m)):
-                jobs[chunk] = buffers[i][slice(*m.span(index))]
-        got = self._fetch_chunks(jobs)
-        for i, m in layouts.items():
-            faults = (_chunk_error(chunk, got[chunk], len(jobs[chunk]))
-                      for chunk in chunks.chunk_keys(keys[i], m))
-            out[i] = next((fault for fault in faults if fault is not None), buffers[i])
-        return out, layouts
-
-    def _fetch_chunks(self, jobs: Mapping[str, memoryview]) -> dict[str, chunks.Received]:
-        """GETDELs the chunk keys over up to `chunk_connections` connections, each value
-        received into its view; returns what each key got (`chunks.fetch_into`)."""
-        groups = chunks.spread(jobs, self.chunk_connections)
-        pool = self._client.connection_pool
-
-        def fetch(group: dict[str, memoryview]) -> dict[str, chunks.Received]:
-            return dict(zip(group, chunks.fetch_into(pool, group.items()), strict=True))
-
-        got: dict[str, chunks.Received] = {}
-        for part in self._in_parallel(fetch, groups):
-            got.update(part)
-        return got
 
     def prefetch(
         self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
@@ -373,11 +296,7 @@ class OffloadStore:
         keys = [self.key(step, microbatch, layer, version, name)
                 for layer, layer_names in names.items() for name in layer_names]
         values = self._getdel(keys) if keys else []
-        chunked: list[str] = []
-        for key, value in zip(keys, values, strict=True):
-            if chunks.is_manifest(value):
-                with suppress(CodecError):  # a corrupt manifest's chunks go with the TTL
-                    chunked += chunks.chunk_keys(key, Manifest.parse(value, key))
+        chunked = named_chunks(keys, values)
         if chunked:
             self._client.unlink(*chunked)
         return sum(1 for value in values if isinstance(value, bytes))
@@ -396,10 +315,7 @@ class OffloadStore:
 
     def close(self) -> None:
         """Stops the chunk threads and closes the Redis client's connections."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False)
+        self._chunks.close()
         self._client.close()
 
     def count_keys(self) -> int:
@@ -433,9 +349,9 @@ class OffloadStore:
         Raises:
             RedisError: any error other than OOM, once every pipeline has finished.
         """
-        groups = chunks.spread(items, self.chunk_connections) if spread else [items]
+        groups = self._chunks.spread(items) if spread else [items]
         refused: dict[str, Value] = {}
-        for part in self._in_parallel(self._set_group, groups):
+        for part in self._chunks.run(self._set_group, groups):
             refused.update(part)
         return refused
 
@@ -455,20 +371,6 @@ class OffloadStore:
                     raise reply
                 refused[key] = value
         return refused
-
-    def _in_parallel(self, work: Callable[[T], R], groups: Sequence[T]) -> list[R]:
-        """`work` of each group, on the chunk threads when there are several; raises the
-        first group's error only once every group has finished (so a failed put's clean-up
-        runs after its last write)."""
-        if len(groups) == 1:
-            return [work(groups[0])]
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.chunk_connections, "store-chunks")
-            pool = self._pool
-        futures = [pool.submit(work, group) for group in groups]
-        wait(futures)
-        return [future.result() for future in futures]
 
     @property
     def client(self) -> redis.Redis:
@@ -512,7 +414,7 @@ def open_redis_store(address: str, job: str, attempt: int = 0, /, **options: Any
         job: job id, ``[A-Za-z0-9_.-]+``.
         attempt: restart count of the job.
         **options: ``ttl_seconds``, ``max_wait_seconds``, ``chunk_bytes`` (default
-            ``$PIPEFB_STORE_CHUNK_BYTES``, else `chunks.CHUNK_BYTES`) and
+            ``$PIPEFB_STORE_CHUNK_BYTES``, else `offload_store.chunks.CHUNK_BYTES`) and
             ``chunk_connections`` go to `OffloadStore`, the rest to `connect`
             (``username=None, password=None`` ignores the environment).
 

@@ -12,12 +12,18 @@ import pytest
 import redis
 import torch
 
-from offload_store import OffloadStore, RedisServer, StoreStats, connect, job_pattern, open_admin
-from offload_store import open_store as open_any_store
-from offload_store.chunks import MAGIC, MIN_CHUNK_BYTES, Manifest, split
+from offload_store import (
+    OffloadStore,
+    RedisServer,
+    StoreStats,
+    connect,
+    job_pattern,
+    open_admin,
+    open_store,
+)
+from offload_store.chunks import CHUNK_ENV, MAGIC, MIN_CHUNK_BYTES, Manifest, split
 from offload_store.frames import Frame
 from offload_store.keys import chunk_key
-from offload_store.store import CHUNK_ENV
 from pipefb.codec import pack
 from pipefb.errors import CodecError, StoreFullError
 from tests.conftest import WORKER_THREADS, store_client
@@ -290,7 +296,7 @@ def test_the_chunk_size_is_an_option_and_an_env_var(server: RedisServer,
                                ({"chunk_bytes": 2 * MiB}, "0", 1 + 4)]:
         if env is not None:
             monkeypatch.setenv(CHUNK_ENV, env)
-        store = open_any_store(server.address, "chunks.opt", **options)
+        store = open_store(server.address, "chunks.opt", **options)
         try:
             store.put(0, 0, 0, {0: {"t": t}})
             assert store.count_keys() == keys, (options, env)
@@ -300,12 +306,12 @@ def test_the_chunk_size_is_an_option_and_an_env_var(server: RedisServer,
     for bad in ("12", "lots", "-1"):
         monkeypatch.setenv(CHUNK_ENV, bad)
         with pytest.raises(ValueError, match=f"PIPEFB_STORE_CHUNK_BYTES {bad!r}"):
-            open_any_store(server.address, "chunks.opt")
+            open_store(server.address, "chunks.opt")
     monkeypatch.delenv(CHUNK_ENV)
     with pytest.raises(ValueError, match="chunk_bytes 100"):
-        open_any_store(server.address, "chunks.opt", chunk_bytes=100)
-    with pytest.raises(ValueError, match="chunk_connections 0"):
-        open_any_store(server.address, "chunks.opt", chunk_connections=0)
+        open_store(server.address, "chunks.opt", chunk_bytes=100)
+    with pytest.raises(ValueError, match="chunk_connections 0 must be a positive int"):
+        open_store(server.address, "chunks.opt", chunk_connections=0)
 
 
 # --- a whole job --------------------------------------------------------------------------
