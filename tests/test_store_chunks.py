@@ -26,24 +26,14 @@ from offload_store.frames import Frame
 from offload_store.keys import chunk_key
 from pipefb.codec import pack
 from pipefb.errors import CodecError, StoreFullError
+from tests import test_offload_store
 from tests.conftest import WORKER_THREADS, store_client
 from tests.test_transparency import make_job, reference
 
+server = test_offload_store.server  # the store tests' fixtures: a Redis for the module
+client = test_offload_store.client  # (256 MB, noeviction) and a client of it per test
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 64 * KiB  # the chunk size of these tests' stores
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    with RedisServer(maxmemory="256mb") as srv:
-        yield srv
-
-
-@pytest.fixture
-def client(server: RedisServer) -> Iterator[redis.Redis]:
-    conn = connect(server.address)
-    yield conn
-    conn.close()
 
 
 def _store(client: redis.Redis, job: str, **options: Any) -> OffloadStore:
@@ -327,9 +317,9 @@ def chunking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, An
     env = {"PIPEFB_LOCAL_TIER_DIR": "", CHUNK_ENV: str(MIN_CHUNK_BYTES)}
     with LocalServices(2, tmp_path_factory.mktemp("chunks"), threads=WORKER_THREADS,
                        extra_env=env) as cluster, \
-            CoordinatorClient(cluster.coordinator) as client:
-        client.wait_for_workers(2)
-        yield client, cluster
+            CoordinatorClient(cluster.coordinator) as coordinator:
+        coordinator.wait_for_workers(2)
+        yield coordinator, cluster
 
 
 def _getdels(cluster: Any) -> int:
@@ -341,14 +331,14 @@ def test_a_job_with_chunked_stashes_trains_as_one_process(chunking: tuple[Any, A
     """PipeFB on 2 workers, every stash value of 16 samples of a 512-wide mlp (32 KiB) in
     chunks of 4 KiB through Redis: the losses and weights are `single`'s bit for bit, each
     chunk was taken with a GETDEL of its own, and the store keeps no key of the job."""
-    client, cluster = chunking
+    coordinator, cluster = chunking
     assert cluster.tier_dir is None
     job = make_job("mlp", "pipefb", 2, "adamw", batch_size=64,
                    model_config={"hidden": 512, "depth": 3})
     before = _getdels(cluster)
-    job_id = client.submit(job).job_id
-    reports = list(client.train(job_id))
-    weights = client.weights(job_id)
+    job_id = coordinator.submit(job).job_id
+    reports = list(coordinator.train(job_id))
+    weights = coordinator.weights(job_id)
     want_losses, want_weights = reference(job)
     assert [r.loss for r in reports] == want_losses
     assert sorted(weights) == sorted(want_weights)
