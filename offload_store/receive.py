@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Iterable
 
+from redis._parsers.base import BaseParser
 from redis.connection import ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
@@ -74,8 +75,8 @@ class _Replies:
         """
         line = self._line()
         kind, rest = line[:1], bytes(line[1:])
-        if kind == b"-":
-            return ResponseError(rest.decode(errors="replace"))
+        if kind == b"-":  # redis-py's error classes (NOPERM: NoPermissionError, ...)
+            return BaseParser.parse_error(rest.decode(errors="replace"))
         if kind == b"_" or line == b"$-1":  # nil (RESP3, RESP2)
             return None
         if kind != b"$" or not rest.isdigit():
