@@ -15,6 +15,7 @@ import torch
 from offload_store import (
     OffloadStore,
     RedisServer,
+    StashFullError,
     StoreStats,
     connect,
     job_pattern,
@@ -25,7 +26,7 @@ from offload_store.chunks import CHUNK_ENV, MAGIC, MIN_CHUNK_BYTES, Manifest, sp
 from offload_store.frames import Frame
 from offload_store.keys import chunk_key
 from pipefb.codec import pack
-from pipefb.errors import CodecError, StoreFullError
+from pipefb.errors import CodecError
 from tests import test_offload_store
 from tests.conftest import WORKER_THREADS, store_client
 from tests.test_transparency import make_job, reference
@@ -264,7 +265,7 @@ def test_a_full_store_refuses_a_chunked_put_and_keeps_no_chunk() -> None:
         client = connect(srv.address)
         store = _store(client, "chunks.full", max_wait_seconds=0.3, chunk_bytes=MiB)
         x = torch.randn(4 * MiB)  # 16 MiB in 16 chunks; about half of them fit
-        with pytest.raises(StoreFullError) as info:
+        with pytest.raises(StashFullError) as info:
             store.put(2, 1, 0, {0: {"x": x}})
         assert info.value.nbytes == len(pack(x))
         assert store.stats.retries > 0 and store.stats.keys_put == 0
