@@ -250,8 +250,8 @@ class RoundTrips:
 
 def in_turn(paths: list[str], repeat: int) -> list[str]:
     """The paths in the order a repeat runs them: `store` and `store, one key` trade places
-    every other repeat, so neither always runs right after `redis-py` (the path that does
-    ran at about half the speed of the one after it with both on the same code, 1 MiB)."""
+    every other repeat, so neither always runs right after `redis-py`, which slows the
+    path after it (bench/findings.md, "Chunked Redis values")."""
     a, b = paths.index("store"), paths.index("store, one key")
     if repeat % 2:
         paths[a], paths[b] = paths[b], paths[a]
