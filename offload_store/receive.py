@@ -79,6 +79,8 @@ class _Replies:
             return BaseParser.parse_error(rest.decode(errors="replace"))
         if kind == b"_" or line == b"$-1":  # nil (RESP3, RESP2)
             return None
+        # a RESP3 push (">") comes only with client tracking or pub/sub, which a stash's
+        # connections never turn on: like any other reply here, a protocol error
         if kind != b"$" or not rest.isdigit():
             raise InvalidResponse(f"unexpected reply to GETDEL: {bytes(line[:MAX_LINE])!r}")
         length = int(rest)
@@ -86,8 +88,10 @@ class _Replies:
             self._into(view)
         else:
             self._skip(length)
-        if self._line():
-            raise InvalidResponse("a bulk string not followed by CRLF")
+        end = memoryview(bytearray(2))
+        self._into(end)
+        if end != b"\r\n":
+            raise InvalidResponse(f"a bulk string followed by {bytes(end)!r}, not CRLF")
         return length
 
     def _line(self) -> bytearray:

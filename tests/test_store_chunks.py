@@ -4,13 +4,16 @@ through Redis in chunks equal to one process."""
 
 from __future__ import annotations
 
+import socket
 import struct
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 import torch
+from redis.connection import ConnectionPool
 
 from offload_store import (
     OffloadStore,
@@ -25,6 +28,7 @@ from offload_store import (
 from offload_store.chunks import CHUNK_ENV, MAGIC, MIN_CHUNK_BYTES, Manifest, split
 from offload_store.frames import Frame
 from offload_store.keys import chunk_key
+from offload_store.receive import getdel_into
 from pipefb.codec import pack
 from pipefb.errors import CodecError
 from tests import test_offload_store
@@ -349,3 +353,45 @@ def test_a_job_with_chunked_stashes_trains_as_one_process(chunking: tuple[Any, A
     assert stashed > 3 * 4 * 32 * KiB  # steps x micro-batches x one 32 KiB value at least
     assert _getdels(cluster) - before >= stashed // MIN_CHUNK_BYTES
     assert list(store_client(cluster).scan_iter(match=job_pattern(job_id))) == []
+
+
+# --- replies received into buffers (offload_store/receive.py) ------------------------------
+
+
+def _one_reply_peer(reply: bytes, close: bool) -> tuple[int, threading.Thread, list[bytes]]:
+    """A TCP peer that reads one command, answers `reply`, then closes (`close`) or waits
+    for the client to close; what it read (the command, then b"" on the client's close)
+    lands in the returned list."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, listener:
+            seen.append(conn.recv(65536))
+            conn.sendall(reply)
+            if not close:
+                conn.settimeout(10)
+                seen.append(conn.recv(65536))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener.getsockname()[1], thread, seen
+
+
+@pytest.mark.parametrize(("reply", "close", "error", "match"), [
+    (b"$100\r\n" + b"x" * 10, True, redis.ConnectionError, "closed the connection"),
+    (b"+OK\r\n", False, redis.InvalidResponse, "unexpected reply to GETDEL: b'\\+OK'"),
+    (b"$5\r\nabcdeXY", False, redis.InvalidResponse, "followed by b'XY', not CRLF"),
+])
+def test_a_bad_or_cut_reply_raises_and_the_connection_is_closed(
+        reply: bytes, close: bool, error: type[Exception], match: str) -> None:
+    port, thread, seen = _one_reply_peer(reply, close)
+    pool = ConnectionPool(host="127.0.0.1", port=port, protocol=2, socket_timeout=10,
+                          driver_info=None)  # no HELLO, no CLIENT SETINFO: just the GETDEL
+    view = memoryview(bytearray(100 if close else 5))
+    with pytest.raises(error, match=match):
+        getdel_into(pool, [("pipefb:k", view)])
+    thread.join(10)
+    assert seen[0] == b"*2\r\n$6\r\nGETDEL\r\n$8\r\npipefb:k\r\n"  # sent once
+    assert close or seen[1] == b""  # the client hung up: no half-read reply is reused
