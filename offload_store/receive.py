@@ -74,13 +74,15 @@ class _Replies:
         """Reads one GETDEL reply; its value goes into `view` when its length is the view's.
         """
         line = self._line()
+        while line[:1] == b">":  # a RESP3 push (a server's notice) before the reply: dropped
+            for _ in range(_count(line)):
+                self._drop_value()
+            line = self._line()
         kind, rest = line[:1], bytes(line[1:])
         if kind == b"-":  # redis-py's error classes (NOPERM: NoPermissionError, ...)
             return BaseParser.parse_error(rest.decode(errors="replace"))
         if kind == b"_" or line == b"$-1":  # nil (RESP3, RESP2)
             return None
-        # a RESP3 push (">") comes only with client tracking or pub/sub, which a stash's
-        # connections never turn on: like any other reply here, a protocol error
         if kind != b"$" or not rest.isdigit():
             raise InvalidResponse(f"unexpected reply to GETDEL: {bytes(line[:MAX_LINE])!r}")
         length = int(rest)
@@ -93,6 +95,18 @@ class _Replies:
         if end != b"\r\n":
             raise InvalidResponse(f"a bulk string followed by {bytes(end)!r}, not CRLF")
         return length
+
+    def _drop_value(self) -> None:
+        """Reads and drops one RESP value of any type (a push's element)."""
+        line = self._line()
+        kind = line[:1]
+        if kind in (b"$", b"!", b"="):  # blob string, blob error, verbatim string
+            if (length := _count(line)) >= 0:
+                self._skip(length + 2)
+        elif kind in (b"*", b">", b"~", b"%", b"|"):  # array, push, set, map, attributes
+            for _ in range(_count(line) * (2 if kind in (b"%", b"|") else 1)):
+                self._drop_value()
+        # any other kind is a simple value, whole in its line
 
     def _line(self) -> bytearray:
         """The next line, without its CRLF."""
@@ -128,3 +142,15 @@ class _Replies:
             part = scratch[:min(nbytes, len(scratch))]
             self._into(part)
             nbytes -= len(part)
+
+
+def _count(line: bytearray) -> int:
+    """The length or element count of an aggregate's or blob's first line.
+
+    Raises:
+        InvalidResponse: not a count.
+    """
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise InvalidResponse(f"bad count in reply line {bytes(line[:MAX_LINE])!r}") from None

@@ -395,3 +395,18 @@ def test_a_bad_or_cut_reply_raises_and_the_connection_is_closed(
     thread.join(10)
     assert seen[0] == b"*2\r\n$6\r\nGETDEL\r\n$8\r\npipefb:k\r\n"  # sent once
     assert close or seen[1] == b""  # the client hung up: no half-read reply is reused
+
+
+def test_a_push_before_the_reply_is_dropped() -> None:
+    """A RESP3 push (a server's notice, here an invalidation with a nested array and a
+    map) before the GETDEL's reply is read past; the value still lands in its view."""
+    push = (b">4\r\n$10\r\ninvalidate\r\n*1\r\n$3\r\nkey\r\n:7\r\n"
+            b"%1\r\n+a\r\n$-1\r\n")
+    port, thread, seen = _one_reply_peer(push + b"$3\r\nabc\r\n", close=True)
+    pool = ConnectionPool(host="127.0.0.1", port=port, protocol=2, socket_timeout=10,
+                          driver_info=None)
+    view = memoryview(bytearray(3))
+    assert getdel_into(pool, [("pipefb:k", view)]) == [3]
+    pool.disconnect()
+    thread.join(10)
+    assert bytes(view) == b"abc" and seen == [b"*2\r\n$6\r\nGETDEL\r\n$8\r\npipefb:k\r\n"]
