@@ -73,15 +73,26 @@ SYSTEMS = ("single", *TORCH, *PIPEFB)
 ASYNC = frozenset({"pipedream-keep", "pipedream-offload", "pipefb-async"})
 #: ratios reported per model: (system, baseline)
 RATIOS = [(s, "single") for s in SYSTEMS[1:]] + [(s, "torch-1f1b") for s in PIPEFB] + [
-    ("pipefb-async", "pipedream-offload")]  # the PipeFB paper's comparison
+    ("pipefb-async", "pipedream-offload"),  # the PipeFB paper's comparison
+    ("pipedream-offload", "pipedream-keep")]  # what offloading costs PipeDream
+#: issue 36's GPU targets: (system, baseline, the least ratio wanted)
+OFFLOAD_TARGETS = [("pipedream-offload", "pipedream-keep", 0.8),
+                   ("pipefb-async", "pipedream-offload", 1.5),
+                   ("pipefb-sync", "single", 1.0)]
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": THROUGHPUT_MODELS["mlp"],
     "convnet": {"model": "convnet", "dataset": "digits", "loss": "cross_entropy",
                 "model_config": {"channels1": 32, "channels2": 64, "hidden": 256}},
     "gpt": THROUGHPUT_MODELS["gpt"],
 }
+#: a GPT whose activations dominate its memory (12 layers of 768, sequence 512): not in
+#: the default models (a CPU takes minutes a step); the GPU offload entry runs it
+GPT_LARGE: dict[str, Any] = {
+    **GPU_MODEL, "model_config": {"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 512},
+    "dataset_config": {"block_size": 512, "max_bytes": 8_000_000}}
 QUICK_MODELS: dict[str, dict[str, Any]] = {
-    **THROUGHPUT_QUICK, "convnet": {**MODELS["convnet"], "model_config": {}}}
+    **THROUGHPUT_QUICK, "convnet": {**MODELS["convnet"], "model_config": {}},
+    "gpt-large": THROUGHPUT_QUICK["gpt"]}
 
 
 def make_job(spec: dict[str, Any], args: argparse.Namespace) -> JobConfig:
@@ -190,7 +201,8 @@ def summarise(job: JobConfig, runs: dict[str, list[dict[str, Any]]], profile: An
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every system on every model, `repeats` times interleaved, on one local cluster."""
     specs = QUICK_MODELS if args.quick else {
-        **MODELS, **({"gpt": GPU_MODEL} if args.device == "cuda" else {})}
+        **MODELS, **({"gpt": GPU_MODEL} if args.device == "cuda" else {}),
+        "gpt-large": GPT_LARGE}
     names = [m for m in args.models.split(",") if m]
     jobs = {m: make_job(specs[m], args) for m in names}
     systems = [s for s in systems_here(args.device) if s in args.systems]
@@ -310,6 +322,30 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     return [*lines, f"![matrix]({png})", ""]
 
 
+def offload_section(cmd: str, res: dict[str, Any]) -> list[str]:
+    """Markdown of the offload targets (`OFFLOAD_TARGETS`): one row per model and target,
+    with both systems' peak memory per worker."""
+    a = res["args"]
+    lines = ["## Offload at equal peak memory (issue 36's GPU targets)", "", f"`{cmd}`", "",
+             f"Batch {a['batch']} in {a['microbatches']} micro-batches, {a['steps']} timed "
+             f"steps after {a['warmup']} warm-up, {a['repeats']} repeat(s) interleaved, "
+             f"{res['workers']} processes per pipeline on one device; ratios of samples/s, "
+             "median [min-max] over repeats; peak per worker as in the matrix, MiB.", "",
+             "| model | system / baseline | ratio | target | met | peak per worker, MiB "
+             "(system; baseline) |", "| --- | --- | --- | --- | --- | --- |"]
+    for m, r in res["models"].items():
+        for system, base, least in OFFLOAD_TARGETS:
+            got = r["ratios"].get(f"{system}/{base}")
+            if got is None:
+                continue
+            lines.append(
+                f"| {m} | {system} / {base} | {fmt(got, digits=2)} | >= {least} | "
+                f"{'yes' if got['median'] >= least else 'no'} | "
+                f"{mib_per_rank(r['ranks'][system], 'peak')}; "
+                f"{mib_per_rank(r['ranks'][base], 'peak')} |")
+    return [*lines, ""]
+
+
 def print_results(results: dict[str, Any]) -> None:
     """One line per model and system."""
     for m, r in results["models"].items():
@@ -327,7 +363,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny models, 2 timed steps, 1 repeat")
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: mlp,convnet,gpt")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help="comma-separated: mlp,convnet,gpt (6x384 on cuda), gpt-large "
+                        "(12 layers of 768, sequence 512)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where every system computes (cuda: the workers share this GPU)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
@@ -340,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--systems: {unknown[0]!r} is not one of {', '.join(SYSTEMS)}")
     args.systems = ["single", *(s for s in chosen if s != "single")]
+    bad = [m for m in args.models.split(",") if m and m not in QUICK_MODELS]
+    if bad:
+        p.error(f"--models: {bad[0]!r} is not one of {', '.join(QUICK_MODELS)}")
     if args.quick:
         args.steps, args.warmup, args.repeats = 2, 1, 1
     return args

@@ -38,7 +38,7 @@ from pipefb.processes import project_env
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Entries that need a CUDA device: they run only where one is, into the GPU page.
-NEEDS_CUDA = frozenset({"matrix_cuda", "schedules_cuda"})
+NEEDS_CUDA = frozenset({"matrix_cuda", "schedules_cuda", "offload_cuda"})
 GPU_DOC = "benchmarks-gpu.md"  # beside the CPU page
 #: result folder -> (bench script, extra arguments). The matrix runs 4 samples per
 #: micro-batch (latency-bound); the second throughput run 16, where compute dominates.
@@ -62,6 +62,11 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "matrix_cuda": ("matrix", ["--device", "cuda", "--threads", "2", "--repeats", "2"]),
     "schedules_cuda": ("schedules", ["--device", "cuda", "--threads", "2", "--repeats", "2",
                                      "--steps", "6"]),
+    # issue 36's GPU targets, sized for a few minutes of one GPU: `PYTHONPATH=. python
+    # bench/run_all.py --only offload_cuda`
+    "offload_cuda": ("matrix", ["--device", "cuda", "--threads", "2", "--repeats", "2",
+                                "--steps", "6", "--models", "gpt,gpt-large", "--systems",
+                                "pipedream-keep,pipedream-offload,pipefb-sync,pipefb-async"]),
 }
 
 
@@ -417,6 +422,8 @@ def write_gpu_doc(doc: Path, out: Path, results: dict[str, tuple[str, dict[str, 
     if "schedules_cuda" in results:
         lines += schedules_section(*results["schedules_cuda"], rel(
             out, doc, "schedules_cuda", "schedules.png"))
+    if "offload_cuda" in results:
+        lines += matrix.offload_section(*results["offload_cuda"])
     lines += GPU_READING
     doc.write_text("\n".join(lines))
 

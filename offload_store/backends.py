@@ -91,8 +91,10 @@ def open_store(address: str, job: str, attempt: int = 0, **options: Any) -> Stas
             client arguments, see `offload_store.store.open_redis_store`), and the
             node-local tier's (``local_tier_dir``: its directory, empty: none;
             ``local_tier_bytes``: its cap; ``local_tier_ranks``: the job's rank count;
-            ``local_tier_private``: the rank takes back every stash it puts; see
-            `offload_store.shm.with_local_tier`).
+            ``local_tier_private``: the rank takes back every stash it puts;
+            ``local_tier_rank``: the rank's index in the job; ``local_tier_consumers``:
+            layer -> the rank that takes its stash; ``local_tier_producers``: layer -> the
+            rank whose stash of it this rank takes; see `offload_store.shm.with_local_tier`).
 
     Raises:
         ValueError: an unknown scheme, a bad address, job id, attempt or option.

@@ -6,9 +6,11 @@ segment (`offload_store.segments`, one copy: a layer is the unit a consumer take
 a PipeFB forward rank's layers may go to several backward ranks) and then, in one
 round trip as the Redis backend's write would take, sets each layer's index key
 (`keys.segment_key`) to its segment's tier id, path and size, with the store's TTL. The
-consumer's take is one pipeline of GETDEL of the layers' index keys, and a second one of
-the ordinary value keys of the layers that have no index entry (spilled ones). An index
-entry means the segment: it is checked and its tensors
+consumer's take is one pipeline of GETDEL: of the index keys of the layers whose
+producer may be on this host, and of the ordinary value keys of those whose producer is
+known to be on another ([Note: tier ranks]); a second one takes the value keys of the
+layers that had no index entry (spilled ones). An index entry means the segment: it is
+checked and its tensors
 view a private mapping of it (no copy; with ``zero_copy=False`` they are read into new
 tensors, one copy), and its file becomes a spare for the producer's next write once
 they are gone (delete on consume; [Note: spare segments], [Note: segment mappings]); no
@@ -25,15 +27,9 @@ file each and no round trip to Redis. The segments are the same files in the job
 tier's cap, the node's memory accounting and the leases below hold as for any segment;
 a layer past the cap still spills to Redis and comes back from there.
 
-[Note: tier ranks] A segment is only readable on its own host, so a job attempt uses the
-tier only when all of its ranks share one: each rank's store adds ``{tier id}/{token}``
-to the attempt's set (`keys.tier_ranks_key`) when it opens, and a producer writes
-segments once the set names as many ranks as the job has, all with its own tier id
-(until then, and for a job spread over hosts, every stash goes to Redis). The tier id is
-the base directory's own (`segments.node_id`), so processes that share the directory
-share the tier. A rank's store takes itself out of the set when it closes (when its
-worker drops the job), and the set goes with the last one; a crashed rank's entry goes
-with its job's clear or the TTL.
+Which layers go to the tier: those whose consumer's store uses the same tier, [Note: tier
+ranks] in `offload_store.tierranks` (the others, and every layer until the consumer's
+store has opened, go to Redis).
 
 [Note: tier leases] A segment lives as long as its index key or its job: the store of a
 job's next attempt removes the job's segments of earlier attempts on its host when it
@@ -48,28 +44,29 @@ import dataclasses
 import functools
 import json
 import os
-import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import torch
-from redis.exceptions import RedisError
 
 from offload_store import segments
 from offload_store.api import LayerTensors, StashStore, StoreStats
-from offload_store.keys import segment_key, tier_ranks_key
+from offload_store.keys import segment_key
 from offload_store.mapped import SegmentMaps
 from offload_store.segments import SegmentError
 from offload_store.store import OffloadStore, execute_once
+from offload_store.tierranks import TierRanks
 from pipefb.errors import ConfigError
 
 DIR_ENV = "PIPEFB_LOCAL_TIER_DIR"  # the tier's base directory (a tmpfs); empty: no tier
 BYTES_ENV = "PIPEFB_LOCAL_TIER_BYTES"  # the tier's cap; unset or -1: `default_cap`
 CAP_SHARE = 0.5  # the default cap: this share of the base directory's file system
 TIER_OPTIONS = ("local_tier_dir", "local_tier_bytes", "local_tier_ranks",  # open_store's
-                "local_tier_private")
+                "local_tier_private", "local_tier_rank", "local_tier_consumers",
+                "local_tier_producers")
 
 
 def default_cap(base: Path) -> int:
@@ -99,9 +96,11 @@ class SharedTierStore:
     `StashStore` ([Note: local tier index]). Safe to share between threads."""
 
     def __init__(self, inner: OffloadStore, base: Path, cap_bytes: int = -1,
-                 ranks: int = 1, zero_copy: bool = True, private: bool = False) -> None:
+                 ranks: int = 1, zero_copy: bool = True, private: bool = False,
+                 rank: int | None = None, consumers: Mapping[int, int] | None = None,
+                 producers: Mapping[int, int] | None = None) -> None:
         """Opens the tier at `base` for `inner`'s job attempt and adds this rank to the
-        attempt's tier ranks ([Note: tier ranks]).
+        attempt's tier ranks ([Note: tier ranks] in `offload_store.tierranks`).
 
         Args:
             inner: the Redis stash of the same job attempt (index and spill).
@@ -112,13 +111,25 @@ class SharedTierStore:
                 False: copies (`segments.read`).
             private: this store takes back every stash it puts itself ([Note: private
                 index]); its index stays in this process.
+            rank: this rank's index in the job attempt; None: not known.
+            consumers: layer -> the rank that takes this rank's stash of it; a layer not
+                named goes to the tier only when every rank is on it.
+            producers: layer -> the rank whose stash of it this rank takes; a take asks
+                Redis straight for a layer whose producer is on another tier ([Note: tier
+                ranks]), and looks up the index first for the others.
 
         Raises:
-            ValueError: a cap below -1 or fewer than one rank.
+            ValueError: a cap below -1, fewer than one rank, or a rank or layer out of
+                range; names it.
             PermissionError: `base` is another user's or open to others.
         """
         if cap_bytes < -1 or ranks < 1:
             raise ValueError(f"local tier cap {cap_bytes} must be >= -1 and ranks {ranks} >= 1")
+        if rank is not None and not 0 <= rank < ranks:
+            raise ValueError(f"local tier rank {rank} is not one of the job's ranks "
+                             f"0..{ranks - 1}")
+        self.consumers = _check_layer_ranks("consumer", consumers or {}, ranks)
+        self.producers = _check_layer_ranks("producer", producers or {}, ranks)
         self.inner, self.job, self.attempt = inner, inner.job, inner.attempt
         self.base = segments.private_base(base.absolute())
         self.cap_bytes = default_cap(self.base) if cap_bytes == -1 else cap_bytes
@@ -127,19 +138,14 @@ class SharedTierStore:
         self._read = (functools.partial(segments.lend, maps=self._maps) if zero_copy
                       else segments.read)
         self._dir: Path | None = None
-        self._shared: bool | None = None  # every rank of the attempt uses this tier (None:
-        # not known yet, some ranks have not opened their stores)
         self._private = private
         # a private store's index: (step, micro-batch, version) -> its segment's entry
         self._own: dict[tuple[int, int, int], str] = {}
         self._stats = StoreStats()
         self._lock = threading.Lock()
         segments.clear_job(self.base, self.job, below_attempt=self.attempt)  # [Note: tier leases]
-        self._member = f"{self.node}/{secrets.token_hex(8)}"
-        pipe = inner.client.pipeline(transaction=False)
-        pipe.sadd(tier_ranks_key(self.job, self.attempt), self._member)
-        pipe.expire(tier_ranks_key(self.job, self.attempt), inner.ttl_seconds)
-        pipe.execute()
+        self.tier_ranks = TierRanks(inner.client, self.job, self.attempt, self.node, ranks,
+                                    rank, inner.ttl_seconds)
 
     @property
     def stats(self) -> StoreStats:
@@ -152,20 +158,20 @@ class SharedTierStore:
 
     def put(self, step: int, microbatch: int, version: int,
             tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
-        """Writes each layer's tensors as a segment and sets their index keys in one
-        round trip; to Redis the layers past the cap, and the whole stash while the
-        job's ranks are not all on this tier (a private store: its own, [Note: private
-        index])."""
+        """Writes as a segment each layer whose consumer uses this tier ([Note: tier
+        ranks]) and sets their index keys in one round trip; to Redis the other layers
+        and those past the cap (a private store: its own, [Note: private index])."""
         if self._private:
             return self._put_private(step, microbatch, version, tensors)
-        if not self._all_ranks_here():
+        here = self._layers_here(tensors)
+        if not here:
             return self.inner.put(step, microbatch, version, tensors)
         entries: dict[str, str] = {}
         spilled: dict[int, Mapping[str, torch.Tensor]] = {}
         try:
             for layer, named in tensors.items():
                 written = (self._write(step, microbatch, layer, version, {layer: named})
-                           if named else None)
+                           if named and layer in here else None)
                 if written is None:
                     spilled[layer] = named
                 else:
@@ -175,7 +181,7 @@ class SharedTierStore:
         except BaseException:
             self._unlink(entries.values())
             raise
-        if spilled:  # past the cap: to Redis ([Note: local tier index])
+        if spilled:  # elsewhere or past the cap: to Redis ([Note: local tier index])
             try:
                 nbytes += self.inner.put(step, microbatch, version, spilled)
             except BaseException:
@@ -185,31 +191,35 @@ class SharedTierStore:
 
     def take(self, step: int, microbatch: int, version: int,
              names: Mapping[int, Sequence[str]]) -> LayerTensors:
-        """Takes each layer from its segment, or from Redis where it spilled, in one
-        round trip; see `StashStore.take`.
+        """Takes each layer from its segment, or from Redis where its producer is on
+        another tier or it spilled, in one round trip (two when a layer whose producer
+        may be here spilled); see `StashStore.take` and [Note: local tier index].
 
         Raises:
             SegmentError: a segment that fails its checks (see `offload_store.segments`).
+            KeyError, CodecError: as `OffloadStore.take`, for a layer taken from Redis.
         """
         wanted = [(layer, name) for layer, layer_names in names.items() for name in layer_names]
         if not wanted:
             return {}
         if self._private:
             return self._take_private(step, microbatch, version, names)
-        if self._shared is False:  # the attempt never uses the tier: all of it is in Redis
-            return self.inner.take(step, microbatch, version, names)
         layers = [layer for layer in names if names[layer]]
-        index = dict(zip(layers, self._take_index(step, microbatch, version, layers),
-                         strict=True))
-        out: LayerTensors = {}
-        for layer, entry in index.items():  # every segment is read (and freed) first
-            if isinstance(entry, Exception):
-                raise entry
-            if entry is not None:
-                path, size = self._segment(entry)
-                self._count(bytes_taken=size, keys_taken=1)
-                out.update(self._read(path, size, {layer: names[layer]}))
-        spilled = {layer: names[layer] for layer in layers if layer not in out}
+        elsewhere, unseen = self._produced_elsewhere(layers)
+        indexed = [layer for layer in layers if layer not in elsewhere]
+        direct = [(layer, name) for layer, name in wanted if layer in elsewhere]
+        keys = [self.inner.key(step, microbatch, layer, version, name) for layer, name in direct]
+        pipe = self.inner.client.pipeline(transaction=False)
+        if unseen:  # a producer not in the tier ranks yet: read them in the same round trip
+            self.tier_ranks.read_in(pipe)
+        for key in [*self._index_keys(step, microbatch, version, indexed), *keys]:
+            pipe.getdel(key)
+        replies = execute_once(pipe)
+        if unseen:
+            self.tier_ranks.record(replies.pop(0))
+        out = self._read_indexed(zip(indexed, replies[:len(indexed)], strict=True), names)
+        out.update(self.inner.decode_taken(direct, keys, replies[len(indexed):]))
+        spilled = {layer: names[layer] for layer in indexed if layer not in out}
         if spilled:  # no index entry: the layer went to Redis (a second round trip)
             out.update(self.inner.take(step, microbatch, version, spilled))
         return out
@@ -257,8 +267,7 @@ class SharedTierStore:
         """Takes this rank out of the attempt's tier ranks (the last one out deletes the
         set), removes its spare files and closes the Redis client; segments stay for
         their consumers."""
-        with suppress(RedisError):
-            self.inner.client.srem(tier_ranks_key(self.job, self.attempt), self._member)
+        self.tier_ranks.leave()
         with self._lock:
             if self._dir is not None:  # its spares go; segments not yet taken stay
                 segments.drop_spares(self._dir)
@@ -290,18 +299,44 @@ class SharedTierStore:
         self._count(bytes_taken=size, keys_taken=1)
         return self._read(path, size, {layer: names[layer] for layer in names if names[layer]})
 
-    def _all_ranks_here(self) -> bool:
-        """Whether every rank of the attempt uses this tier ([Note: tier ranks]); asked of
-        Redis until the set names every rank, then known for the attempt."""
-        if self._shared is None:
-            members = self.inner.client.smembers(tier_ranks_key(self.job, self.attempt))
-            nodes = {(m.decode() if isinstance(m, bytes) else str(m)).partition("/")[0]
-                     for m in members}
-            if len(members) >= self.ranks:
-                self._shared = nodes == {self.node}
-            elif nodes - {self.node}:  # a rank on another tier already: never shared
-                self._shared = False
-        return bool(self._shared)
+    def _produced_elsewhere(self, layers: Sequence[int]) -> tuple[set[int], bool]:
+        """The layers of `layers` whose producer's store is known to use another tier
+        ([Note: tier ranks]), and whether a named producer has not entered the tier ranks
+        yet (its layers go by the index)."""
+        named = {layer: self.producers[layer] for layer in layers if layer in self.producers}
+        if not named:
+            return set(), False
+        other, unseen = self.tier_ranks.on_other_tiers(set(named.values()))
+        return {layer for layer, rank in named.items() if rank in other}, unseen
+
+    def _read_indexed(self, index: Iterable[tuple[int, Any]],
+                      names: Mapping[int, Sequence[str]]) -> LayerTensors:
+        """The tensors of the segments that index replies (layer, GETDEL reply) name, each
+        read and freed in turn; a layer without an entry is not in the result.
+
+        Raises:
+            RedisError: a reply that is an error.
+            SegmentError: a segment that fails its checks.
+        """
+        out: LayerTensors = {}
+        for layer, entry in index:
+            if isinstance(entry, Exception):
+                raise entry
+            if entry is not None:
+                path, size = self._segment(entry)
+                self._count(bytes_taken=size, keys_taken=1)
+                out.update(self._read(path, size, {layer: names[layer]}))
+        return out
+
+    def _layers_here(self, tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> set[int]:
+        """The layers of `tensors` whose consumer uses this tier ([Note: tier ranks]): a
+        named consumer's own entry decides; a layer with none needs every rank here."""
+        named = {layer: self.consumers[layer] for layer in tensors if layer in self.consumers}
+        here = self.tier_ranks.on_this_tier(set(named.values())) if named else set()
+        out = {layer for layer, rank in named.items() if rank in here}
+        if len(named) < len(tensors) and self.tier_ranks.all_here():
+            out.update(layer for layer in tensors if layer not in named)
+        return out
 
     def _write(self, step: int, microbatch: int, layer: int, version: int,
                tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> str | None:
@@ -335,12 +370,16 @@ class SharedTierStore:
                     ) -> list[str | bytes | Exception | None]:
         """Gets and deletes the layers' index entries (None: the layer has none), in one
         round trip."""
-        keys = [segment_key(self.job, self.attempt, step, microbatch, layer, version)
-                for layer in layers]
         pipe = self.inner.client.pipeline(transaction=False)
-        for key in keys:
+        for key in self._index_keys(step, microbatch, version, layers):
             pipe.getdel(key)
         return list(execute_once(pipe))
+
+    def _index_keys(self, step: int, microbatch: int, version: int, layers: Iterable[int]
+                    ) -> list[str]:
+        """The index keys of `layers` of one micro-batch's stash."""
+        return [segment_key(self.job, self.attempt, step, microbatch, layer, version)
+                for layer in layers]
 
     @staticmethod
     def _unlink(entries: Iterable[str]) -> None:
@@ -380,11 +419,17 @@ class SharedTierStore:
 
 
 def with_local_tier(store: StashStore, local_tier_dir: str = "", local_tier_bytes: int = -1,
-                    local_tier_ranks: int = 1, local_tier_private: bool = False) -> StashStore:
-    """`store` behind the local tier at `local_tier_dir` (empty: `store` itself).
+                    local_tier_ranks: int = 1, local_tier_private: bool = False,
+                    local_tier_rank: int | None = None,
+                    local_tier_consumers: Mapping[int, int] | None = None,
+                    local_tier_producers: Mapping[int, int] | None = None) -> StashStore:
+    """`store` behind the local tier at `local_tier_dir` (empty: `store` itself); the
+    other options are `SharedTierStore`'s (``ranks``, ``private``, ``rank``, ``consumers``,
+    ``producers``).
 
     Raises:
-        ValueError: a tier in front of a store other than Redis, or a bad cap or rank count.
+        ValueError: a tier in front of a store other than Redis, or a bad cap, rank count,
+            rank, consumer or producer.
         PermissionError: a base directory that is another user's or open to others.
     """
     if not local_tier_dir:
@@ -392,7 +437,22 @@ def with_local_tier(store: StashStore, local_tier_dir: str = "", local_tier_byte
     if not isinstance(store, OffloadStore):
         raise ValueError(f"the local tier needs the Redis backend, not {type(store).__name__}")
     return SharedTierStore(store, Path(local_tier_dir), local_tier_bytes, local_tier_ranks,
-                           private=local_tier_private)
+                           private=local_tier_private, rank=local_tier_rank,
+                           consumers=local_tier_consumers, producers=local_tier_producers)
+
+
+def _check_layer_ranks(what: str, by_layer: Mapping[int, int], ranks: int) -> dict[int, int]:
+    """`by_layer` (layer -> the rank that is its `what`: consumer or producer) as a dict,
+    checked against the job attempt's `ranks`.
+
+    Raises:
+        ValueError: a rank outside 0..ranks-1, or a negative layer; names the value.
+    """
+    for layer, rank in by_layer.items():
+        if layer < 0 or not 0 <= rank < ranks:
+            raise ValueError(f"local tier {what} of layer {layer}: rank {rank} (layers "
+                             f"are >= 0, ranks 0..{ranks - 1})")
+    return dict(by_layer)
 
 
 def tier_used_bytes() -> int:

@@ -384,3 +384,35 @@ def test_the_matrix_page_drops_the_torch_column_where_torch_did_not_run() -> Non
     assert "vs single" in header and "torch" not in header
     assert all(ln.count("|") == header.count("|") for ln in table)
     assert len(table) == len(res["models"]) * (2 + len(res["systems"]))
+
+
+def test_the_offload_section_reports_each_gpu_target_with_both_peaks() -> None:
+    """The GPU offload entry's table: one row per model and target, met or not by the
+    median, with the system's and the baseline's peak per worker."""
+    from bench.matrix import OFFLOAD_TARGETS, offload_section
+
+    def ranks(mib: float) -> dict[str, dict[str, float]]:
+        return {"0": {"peak": mib * 2**20}, "1": {"peak": 2 * mib * 2**20}}
+
+    ratio = {"pipedream-offload/pipedream-keep": {"median": 0.81, "min": 0.7, "max": 0.9},
+             "pipefb-async/pipedream-offload": {"median": 1.49, "min": 1.4, "max": 1.6}}
+    res = {"args": {"batch": 16, "microbatches": 4, "steps": 6, "warmup": 2, "repeats": 2},
+           "workers": 2,
+           "models": {"gpt": {"ratios": ratio, "ranks": {
+               "pipedream-offload": ranks(1.0), "pipedream-keep": ranks(3.0),
+               "pipefb-async": ranks(1.5)}}}}
+    rows = [ln for ln in offload_section("cmd", res) if ln.startswith("| gpt ")]
+    assert rows == [
+        "| gpt | pipedream-offload / pipedream-keep | 0.81 [0.70-0.90] | >= 0.8 | yes | "
+        "1.00 / 2.00; 3.00 / 6.00 |",
+        "| gpt | pipefb-async / pipedream-offload | 1.49 [1.40-1.60] | >= 1.5 | no | "
+        "1.50 / 3.00; 1.00 / 2.00 |"]  # no sync PipeFB ran: no row for it
+    assert len(OFFLOAD_TARGETS) == 3
+
+
+def test_the_matrix_refuses_a_model_it_does_not_know() -> None:
+    from bench.matrix import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--models", "gpt,gtp"])
+    assert parse_args(["--models", "gpt-large", "--quick"]).models == "gpt-large"

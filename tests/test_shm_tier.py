@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -38,10 +39,12 @@ def base(tmp_path: Path) -> Path:
 
 
 def tier(server: RedisServer, base: Path, job: str = "j", attempt: int = 0,
-         ranks: int = 1, cap: int = -1, private: bool = False) -> SharedTierStore:
+         ranks: int = 1, cap: int = -1, private: bool = False, **options: Any
+         ) -> SharedTierStore:
+    """A store of the tier at `base`; `options`: more of `open_store`'s."""
     store = open_store(server.address, job, attempt, local_tier_dir=str(base),
                        local_tier_bytes=cap, local_tier_ranks=ranks,
-                       local_tier_private=private)
+                       local_tier_private=private, **options)
     assert isinstance(store, SharedTierStore)
     return store
 

@@ -8,6 +8,7 @@ import socket
 import struct
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -236,6 +237,28 @@ def test_clear_job_removes_a_half_written_chunked_value(client: redis.Redis) -> 
     store.put(3, 1, 0, {1: {"x": t}})  # and another micro-batch's whole stash
     assert store.count_keys() == 3 + 14
     assert store.clear_job() == 3 + 14 and store.count_keys() == 0
+
+
+def test_a_consumer_on_another_tier_takes_chunked_values_straight_from_redis(
+        server: RedisServer, tmp_path: Path) -> None:
+    """A node-local tier's producer stashes for a consumer on another tier in Redis, its
+    large values in chunks; the consumer, which takes such layers from Redis ([Note: tier
+    ranks]), gets every value back whole and no key stays."""
+    from tests.test_shm_tier import tier
+
+    producer = tier(server, tmp_path / "host-b", "chunks.apart", ranks=2,
+                    local_tier_rank=0, local_tier_consumers={0: 1, 2: 1}, chunk_bytes=CHUNK)
+    consumer = tier(server, tmp_path / "host-a", "chunks.apart", ranks=2,
+                    local_tier_rank=1, local_tier_producers={0: 0, 2: 0}, chunk_bytes=CHUNK)
+    try:
+        tensors = {layer: named for layer, named in _stash().items() if layer in (0, 2)}
+        producer.put(0, 0, 0, tensors)
+        assert producer.inner.count_keys() == _keys_of(tensors)  # all in Redis, chunked
+        _assert_same(consumer.take(0, 0, 0, _names(tensors)), tensors)
+        assert producer.inner.count_keys() == 0
+    finally:
+        producer.close()
+        consumer.close()
 
 
 def test_release_frees_every_chunk(client: redis.Redis) -> None:

@@ -31,7 +31,7 @@ from pipefb.runtime.allreduce import (
 )
 from pipefb.runtime.checkpoint import rank_file, resolve_under
 from pipefb.runtime.manifest import verified_files
-from pipefb.runtime.place import takes_back_own_stash
+from pipefb.runtime.place import stash_consumers, stash_producers, takes_back_own_stash
 from pipefb.runtime.stage import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -151,7 +151,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         what = f"Assign of job {job.job_id} rank {request.rank}"
         inbox = Inbox()
         private = takes_back_own_stash(plan, request.rank)  # [Note: private index]
-        store = self._open_store(request, job.job_id, private)
+        store = self._open_store(request, plan, job.job_id, private)
         transport = GrpcTransport(job.job_id, request.peers, store, inbox, request.attempt)
         reducer = _join_group(request, plan, job_device(job))
         try:
@@ -217,10 +217,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                                       parameter_bytes=runtime.param_bytes,
                                       migrated_bytes=migrated)
 
-    def _open_store(self, request: worker_pb2.AssignRequest, job_id: str, private: bool
-                    ) -> StashStore | None:
+    def _open_store(self, request: worker_pb2.AssignRequest, plan: Plan, job_id: str,
+                    private: bool) -> StashStore | None:
         """The job's stash in this worker's own store, as the job's store user; None for
-        a job without a store ([Note: access] in protos/security.py).
+        a job without a store ([Note: access] in protos/security.py). With the node-local
+        tier it learns this rank, which rank takes each layer it stashes and which rank
+        stashed each layer it takes ([Note: tier ranks] in offload_store/tierranks.py).
 
         Raises:
             PermissionError: the Assign names another store (nothing is sent there).
@@ -240,7 +242,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                           password=request.store_password or None,
                           local_tier_dir=tier_dir, local_tier_bytes=tier_bytes,
                           local_tier_ranks=len(request.peers),
-                          local_tier_private=private)
+                          local_tier_private=private, local_tier_rank=request.rank,
+                          local_tier_consumers=stash_consumers(plan, request.rank),
+                          local_tier_producers=stash_producers(plan, request.rank))
 
     def _check_not_stale(self, job_id: str, attempt: int) -> None:
         """Refuses an Assign of an attempt older than the one this worker runs (hold the

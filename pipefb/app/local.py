@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -231,11 +232,13 @@ class LocalServices:
         """Process name -> /metrics URL of every process that serves one."""
         return {p.name: p.metrics_url for p in self.processes if p.metrics_url}
 
-    def add_worker(self, index: int) -> Process:
-        """Starts one more worker registering with the coordinator (not waited for)."""
+    def add_worker(self, index: int, flags: Sequence[str] = ()) -> Process:
+        """Starts one more worker registering with the coordinator (not waited for), with
+        `flags` added to its command line (``--local-tier-dir D``: a tier of its own, as
+        a worker on another host has)."""
         return self._spawn(f"worker-{index}", [
             "-m", "worker", "--listen", "127.0.0.1:0", "--coordinator", self.coordinator,
-            "--store", self.store, "--name", f"worker-{index}"], service=True,
+            "--store", self.store, "--name", f"worker-{index}", *flags], service=True,
             env=self.worker_env)
 
     def workers(self) -> list[Process]:
