@@ -9,17 +9,20 @@ packing) and GETDEL of them, returned as bytes with nothing decoded. Ratios are 
 store's MB/s over plain redis-py's, paired by round.
 
 The `bandwidth` part puts and fetches one stash of 1, 16 and 64 MiB (one float32 tensor)
-through four paths on this host, interleaved in each repeat: `memcpy` (a copy into a
+through six paths on this host, interleaved in each repeat: `memcpy` (a copy into a
 buffer and one back, torch, one thread), `raw TCP` (a loopback socket to a peer process
 that keeps the bytes and sends them back: length-prefixed, no framing beyond that),
 `redis-py` (SET of a view of the tensor's bytes, GETDEL returned as bytes, nothing
-decoded), `store` (`OffloadStore.put` and `take`, validated and decoded into a
-tensor) and `local tier` (the node-local tier's `put` and `take`: a segment in /dev/shm
-written with one copy, into a spare file's kept mapping once there is one, and its index
-key in the same Redis, then the take's one pipeline, the checks, and a tensor viewing the
-segment's mapping, no copy: [Note: segment mappings] in offload_store/mapped.py). A round trip's
+decoded), `store` (`OffloadStore.put` and `take`, validated and decoded into a tensor; a
+value over the chunk size, 4 MiB, as chunks over several connections: [Note: chunked
+values] in offload_store/chunks.py), `store, one key` (the same with chunks off,
+`chunk_bytes=0`: every value one SET and one GETDEL) and `local tier` (the node-local
+tier's `put` and `take`: a segment in /dev/shm written with one copy, into a spare
+file's kept mapping once there is one, and its index key in the same Redis, then the
+take's one pipeline, the checks, and a tensor viewing the segment's mapping, no copy:
+[Note: segment mappings] in offload_store/mapped.py). A round trip's
 MiB/s is the stash's MiB over put + fetch seconds. Run:
-`python bench/store.py [--quick] [--part measured|bandwidth] [--out DIR]`.
+`python bench/store.py [--quick] [--part measured|bandwidth] [--repeats N] [--out DIR]`.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from offload_store.server import RedisServer
 from pipefb.codec import pack
 
 PATHS = ("plain put", "store put", "plain get", "store take")
-ROUND_TRIP = ("memcpy", "raw TCP", "redis-py", "store", "local tier")  # bandwidth's paths
+ROUND_TRIP = ("memcpy", "raw TCP", "redis-py", "store", "store, one key",  # bandwidth's
+              "local tier")  # paths
 SIZES_MIB = (1, 16, 64)
 MiB = 1 << 20
 HEADER = struct.Struct("<cQ")  # raw TCP: op (b"P" put, b"G" get) and byte count
@@ -163,6 +167,7 @@ class RoundTrips:
         host, port = address.rsplit(":", 1)
         self.plain = redis.Redis(host=host, port=int(port))
         self.store = OffloadStore(connect(address), "bench-bw")
+        self.one_key = OffloadStore(connect(address), "bench-bw1", chunk_bytes=0)
         listener = socket.create_server(("127.0.0.1", 0))
         self.peer = multiprocessing.get_context("fork").Process(
             target=_tcp_peer, args=(listener,), daemon=True)
@@ -208,8 +213,15 @@ class RoundTrips:
         return got[0], got[1], torch.frombuffer(bytearray(got[2]), dtype=t.dtype)
 
     def offload_store(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
-        got = self._timed(lambda: self.store.put(0, 0, 0, {0: {"x": t}}),
-                          lambda: self.store.take(0, 0, 0, {0: ["x"]}))
+        return self._store_trip(self.store, t)
+
+    def unchunked_store(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+        return self._store_trip(self.one_key, t)
+
+    def _store_trip(self, store: OffloadStore, t: torch.Tensor
+                    ) -> tuple[float, float, torch.Tensor]:
+        got = self._timed(lambda: store.put(0, 0, 0, {0: {"x": t}}),
+                          lambda: store.take(0, 0, 0, {0: ["x"]}))
         return got[0], got[1], got[2][0]["x"]
 
     def local_tier(self, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
@@ -230,9 +242,20 @@ class RoundTrips:
         self.sock.close()
         self.peer.join(5)
         self.store.close()
+        self.one_key.close()
         self.tier.close()
         shutil.rmtree(self.tier_dir, ignore_errors=True)
         self.plain.close()
+
+
+def in_turn(paths: list[str], repeat: int) -> list[str]:
+    """The paths in the order a repeat runs them: `store` and `store, one key` trade places
+    every other repeat, so neither always runs right after `redis-py`, which slows the
+    path after it (bench/findings.md, "Chunked Redis values")."""
+    a, b = paths.index("store"), paths.index("store, one key")
+    if repeat % 2:
+        paths[a], paths[b] = paths[b], paths[a]
+    return paths
 
 
 def partial_call(fn: Callable[..., object], *args: object) -> Callable[[], object]:
@@ -254,15 +277,16 @@ def run_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     with RedisServer(maxmemory="2gb") as server:
         paths = RoundTrips(server.address)
         run = dict(zip(ROUND_TRIP, (paths.memcpy, paths.tcp, paths.redis_py,
-                                    paths.offload_store, paths.local_tier), strict=True))
+                                    paths.offload_store, paths.unchunked_store,
+                                    paths.local_tier), strict=True))
         try:
             for t in tensors.values():  # one untimed trip each: connections, pages
                 for trip in run.values():
                     trip(t)
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
                 for size, t in tensors.items():
-                    for path, trip in run.items():
-                        put, fetch, back = trip(t)
+                    for path in in_turn(list(run), repeat):
+                        put, fetch, back = run[path](t)
                         assert torch.equal(back, t), path
                         seconds[str(size)][path]["put"].append(put)
                         seconds[str(size)][path]["fetch"].append(fetch)
@@ -280,7 +304,10 @@ def run_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
             "fetch_mib_per_second": {p: summary([size / x for x in s["fetch"]])
                                      for p, s in by_path.items()},
             "vs_memcpy": {p: summary([x / m for x, m in zip(v, trips["memcpy"], strict=True)])
-                          for p, v in trips.items() if p != "memcpy"}}
+                          for p, v in trips.items() if p != "memcpy"},
+            # the chunked store over the same store with chunks off ([Note: chunked values])
+            "store / store, one key": summary([x / y for x, y in zip(
+                trips["store"], trips["store, one key"], strict=True)])}
     return out
 
 
@@ -304,8 +331,9 @@ def chart(results: dict[str, Any], path: Path) -> None:
                          "loopback Redis")
             continue
         bw = results["bandwidth"]
-        width = 0.8 / len(ROUND_TRIP)
-        for j, p in enumerate(ROUND_TRIP):
+        measured = round_trip_paths(bw)
+        width = 0.8 / len(measured)
+        for j, p in enumerate(measured):
             stats = {s: bw["sizes"][s]["round_trip_mib_per_second"][p] for s in bw["sizes"]}
             medians, errors = error_bars(stats, list(stats))
             ax.bar([k + j * width for k in range(len(stats))], medians, width, yerr=errors,
@@ -321,29 +349,45 @@ def chart(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def round_trip_paths(bw: dict[str, Any]) -> list[str]:
+    """The paths of `ROUND_TRIP` that a bandwidth result measured (results saved by an
+    earlier version of this bench lack the paths added since)."""
+    first = next(iter(bw["sizes"].values()))["round_trip_mib_per_second"]
+    return [p for p in ROUND_TRIP if p in first]
+
+
 def bandwidth_lines(bw: dict[str, Any]) -> list[str]:
     """Markdown of the bandwidth part: round-trip MiB/s per size and path, and each path
     over memcpy."""
+    paths = round_trip_paths(bw)
     lines = ["### Put + fetch of one stash beside memcpy, raw TCP and redis-py", "",
              "One float32 tensor per stash, every path once per size in each of "
              f"{bw['repeats']} repeats, interleaved. `memcpy`: a torch copy into a buffer "
              "and one back (one thread); `raw TCP`: a loopback socket to a peer process "
              "that keeps the bytes and sends them back; `redis-py`: SET of the tensor's "
              "bytes and GETDEL, returned as bytes; `store`: `OffloadStore.put` and `take` "
-             "(validated, decoded into a tensor); `local tier`: the node-local tier's `put` "
+             "(validated, decoded into a tensor; a value over the chunk size as chunks over "
+             "several connections, [Note: chunked values]); `store, one key`: the same with "
+             "chunks off, one SET and one GETDEL; `local tier`: the node-local tier's `put` "
              "and `take` (a /dev/shm segment written with one copy into a spare's kept "
              "mapping, its index key in the same Redis; checked, and viewed in its mapping, "
              "no copy). MiB/s of "
              "the round trip (stash MiB over put + fetch seconds), median [min-max]; "
              "`/ memcpy` paired by repeat.", "",
-             "| stash | " + " | ".join(ROUND_TRIP) + " | "
-             + " | ".join(f"{p} / memcpy" for p in ROUND_TRIP[1:]) + " |",
-             "| --- " * (2 * len(ROUND_TRIP)) + "|"]
+             "| stash | " + " | ".join(paths) + " | "
+             + " | ".join(f"{p} / memcpy" for p in paths[1:]) + " |",
+             "| --- " * (2 * len(paths)) + "|"]
     for size, r in bw["sizes"].items():
         trips = r["round_trip_mib_per_second"]
-        lines.append(f"| {size} MiB | " + " | ".join(fmt(trips[p], digits=0) for p in ROUND_TRIP)
+        lines.append(f"| {size} MiB | " + " | ".join(fmt(trips[p], digits=0) for p in paths)
                      + " | " + " | ".join(fmt(r["vs_memcpy"][p], digits=3)
-                                          for p in ROUND_TRIP[1:]) + " |")
+                                          for p in paths[1:]) + " |")
+    chunked = {size: r["store / store, one key"] for size, r in bw["sizes"].items()
+               if "store / store, one key" in r}
+    if chunked:
+        lines += ["", "`store` over `store, one key` (chunks against none), paired by repeat: "
+                  + ", ".join(f"{size} MiB {fmt(x, digits=2)}" for size, x in chunked.items())
+                  + "."]
     return [*lines, ""]
 
 
@@ -370,7 +414,10 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
 def print_results(results: dict[str, Any]) -> None:
     for size, r in results.get("bandwidth", {}).get("sizes", {}).items():
         print(f"{size} MiB round trip, MiB/s: " + ", ".join(
-            f"{p} {fmt(r['round_trip_mib_per_second'][p], digits=0)}" for p in ROUND_TRIP))
+            f"{p} {fmt(r['round_trip_mib_per_second'][p], digits=0)}"
+            for p in r["round_trip_mib_per_second"]))
+        if "store / store, one key" in r:
+            print(f"  store / store, one key: {fmt(r['store / store, one key'], digits=2)}")
     meas = results.get("measured")
     if not meas:
         return
@@ -386,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_part_flags(p, "a tiny run for CI", ("measured", "bandwidth"))
     p.add_argument("--rounds", type=int, default=15, help="paired rounds of every path")
-    p.add_argument("--repeats", type=int, default=7,
+    p.add_argument("--repeats", type=int, default=8,  # even: `in_turn` evens out the order
                    help="bandwidth: interleaved repeats of every path and size")
     p.add_argument("--out", type=Path, default=None, help="write results.json and a PNG here")
     args = p.parse_args(argv)

@@ -59,6 +59,20 @@ def stash_key(
     return ":".join([PREFIX, *map(str, parts)])
 
 
+def chunk_key(key: str, index: int) -> str:
+    """Builds the key of chunk `index` of the chunked value stored under `key` (a
+    `stash_key`; [Note: chunked values] in `offload_store.chunks`).
+
+    Returns:
+        ``{key}:{index}``: under the job's pattern, and no other kind of key has as many
+        parts.
+
+    Raises:
+        ValueError: a negative / non-int index.
+    """
+    return f"{key}:{check_index('chunk', index)}"
+
+
 def job_pattern(job: str) -> str:
     """Returns the SCAN pattern matching every key of `job`, any attempt.
 

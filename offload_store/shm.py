@@ -230,10 +230,9 @@ class SharedTierStore:
 
     def release(self, step: int, microbatch: int, version: int,
                 names: Mapping[int, Sequence[str]]) -> int:
-        """Frees the stash's segments and its Redis keys, whichever it has."""
-        keys = [self.inner.key(step, microbatch, layer, version, name)
-                for layer, layer_names in names.items() for name in layer_names]
-        freed = int(self.inner.client.unlink(*keys)) if keys else 0
+        """Frees the stash's segments and its Redis keys (chunks too), whichever it has."""
+        keys = [name for layer_names in names.values() for name in layer_names]
+        freed = self.inner.release(step, microbatch, version, names)
         if self._private:  # one segment holds the whole stash ([Note: private index])
             with self._lock:
                 entry = self._own.pop((step, microbatch, version), None)

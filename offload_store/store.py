@@ -21,6 +21,14 @@ from redis.retry import Retry
 
 from offload_store.acl import USER_ENV
 from offload_store.api import LayerTensors, StashFullError, StoreStats
+from offload_store.chunks import (
+    CHUNK_BYTES,
+    CONNECTIONS,
+    ChunkIO,
+    Value,
+    chunk_bytes_from_env,
+    named_chunks,
+)
 from offload_store.frames import Frame, FramePacker
 from offload_store.keys import TIER_RANKS_SUFFIX, check_index, check_name, job_pattern, stash_key
 from pipefb.codec import unpack
@@ -33,7 +41,8 @@ PASSWORD_ENV = "PIPEFB_STORE_PASSWORD"  # the store's AUTH password (Redis requi
 # the unix socket of the same Redis as the address (a store on this host): clients use it
 # instead of TCP; unset or empty: TCP
 SOCKET_ENV = "PIPEFB_STORE_SOCKET"
-STORE_OPTIONS = ("ttl_seconds", "max_wait_seconds")  # open_redis_store's OffloadStore options
+STORE_OPTIONS = ("ttl_seconds", "max_wait_seconds", "chunk_bytes",  # open_redis_store's
+                 "chunk_connections")  # OffloadStore options
 
 # Client defaults of `connect`; a stash value can be hundreds of MB, hence the long read timeout.
 CLIENT_DEFAULTS: dict[str, Any] = {
@@ -113,7 +122,10 @@ class OffloadStore:
     [Note: delete on consume] `take` reads and deletes in one GETDEL per key; the TTL only
     reclaims what a crashed job never takes. Redis must run with ``noeviction``: a full
     store refuses writes and `put` backs off until a `take` frees memory; nothing is
-    evicted. Safe to share between threads (each call uses its own pipeline).
+    evicted. A value over `chunk_bytes` goes as chunks over several connections ([Note:
+    chunked values] in `offload_store.chunks`); `stats` count it as one key of its frame's
+    bytes, `count_keys` counts its chunk keys too. Safe to share between threads (each
+    call uses its own pipelines).
     """
 
     def __init__(
@@ -124,6 +136,8 @@ class OffloadStore:
         *,
         ttl_seconds: int = 3600,
         max_wait_seconds: float = 30.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        chunk_connections: int = CONNECTIONS,
     ) -> None:
         """Binds a client to one job attempt.
 
@@ -133,9 +147,11 @@ class OffloadStore:
             attempt: restart count of the job; a new attempt never sees old keys.
             ttl_seconds: expiry of every key, a safety net only.
             max_wait_seconds: how long `put` backs off on a full store before giving up.
+            chunk_bytes: values longer than this are chunked; 0: never.
+            chunk_connections: connections a chunked put or take uses at once.
 
         Raises:
-            ValueError: a bad job id, attempt, TTL or wait.
+            ValueError: a bad job id, attempt, TTL, wait, chunk size or connection count.
         """
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the client decodes responses; tensor values must stay bytes")
@@ -143,6 +159,7 @@ class OffloadStore:
             raise ValueError(f"ttl_seconds {ttl_seconds} must be positive")
         if not max_wait_seconds >= 0:
             raise ValueError(f"max_wait_seconds {max_wait_seconds!r} must be >= 0")
+        self._chunks = ChunkIO(client.connection_pool, chunk_bytes, chunk_connections)
         self.job = check_name("job", job)
         self.attempt = check_index("attempt", attempt)
         self.ttl_seconds = ttl_seconds
@@ -150,6 +167,11 @@ class OffloadStore:
         self._client = client
         self._stats = StoreStats()
         self._lock = threading.Lock()
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Values longer than this are chunked; 0: none is."""
+        return self._chunks.chunk_bytes
 
     @property
     def stats(self) -> StoreStats:
@@ -168,7 +190,8 @@ class OffloadStore:
         version: int,
         tensors: Mapping[int, Mapping[str, torch.Tensor]],
     ) -> int:
-        """Stashes tensors in one pipeline of ``SET key value EX ttl``.
+        """Stashes tensors in one pipeline of ``SET key value EX ttl``, a value over the
+        chunk size as chunks over several connections ([Note: chunked values]).
 
         Args:
             step: training step.
@@ -177,11 +200,11 @@ class OffloadStore:
             tensors: layer -> name -> tensor.
 
         Returns:
-            The value bytes written.
+            The value bytes written (a chunked value's frame bytes, not its manifest's).
 
         Raises:
             StashFullError: the store stayed full for `max_wait_seconds`; keys this put
-                wrote are removed again, so a put is all or nothing.
+                wrote (chunks too) are removed again, so a put is all or nothing.
             CodecError: a dtype the codec does not allow.
             ValueError: a bad index or name.
         """
@@ -193,12 +216,13 @@ class OffloadStore:
         if not items:
             return 0
         nbytes = sum(map(len, items.values()))
+        stored = self._chunks.split(items)
         try:
-            if not self._write_with_backoff(items):
+            if not self._write_with_backoff(stored, spread=len(stored) > len(items)):
                 raise self._full_error(step, microbatch, nbytes)
         except BaseException:
             with suppress(RedisError):
-                self._client.unlink(*items)
+                self._client.unlink(*stored)
             raise
         self._count(bytes_put=nbytes, keys_put=len(items))
         return nbytes
@@ -206,9 +230,11 @@ class OffloadStore:
     def take(
         self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
     ) -> LayerTensors:
-        """Fetches and deletes stashed tensors in one pipeline of GETDEL.
+        """Fetches and deletes stashed tensors in one pipeline of GETDEL, then the chunks
+        of chunked values over several connections ([Note: chunked values]).
 
-        Every requested key is deleted even when another one is missing or corrupt.
+        Every requested key is deleted even when another one is missing or corrupt, and
+        every chunk of a chunked value whose manifest was found.
 
         Args:
             step: training step.
@@ -220,8 +246,10 @@ class OffloadStore:
             layer -> name -> tensor.
 
         Raises:
-            KeyError: a key that is not in the store; the argument is the full key.
-            CodecError: a value that is not a valid tensor frame.
+            KeyError: a key that is not in the store, or a chunk of a chunked value that
+                is not; the argument is the full key.
+            CodecError: a value that is not a valid tensor frame, or a chunk of the wrong
+                length.
         """
         wanted = [(layer, name) for layer, layer_names in names.items() for name in layer_names]
         keys = [self.key(step, microbatch, layer, version, name) for layer, name in wanted]
@@ -232,16 +260,19 @@ class OffloadStore:
     def decode_taken(self, wanted: Sequence[tuple[int, str]], keys: Sequence[str],
                      values: Sequence[Any]) -> LayerTensors:
         """The tensors of a GETDEL pipeline's replies (counted as taken), as `take`
-        returns them; raises as `take` does."""
-        found = [value for value in values if isinstance(value, bytes)]
-        self._count(bytes_taken=sum(map(len, found)), keys_taken=len(found))
+        returns them, with the chunks of chunked values fetched first; raises as `take`
+        does."""
+        frames, layouts = self._chunks.receive(keys, values)
+        found = [i for i, value in enumerate(values) if isinstance(value, bytes)]
+        self._count(bytes_taken=sum(layouts[i].frame_bytes if i in layouts else len(values[i])
+                                    for i in found), keys_taken=len(found))
         out: LayerTensors = {}
-        for (layer, name), key, value in zip(wanted, keys, values, strict=True):
-            if isinstance(value, Exception):
-                raise value
-            if value is None:
+        for (layer, name), key, frame in zip(wanted, keys, frames, strict=True):
+            if isinstance(frame, BaseException):
+                raise frame
+            if frame is None:
                 raise KeyError(key)
-            out.setdefault(layer, {})[name] = unpack(value)
+            out.setdefault(layer, {})[name] = unpack(frame)
         return out
 
     def prefetch(
@@ -252,17 +283,23 @@ class OffloadStore:
     def release(
         self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
     ) -> int:
-        """Unlinks the keys of these tensors that are still stored (a taken key is gone).
+        """Deletes the keys of these tensors that are still stored (a taken key is gone)
+        in one GETDEL pipeline, whose replies are dropped, then the chunks of the chunked
+        ones its manifests name in one UNLINK ([Note: chunked values]).
 
         Returns:
-            The number of keys deleted.
+            The number of tensors' keys deleted (chunks not counted).
 
         Raises:
             ValueError: a bad index or name.
         """
         keys = [self.key(step, microbatch, layer, version, name)
                 for layer, layer_names in names.items() for name in layer_names]
-        return int(self._client.unlink(*keys)) if keys else 0
+        values = self._getdel(keys) if keys else []
+        chunked = named_chunks(keys, values)
+        if chunked:
+            self._client.unlink(*chunked)
+        return sum(1 for value in values if isinstance(value, bytes))
 
     def clear_job(self) -> int:
         """Deletes every key of this job, any attempt (SCAN + UNLINK).
@@ -277,22 +314,24 @@ class OffloadStore:
         return 0
 
     def close(self) -> None:
-        """Closes the Redis client's connections."""
+        """Stops the chunk threads and closes the Redis client's connections."""
+        self._chunks.close()
         self._client.close()
 
     def count_keys(self) -> int:
         """The number of keys of this job in the store, any attempt."""
         return count_job_keys(self._client, self.job)
 
-    def _write_with_backoff(self, items: dict[str, Frame]) -> bool:
-        """Writes all items, re-sending those refused for OOM with exponential backoff.
+    def _write_with_backoff(self, items: dict[str, Value], spread: bool) -> bool:
+        """Writes all items, re-sending those refused for OOM with exponential backoff;
+        over several connections at once where `spread` (items with chunks).
 
         Returns:
             True once every item is written; False when `max_wait_seconds` ran out.
         """
         deadline = time.monotonic() + self.max_wait_seconds
         delay = FIRST_DELAY_S
-        pending = self._set_all(items)
+        pending = self._set_all(items, spread)
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -300,11 +339,24 @@ class OffloadStore:
             self._count(retries=1)
             time.sleep(min(delay, remaining))
             delay = min(2 * delay, MAX_DELAY_S)
-            pending = self._set_all(pending)
+            pending = self._set_all(pending, spread)
         return True
 
-    def _set_all(self, items: dict[str, Frame]) -> dict[str, Frame]:
-        """Sends one SET pipeline (idempotent) and returns the items refused for OOM.
+    def _set_all(self, items: dict[str, Value], spread: bool) -> dict[str, Value]:
+        """Sends the items' SETs (idempotent) in one pipeline, or where `spread` in up to
+        `chunk_connections` pipelines at once; returns the items refused for OOM.
+
+        Raises:
+            RedisError: any error other than OOM, once every pipeline has finished.
+        """
+        groups = self._chunks.spread(items) if spread else [items]
+        refused: dict[str, Value] = {}
+        for part in self._chunks.run(self._set_group, groups):
+            refused.update(part)
+        return refused
+
+    def _set_group(self, items: dict[str, Value]) -> dict[str, Value]:
+        """Sends one SET pipeline and returns the items refused for OOM.
 
         Raises:
             RedisError: any error other than OOM.
@@ -312,7 +364,7 @@ class OffloadStore:
         pipe = self._client.pipeline(transaction=False)
         for key, value in items.items():
             pipe.set(key, value, ex=self.ttl_seconds)
-        refused: dict[str, Frame] = {}
+        refused: dict[str, Value] = {}
         for (key, value), reply in zip(items.items(), pipe.execute(False), strict=True):
             if isinstance(reply, Exception):
                 if not _is_oom(reply):
@@ -361,13 +413,18 @@ def open_redis_store(address: str, job: str, attempt: int = 0, /, **options: Any
         address: ``host:port`` of the Redis server.
         job: job id, ``[A-Za-z0-9_.-]+``.
         attempt: restart count of the job.
-        **options: ``ttl_seconds`` and ``max_wait_seconds`` go to `OffloadStore`, the
-            rest to `connect` (``username=None, password=None`` ignores the environment).
+        **options: ``ttl_seconds``, ``max_wait_seconds``, ``chunk_bytes`` (default
+            ``$PIPEFB_STORE_CHUNK_BYTES``, else `offload_store.chunks.CHUNK_BYTES`) and
+            ``chunk_connections`` go to `OffloadStore`, the rest to `connect`
+            (``username=None, password=None`` ignores the environment).
 
     Raises:
-        ValueError: a bad address, job id, attempt or option value.
+        ValueError: a bad address, job id, attempt, option value or
+            ``$PIPEFB_STORE_CHUNK_BYTES``.
     """
     store_options = {k: options.pop(k) for k in STORE_OPTIONS if k in options}
+    if "chunk_bytes" not in store_options:
+        store_options["chunk_bytes"] = chunk_bytes_from_env()
     return OffloadStore(connect(address, **options), job, attempt, **store_options)
 
 
@@ -382,8 +439,10 @@ def clear_job_keys(client: redis.Redis, job: str) -> int:
 
 
 def count_job_keys(client: redis.Redis, job: str) -> int:
-    """The number of stash keys of `job` in the store, any attempt (the local tier's
-    sets of ranks, which the ranks remove as they drop the job, not counted).
+    """The number of stash keys of `job` in the store, any attempt: chunk keys too, so a
+    half-written chunked value's show ([Note: chunked values] in `offload_store.chunks`);
+    the local tier's sets of ranks, which the ranks remove as they drop the job, not
+    counted.
 
     Raises:
         ValueError: a bad job id.

@@ -39,6 +39,8 @@ DEFAULT_IS_RIGHT = {
                            "another pod, reached over TCP",
     "PIPEFB_LOCAL_HOPS": "on by default, and only a peer at a loopback address gets a hop "
                          "socket: pods reach each other at their pod addresses",
+    "PIPEFB_STORE_CHUNK_BYTES": "the store's chunk size for large values; the default "
+                                "suits any Redis ([Note: chunked values])",
 }
 # Env vars a worker must not get: the user's token, the coordinator's credential and the
 # store's service user; it takes calls of the coordinator's credential (checked against
