@@ -13,8 +13,10 @@ values spread over up to `connections` pooled connections, one SET pipeline each
 small thread pool (`ChunkIO`; redis-py sends with the GIL released). A take, after that
 first pipeline, GETDELs the chunks the same way, each connection's replies received
 straight from its socket into one buffer per value (`receive.getdel_into`: no bytes object
-per chunk, no copy between), then validates and decodes the whole buffer with
-`pipefb.codec.unpack`, as a value of one key: no tensor exists before those checks. A
+per chunk, no copy between), then validates the whole buffer as `pipefb.codec.unpack`
+checks a value of one key, and only then hands out a tensor that views the buffer's data
+(`pipefb.codec.unpack_in_place`; the data starts on an `ALIGN` boundary): the take copies
+nothing after the socket, and no tensor exists before those checks. A
 manifest is written with its chunks, not after them, so a value left half written (a
 store full midway, a crashed writer) may have a manifest and not every chunk: a take
 checks that each chunk came back with exactly its span's bytes, and a missing one raises
@@ -54,6 +56,7 @@ CHUNK_BYTES = 4 << 20
 # more connections only add client threads; 4 let a 16 MiB value's chunks move together.
 CONNECTIONS = 4
 MIN_CHUNK_BYTES = 4096  # the smallest chunk size a store accepts (bounds a value's keys)
+ALIGN = 64  # a chunked value's data starts on this boundary of its buffer: any dtype's size
 MAGIC = b"PFC1"  # a manifest's first bytes; a frame starts with the codec's b"PFT1"
 _LAYOUT = struct.Struct("<4sQQ")  # magic, tensor data bytes, chunk bytes; the header follows
 MAX_HEADER_BYTES = 6 + 8 * MAX_RANK  # the longest codec header: bounds a manifest
@@ -248,10 +251,13 @@ class ChunkIO:
                     out[i] = error
         if not layouts:
             return out, layouts
-        # bytes, not a tensor of the value: `unpack` checks them whole first; `torch.empty`
-        # leaves the memory unwritten until the chunks arrive (a bytearray zeroes it)
-        buffers = {i: memoryview(torch.empty(m.frame_bytes, dtype=torch.uint8).numpy())
-                   for i, m in layouts.items()}
+        # bytes, not a tensor of the value: `unpack_in_place` checks them whole first, then
+        # views the data where it lies; each frame starts `ALIGN`-minus-its-header bytes
+        # into its buffer, so its data starts on an `ALIGN` boundary (torch allocates on
+        # one); `torch.empty` leaves the memory unwritten until the chunks arrive
+        frames = {i: torch.empty(ALIGN + m.frame_bytes, dtype=torch.uint8)[
+            -len(m.head) % ALIGN:][:m.frame_bytes] for i, m in layouts.items()}
+        buffers = {i: memoryview(frame.numpy()) for i, frame in frames.items()}
         jobs: dict[str, memoryview] = {}
         for i, m in layouts.items():
             buffers[i][:len(m.head)] = m.head
@@ -263,7 +269,7 @@ class ChunkIO:
         for i, m in layouts.items():
             faults = (_chunk_error(chunk, got[chunk], len(jobs[chunk]))
                       for chunk in chunk_keys(keys[i], m))
-            out[i] = next((fault for fault in faults if fault is not None), buffers[i])
+            out[i] = next((fault for fault in faults if fault is not None), frames[i])
         return out, layouts
 
     def close(self) -> None:

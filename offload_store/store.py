@@ -31,7 +31,7 @@ from offload_store.chunks import (
 )
 from offload_store.frames import Frame, FramePacker
 from offload_store.keys import TIER_RANKS_SUFFIX, check_index, check_name, job_pattern, stash_key
-from pipefb.codec import unpack
+from pipefb.codec import unpack, unpack_in_place
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
 MAX_DELAY_S = 1.0  # backoff doubles up to this
@@ -272,7 +272,11 @@ class OffloadStore:
                 raise frame
             if frame is None:
                 raise KeyError(key)
-            out.setdefault(layer, {})[name] = unpack(frame)
+            # a chunked value's frame is its own buffer: its tensor views it ([Note: chunked
+            # values]); a value of one key is bytes, which the tensor must not share
+            out.setdefault(layer, {})[name] = (unpack_in_place(frame)
+                                               if isinstance(frame, torch.Tensor)
+                                               else unpack(frame))
         return out
 
     def prefetch(

@@ -177,6 +177,44 @@ def unpack(
         CodecError: a truncated or foreign frame, or any header error of `decode`.
     """
     view = _byte_view(frame)
+    dtype, shape, start = _frame_header(view)
+    return decode(dtype, shape, view[start:], max_bytes=max_bytes)
+
+
+def unpack_in_place(frame: torch.Tensor, *, max_bytes: int = DEFAULT_MAX_BYTES
+                    ) -> torch.Tensor:
+    """`unpack` of a frame held in a 1-D uint8 CPU tensor the caller gives away: the same
+    checks, before any tensor of the value exists, then a tensor that views the frame's
+    data (no copy) where the data starts at an address its dtype's size divides; else a
+    copy, as `unpack` makes.
+
+    Raises:
+        CodecError: as `unpack`.
+    """
+    if frame.dtype != torch.uint8 or frame.dim() != 1 or not frame.is_contiguous():
+        raise CodecError(f"a frame in place is a flat uint8 tensor, not {frame.dtype} "
+                         f"of shape {list(frame.shape)}")
+    view = frame.numpy().data.cast("B")
+    dtype, shape, start = _frame_header(view)
+    nbytes = check_header(dtype, shape, max_bytes)
+    if len(view) - start != nbytes:
+        raise CodecError(f"{dtype} tensor of shape {list(shape)} needs {nbytes} bytes, "
+                         f"got {len(view) - start}")
+    data = frame[start:]
+    if (data.data_ptr() % ITEMSIZE[dtype]) or not nbytes:
+        return decode(dtype, shape, view[start:], max_bytes=max_bytes)
+    if dtype == "bool" and bool((data > 1).any()):
+        raise CodecError("bool tensor data holds bytes other than 0 and 1")
+    return data.view(DTYPES[dtype]).view(shape)
+
+
+def _frame_header(view: memoryview) -> tuple[str, tuple[int, ...], int]:
+    """A frame's dtype, shape and where its data starts, after checking its magic, dtype
+    code, rank and length against the header (the shape's size is `check_header`'s).
+
+    Raises:
+        CodecError: a truncated or foreign frame.
+    """
     if len(view) < _HEADER.size:
         raise CodecError(f"frame of {len(view)} bytes is shorter than its header")
     magic, code, rank = _HEADER.unpack_from(view)
@@ -190,4 +228,4 @@ def unpack(
     if len(view) < start:
         raise CodecError(f"frame of {len(view)} bytes is shorter than its {rank} dimensions")
     shape = tuple(_DIM.unpack_from(view, _HEADER.size + i * _DIM.size)[0] for i in range(rank))
-    return decode(list(DTYPES)[code - 1], shape, view[start:], max_bytes=max_bytes)
+    return list(DTYPES)[code - 1], shape, start

@@ -187,3 +187,46 @@ def test_unpack_random_headers_only_raise_codec_error(
     except CodecError:
         return
     assert out.numel() * out.element_size() == len(data)
+
+
+def _frame_at(tensor: torch.Tensor, skew: int) -> torch.Tensor:
+    """`tensor`'s frame in a uint8 tensor, its data `skew` bytes past a 64-byte boundary."""
+    frame = codec.pack(tensor)
+    head = len(frame) - tensor.numel() * tensor.element_size()
+    buf = torch.empty(128 + len(frame), dtype=torch.uint8)[(-head + skew) % 64:][:len(frame)]
+    buf.numpy()[:] = memoryview(frame)
+    return buf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64,
+                                   torch.bool, torch.uint8])
+def test_unpack_in_place_views_an_aligned_frame_and_copies_a_skewed_one(
+        dtype: torch.dtype) -> None:
+    src = (torch.arange(24).reshape(2, 3, 4) % 2).to(dtype)
+    aligned = _frame_at(src, 0)
+    got = codec.unpack_in_place(aligned)
+    assert torch.equal(got, src) and got.shape == src.shape and got.dtype == dtype
+    assert got.untyped_storage().data_ptr() == aligned.untyped_storage().data_ptr()  # a view
+    skewed = _frame_at(src, 1)
+    copied = codec.unpack_in_place(skewed)
+    assert torch.equal(copied, src)
+    if dtype.itemsize > 1:  # a misaligned start is copied, as `unpack` does
+        assert copied.untyped_storage().data_ptr() != skewed.untyped_storage().data_ptr()
+
+
+def test_unpack_in_place_checks_as_unpack_does() -> None:
+    frame = _frame_at(torch.ones(8), 0)
+    with pytest.raises(CodecError, match="needs 32 bytes, got 28"):
+        codec.unpack_in_place(frame[:-4])
+    bad = frame.clone()
+    bad[:4] = torch.tensor(list(b"XXXX"), dtype=torch.uint8)
+    with pytest.raises(CodecError, match="magic"):
+        codec.unpack_in_place(bad)
+    flags = _frame_at(torch.ones(8, dtype=torch.bool), 0)
+    flags[-1] = 2
+    with pytest.raises(CodecError, match="bool tensor data holds bytes other than 0 and 1"):
+        codec.unpack_in_place(flags)
+    with pytest.raises(CodecError, match="flat uint8 tensor"):
+        codec.unpack_in_place(torch.zeros(4, dtype=torch.int32))
+    empty = codec.unpack_in_place(_frame_at(torch.zeros(0, 3), 0))
+    assert empty.shape == (0, 3)
