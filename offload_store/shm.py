@@ -231,12 +231,11 @@ class SharedTierStore:
     def release(self, step: int, microbatch: int, version: int,
                 names: Mapping[int, Sequence[str]]) -> int:
         """Frees the stash's segments and its Redis keys (chunks too), whichever it has."""
-        keys = [name for layer_names in names.values() for name in layer_names]
         freed = self.inner.release(step, microbatch, version, names)
         if self._private:  # one segment holds the whole stash ([Note: private index])
             with self._lock:
                 entry = self._own.pop((step, microbatch, version), None)
-            found = [] if entry is None else [(entry, len(keys))]
+            found = [] if entry is None else [(entry, sum(map(len, names.values())))]
         else:
             entries = self._take_index(step, microbatch, version, list(names))
             found = [(e, len(names[layer])) for layer, e in zip(names, entries, strict=True)

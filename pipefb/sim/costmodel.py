@@ -159,9 +159,7 @@ def tier_copies(topology: Topology, cluster: Cluster, rank: int) -> Link | None:
     compute lane, or None where they go through its copy lane ([Note: tier copies])."""
     tier = cluster.local_tier
     private = takes_back_own_stash_in(topology, rank)
-    if tier is None or not copies_on_compute_thread(private, True, cluster.device):
-        return None
-    return tier
+    return tier if copies_on_compute_thread(private, tier is not None, cluster.device) else None
 
 
 def stage_of(workers: tuple[int, ...], rank: int) -> int | None:
