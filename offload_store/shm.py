@@ -1,11 +1,14 @@
 """The node-local shared-memory tier: a `StashStore` in front of the Redis one that hands
 micro-batch stashes between the worker processes of one host through tmpfs segments.
 
-[Note: local tier index] A producer writes each layer of a micro-batch's stash as one
-segment (`offload_store.segments`, one copy: a layer is the unit a consumer takes, and
-a PipeFB forward rank's layers may go to several backward ranks) and then, in one
-round trip as the Redis backend's write would take, sets each layer's index key
-(`keys.segment_key`) to its segment's tier id, path and size, with the store's TTL. The
+[Note: local tier index] A producer writes the layers of a micro-batch's stash that one
+named consumer takes as one segment (`offload_store.segments`, one copy; a PipeFB
+forward rank's layers may go to several backward ranks, and each takes all of its own in
+one FETCH), and each layer without a named consumer as a segment of its own (whoever
+takes it takes it alone); then, in one round trip as the Redis backend's write would
+take, it sets each layer's index key (`keys.segment_key`) to its segment's tier id, path,
+size and layers, with the store's TTL. A take reads a segment once for all its layers,
+and refuses one that asks for only some of them (the segment is consumed whole). The
 consumer's take is one pipeline of GETDEL: of the index keys of the layers whose
 producer may be on this host, and of the ordinary value keys of those whose producer is
 known to be on another ([Note: tier ranks]); a second one takes the value keys of the
@@ -167,16 +170,19 @@ class SharedTierStore:
         if not here:
             return self.inner.put(step, microbatch, version, tensors)
         entries: dict[str, str] = {}
-        spilled: dict[int, Mapping[str, torch.Tensor]] = {}
+        spilled = {layer: named for layer, named in tensors.items()
+                   if not named or layer not in here}
         try:
-            for layer, named in tensors.items():
-                written = (self._write(step, microbatch, layer, version, {layer: named})
-                           if named and layer in here else None)
-                if written is None:
-                    spilled[layer] = named
-                else:
-                    entries[segment_key(self.job, self.attempt, step, microbatch, layer,
-                                        version)] = written
+            for group in self._segment_groups([layer for layer in tensors
+                                               if layer not in spilled]):
+                written = self._write(step, microbatch, group[0], version,
+                                      {layer: tensors[layer] for layer in group})
+                for layer in group:
+                    if written is None:
+                        spilled[layer] = tensors[layer]
+                    else:
+                        entries[segment_key(self.job, self.attempt, step, microbatch, layer,
+                                            version)] = written
             nbytes = self._set_index(entries)
         except BaseException:
             self._unlink(entries.values())
@@ -232,6 +238,7 @@ class SharedTierStore:
                 names: Mapping[int, Sequence[str]]) -> int:
         """Frees the stash's segments and its Redis keys (chunks too), whichever it has."""
         freed = self.inner.release(step, microbatch, version, names)
+        found: list[tuple[str | bytes | Exception, int]]
         if self._private:  # one segment holds the whole stash ([Note: private index])
             with self._lock:
                 entry = self._own.pop((step, microbatch, version), None)
@@ -240,12 +247,15 @@ class SharedTierStore:
             entries = self._take_index(step, microbatch, version, list(names))
             found = [(e, len(names[layer])) for layer, e in zip(names, entries, strict=True)
                      if e is not None]
+        unlinked: set[Path] = set()
         for entry, tensors in found:
             if isinstance(entry, Exception):
                 raise entry
             path, size = self._segment(entry)
-            path.unlink(missing_ok=True)
-            self._count(bytes_taken=size, keys_taken=1)
+            if path not in unlinked:  # one segment may hold several layers
+                path.unlink(missing_ok=True)
+                unlinked.add(path)
+                self._count(bytes_taken=size, keys_taken=1)
             freed += tensors
         return freed
 
@@ -317,15 +327,35 @@ class SharedTierStore:
             RedisError: a reply that is an error.
             SegmentError: a segment that fails its checks.
         """
-        out: LayerTensors = {}
+        # the layers of one segment share their entry: each segment is checked and read once
+        by_entry: dict[str | bytes, tuple[int, list[int]]] = {}
         for layer, entry in index:
             if isinstance(entry, Exception):
                 raise entry
             if entry is not None:
-                path, size = self._segment(entry)
-                self._count(bytes_taken=size, keys_taken=1)
-                out.update(self._read(path, size, {layer: names[layer]}))
+                by_entry.setdefault(entry, (layer, []))[1].append(layer)
+        out: LayerTensors = {}
+        for entry, (first, asked) in by_entry.items():
+            path, size = self._segment(entry)
+            held = _entry_layers(entry, first)
+            if sorted(asked) != held:  # [Note: local tier index]: a segment goes whole
+                raise SegmentError(f"segment {path} holds layers {held}; a take asked for "
+                                   f"{sorted(asked)} of them")
+            self._count(bytes_taken=size, keys_taken=1)
+            out.update(self._read(path, size, {layer: names[layer] for layer in asked}))
         return out
+
+    def _segment_groups(self, layers: Sequence[int]) -> list[list[int]]:
+        """The layers of one micro-batch's stash that share a segment ([Note: local tier
+        index]): those of one named consumer together, every other layer alone."""
+        groups: dict[int, list[int]] = {}
+        alone: list[list[int]] = []
+        for layer in layers:
+            if layer in self.consumers:
+                groups.setdefault(self.consumers[layer], []).append(layer)
+            else:
+                alone.append([layer])
+        return [*groups.values(), *alone]
 
     def _layers_here(self, tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> set[int]:
         """The layers of `tensors` whose consumer uses this tier ([Note: tier ranks]): a
@@ -351,7 +381,8 @@ class SharedTierStore:
             return None
         if size is None:
             return None
-        return json.dumps({"node": self.node, "path": str(path), "size": size})
+        return json.dumps({"node": self.node, "path": str(path), "size": size,
+                           "layers": sorted(tensors)})
 
     def _set_index(self, entries: Mapping[str, str]) -> int:
         """Sets the index keys in one pipeline; returns the segments' bytes."""
@@ -361,9 +392,10 @@ class SharedTierStore:
         for key, entry in entries.items():
             pipe.set(key, entry, ex=self.inner.ttl_seconds)
         pipe.execute()
-        sizes = [json.loads(entry)["size"] for entry in entries.values()]
-        self._count(bytes_put=sum(sizes), keys_put=len(sizes))
-        return int(sum(sizes))
+        sizes = {parsed["path"]: parsed["size"]  # a segment of several layers counts once
+                 for parsed in map(json.loads, entries.values())}
+        self._count(bytes_put=sum(sizes.values()), keys_put=len(sizes))
+        return int(sum(sizes.values()))
 
     def _take_index(self, step: int, microbatch: int, version: int, layers: Sequence[int]
                     ) -> list[str | bytes | Exception | None]:
@@ -438,6 +470,20 @@ def with_local_tier(store: StashStore, local_tier_dir: str = "", local_tier_byte
     return SharedTierStore(store, Path(local_tier_dir), local_tier_bytes, local_tier_ranks,
                            private=local_tier_private, rank=local_tier_rank,
                            consumers=local_tier_consumers, producers=local_tier_producers)
+
+
+def _entry_layers(entry: str | bytes, layer: int) -> list[int]:
+    """The layers an index entry's segment holds, sorted (an entry that names none: the
+    one it indexes).
+
+    Raises:
+        SegmentError: a list that is not of layer indices.
+    """
+    held = json.loads(entry).get("layers", [layer])
+    if not (isinstance(held, list) and held and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in held)):
+        raise SegmentError(f"index entry names layers {held!r}")
+    return sorted(held)
 
 
 def _check_layer_ranks(what: str, by_layer: Mapping[int, int], ranks: int) -> dict[int, int]:

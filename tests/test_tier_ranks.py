@@ -17,6 +17,7 @@ import torch
 
 from offload_store import RedisServer, connect, open_store
 from offload_store.keys import segment_key
+from offload_store.segments import SegmentError
 from offload_store.shm import SharedTierStore
 from pipefb.job.config import build_layers
 from pipefb.plan.partition import balanced_plan
@@ -112,8 +113,36 @@ def test_a_layer_goes_to_redis_until_its_consumer_has_opened(
     consumer = rank_store(server, base, "late", 1, ranks=2)
     assert_same(consumer.take(0, 0, 0, names(want)), want)  # from Redis, as spilled ones
     producer.put(0, 1, 0, want)
-    assert len(segment_files(base)) == 2  # now known: both layers to the tier
+    assert len(segment_files(base)) == 1  # now known: both layers to the tier, one segment
     assert_same(consumer.take(0, 1, 0, names(want)), want)
+    producer.close()
+    consumer.close()
+
+
+def test_the_layers_one_consumer_takes_share_one_segment(
+        server: RedisServer, tmp_path: Path) -> None:
+    """[Note: local tier index]: layers 1 and 2 both go to rank 1: one file, one read."""
+    base = tmp_path / "host"
+    producer = rank_store(server, base, "group", 0, ranks=2, consumers={1: 1, 2: 1})
+    consumer = rank_store(server, base, "group", 1, ranks=2, producers={1: 0, 2: 0})
+    want, redis = two_layers(), connect(server.address)
+    size = producer.put(0, 0, 0, want)
+    (segment,) = segment_files(base)
+    assert segment.stat().st_size == size  # counted once, not once per layer
+    assert producer.stats.bytes_put == size and producer.stats.keys_put == 1
+    assert all(redis.exists(segment_key("group", 0, 0, 0, layer, 0)) for layer in want)
+    got = consumer.take(0, 0, 0, names(want))
+    assert_same(got, want)
+    assert got[1]["x"].untyped_storage().data_ptr() == got[2]["m"].untyped_storage().data_ptr()
+    assert segment_files(base) == [] and redis.keys("pipefb:group:0:0:*") == []
+    assert consumer.stats.bytes_taken == size and consumer.stats.keys_taken == 1
+    producer.put(0, 1, 0, want)  # a take of one layer of the two is refused by name
+    with pytest.raises(SegmentError, match=r"holds layers \[1, 2\]; a take asked for \[1\]"):
+        consumer.take(0, 1, 0, {1: names(want)[1]})
+    assert producer.release(0, 1, 0, names(want)) == 2  # layer 2's entry was left
+    producer.put(0, 2, 0, want)  # release frees the one file, every layer's tensors counted
+    assert producer.release(0, 2, 0, names(want)) == 4
+    assert segment_files(base) == [] and redis.keys("pipefb:group:0:2:*") == []
     producer.close()
     consumer.close()
 
@@ -159,7 +188,7 @@ def test_a_consumer_whose_producer_shares_its_tier_takes_the_segments(
     consumer = rank_store(server, base, "near", 1, ranks=2, producers={1: 0, 2: 0})
     want = two_layers()
     producer.put(0, 0, 0, want)
-    assert len(segment_files(base)) == 2
+    assert len(segment_files(base)) == 1  # one consumer takes both layers: one segment
     with traffic(server, monkeypatch, consumer) as sent:
         assert_same(consumer.take(0, 0, 0, names(want)), want)
     assert sent == {"round trips": 1, "getdel": 2}  # the two index keys
@@ -202,7 +231,7 @@ def test_a_producer_not_in_the_tier_ranks_yet_is_taken_through_the_index(
     assert sent == {"round trips": 2, "smembers": 1, "getdel": 6}
     producer = rank_store(server, base, "unseen", 0, ranks=2, consumers={1: 1, 2: 1})
     producer.put(0, 1, 0, want)
-    assert len(segment_files(base)) == 2
+    assert len(segment_files(base)) == 1
     with traffic(server, monkeypatch, consumer) as sent:
         assert_same(consumer.take(0, 1, 0, names(want)), want)
     assert sent == {"round trips": 1, "smembers": 1, "getdel": 2}
