@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -148,9 +149,9 @@ class GrpcTransport:
     def _start(self, rank: int, method: str, transfer: tensor_pb2.Transfer,
                tensors: Tensors) -> None:
         self._check_open()
-        hop = self._hop(rank)
+        hop, fence = self._hop(rank), self._fence()
         if hop is not None:
-            hop.send(transfer, tensors)
+            hop.send(transfer, tensors, after=fence)
             with self._lock:
                 self._sent += nbytes(tensors)
             return
@@ -162,15 +163,22 @@ class GrpcTransport:
                 self._streams[(rank, method)] = stream
             self._sent += nbytes(tensors)
         messages = wire.encode_stream(transfer, tensors)
-        if self.fence_sends and self.writer is not None and self.writer.ticket:
-            messages = _after_writes(self.writer, self.writer.ticket, messages)
+        if fence is not None:
+            messages = _after(fence, messages)
         stream.put(messages)
+
+    def _fence(self) -> Callable[[], None] | None:
+        """What a fenced rank's transfer waits for, on the thread that sends it: the
+        writes of the stashes handed over before it (None: nothing left to wait for)."""
+        writer = self.writer
+        if not self.fence_sends or writer is None or writer.is_written(writer.ticket):
+            return None
+        return functools.partial(writer.wait_written, writer.ticket)
 
     def _hop(self, rank: int) -> HopSender | None:
         """The hop connection to `rank`, opened on the first send; None where the peer is
-        not on this host or has no hop socket, and on a rank whose transfers wait for its
-        stash writes (`fence_sends`: that wait stays off the compute thread, on gRPC's)."""
-        if not self.local_hops or self.fence_sends:
+        not on this host or has no hop socket."""
+        if not self.local_hops:
             return None
         with self._lock:
             if rank not in self._hops:
@@ -320,12 +328,10 @@ class GrpcTransport:
             self.store.close()
 
 
-def _after_writes(writer: StashWriter, ticket: int,
-                  messages: Iterator[tensor_pb2.TensorChunk]
-                  ) -> Iterator[tensor_pb2.TensorChunk]:
-    """A transfer's messages, held back (on gRPC's sending thread) until the stashes
-    handed over before it, up to `ticket`, are written."""
-    writer.wait_written(ticket)
+def _after(wait: Callable[[], None], messages: Iterator[tensor_pb2.TensorChunk]
+           ) -> Iterator[tensor_pb2.TensorChunk]:
+    """A transfer's messages, held back on gRPC's sending thread until `wait` returns."""
+    wait()
     yield from messages
 
 

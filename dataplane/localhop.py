@@ -12,7 +12,10 @@ takes a few. Between ranks on one host a transfer instead goes over a unix socke
   than `INLINE_BYTES` goes to the connection's writer thread, in order, so the compute
   thread does not wait while the kernel copies it or the receiver drains it. `check`
   (the transport's flush) waits until the writer wrote everything; until then the sent
-  tensors must stay as they are ([Note: send buffers] in dataplane/grpc_transport.py);
+  tensors must stay as they are ([Note: send buffers] in dataplane/grpc_transport.py). A
+  transfer that must wait for something first (a PipeFB forward rank's, for its earlier
+  stashes' writes: [Note: background stash] in offload_store/writer.py) goes to the
+  writer thread too, which waits there, off the compute thread, then writes it;
 - one reader thread per connection on the receiver validates the header frame, allocates
   each tensor only then (`protos.wire.check_tensor_header`, the gRPC path's checks),
   fills it and hands the transfer to the worker's delivery check (job, attempt, receive
@@ -234,7 +237,8 @@ class HopSender:
     def __init__(self, path: Path, peer: str, token: str, timeout: float) -> None:
         self.peer, self._timeout = peer, timeout
         self._cond = threading.Condition()
-        self._queue: deque[list[memoryview]] = deque()  # transfers the writer has to write
+        # transfers the writer has to write, each with what it waits for first
+        self._queue: deque[tuple[list[memoryview], Callable[[], None] | None]] = deque()
         self._failed: str | None = None  # why the writer stopped
         self._writer: threading.Thread | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -264,11 +268,12 @@ class HopSender:
         except (ConnectionRefusedError, FileNotFoundError):  # a stale socket file
             return None
 
-    def send(self, transfer: tensor_pb2.Transfer, tensors: Mapping[str, torch.Tensor]
-             ) -> None:
-        """Writes one transfer, or queues it for the writer thread if it is large or the
-        writer is still busy. The caller must not modify a sent tensor until `check`
-        returns ([Note: send buffers] in dataplane/grpc_transport.py).
+    def send(self, transfer: tensor_pb2.Transfer, tensors: Mapping[str, torch.Tensor],
+             after: Callable[[], None] | None = None) -> None:
+        """Writes one transfer, or queues it for the writer thread if it is large, the
+        writer is still busy, or it must wait for `after` to return first. The caller must
+        not modify a sent tensor until `check` returns ([Note: send buffers] in
+        dataplane/grpc_transport.py).
 
         Raises:
             WorkerFailed: the peer refused an earlier transfer, went away, or took no
@@ -286,8 +291,8 @@ class HopSender:
         buffers = [_frame(msg.SerializeToString()), *views]
         with self._cond:
             self._check_refusal()
-            if size > INLINE_BYTES or self._queue:
-                self._queue.append(buffers)
+            if size > INLINE_BYTES or self._queue or after is not None:
+                self._queue.append((buffers, after))
                 self._start_writer()
                 return
             try:
@@ -312,8 +317,10 @@ class HopSender:
                 self._cond.wait_for(lambda: bool(self._queue) or self._sock.fileno() < 0)
                 if self._sock.fileno() < 0:
                     return
-                buffers = self._queue[0]  # stays queued until written: `check` waits for it
+                buffers, after = self._queue[0]  # stays queued until written: `check` waits
             try:
+                if after is not None:
+                    after()
                 _send_all(self._sock, buffers)
             except OSError as error:
                 with self._cond:

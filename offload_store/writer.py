@@ -180,6 +180,11 @@ class StashWriter:
         return {i: {n: t.clone() if self._staging is not None else t for n, t in named.items()}
                 for i, named in pending.tensors.items()}
 
+    def is_written(self, ticket: int) -> bool:
+        """Whether every put up to `ticket` was written, failed or dropped."""
+        with self._cond:
+            return self._written >= ticket or self._closed
+
     def wait_written(self, ticket: int) -> None:
         """Returns once every put up to `ticket` was written, failed or dropped."""
         with self._cond:

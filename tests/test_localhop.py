@@ -18,6 +18,8 @@ import torch
 from dataplane.grpc_transport import GrpcTransport
 from dataplane.inbox import Inbox
 from dataplane.localhop import HopListener, HopSender, socket_path
+from offload_store import RedisServer, open_store
+from offload_store.writer import StashWriter
 from pipefb.errors import WorkerFailed
 from pipefb.processes import Process
 from pipefb.schedule import Kind
@@ -216,10 +218,6 @@ def test_transport_sends_over_the_hop_socket_only_where_one_serves(
         plain.send(Kind.RECV_F, 0, 6, 0, 0, 0, {"x": x})
         assert torch.equal(plain.recv(Kind.RECV_F, 6, 0, 0)["x"], x)
         plain.close()
-        fenced = GrpcTransport("j", [f"127.0.0.1:{port}"], None, inbox)
-        fenced.fence_sends = True  # its sends wait for stash writes, on gRPC's thread
-        assert fenced._hop(0) is None
-        fenced.close()
     finally:
         srv.stop(0)
     assert len(got) == 1
@@ -298,3 +296,32 @@ def test_hop_latency_bench_quick(tmp_path: Path) -> None:
             assert s["n"] == 20 and 0 < s["min"] <= s["median"] <= s["max"]
     page = "\n".join(hop_latency.doc_section("cmd", res))
     assert "| hop |" in page and "| grpc |" in page and "| tcp |" in page
+
+
+def test_a_fenced_transfer_takes_the_hop_once_the_stashes_before_it_are_written(
+        hop_dir: Path) -> None:
+    """A PipeFB forward rank's transfer leaves after its earlier stashes are in the store
+    ([Note: background stash]): the hop's writer thread waits for them, then sends. A
+    48 MiB stash takes Redis tens of milliseconds; the small transfer sent right after it
+    arrives only once the write is done, and by the hop (no gRPC server listens)."""
+    written_at_arrival: list[bool] = []
+    with RedisServer(maxmemory="512mb") as srv:
+        writer = StashWriter(open_store(srv.address, "fence", 0), cap_bytes=1 << 30)
+        port = free_port()
+        hops = HopListener.serve(port, lambda t, x: written_at_arrival.append(
+            writer.is_written(1)), lambda: 1 << 20)
+        transport = GrpcTransport("fence", [f"127.0.0.1:{port}"], None, Inbox(10))
+        transport.writer, transport.fence_sends = writer, True
+        try:
+            writer.put(0, 0, 0, {0: {"a": torch.randn(12 << 20)}})
+            assert not writer.is_written(1)  # still being written
+            transport.send(Kind.RECV_L, 0, 0, 0, 0, 0, {"loss": torch.ones(())})
+            transport.flush()  # waits for the hop's writer thread to send it
+            wait_for(lambda: written_at_arrival)
+            assert written_at_arrival == [True]
+            transport.send(Kind.RECV_L, 0, 1, 0, 0, 0, {"loss": torch.ones(())})  # no wait
+            wait_for(lambda: len(written_at_arrival) == 2)
+        finally:
+            transport.close()
+            writer.close()
+            hops.close()
