@@ -26,10 +26,10 @@ from offload_store import (
     open_admin,
     open_store,
 )
-from offload_store.chunks import ALIGN, CHUNK_ENV, MAGIC, MIN_CHUNK_BYTES, Manifest, split
+from offload_store.chunks import CHUNK_ENV, MAGIC, MIN_CHUNK_BYTES, Manifest, split
 from offload_store.frames import Frame
 from offload_store.keys import chunk_key
-from offload_store.receive import getdel_into
+from offload_store.receive import ALIGN, getdel_into
 from pipefb.codec import pack
 from pipefb.errors import CodecError
 from tests import test_offload_store
@@ -138,21 +138,20 @@ def test_taken_tensors_are_writable_and_independent(client: redis.Redis) -> None
 
 def test_a_chunked_value_s_tensor_views_the_buffer_its_chunks_arrived_in(
         client: redis.Redis) -> None:
-    """Zero-copy decode: each chunked value's tensor lies in its own receive buffer (its
-    storage is that buffer: the frame plus at most `ALIGN` bytes, its data on an `ALIGN`
-    boundary), equal to what was put; a value of one key is a tensor of its own size."""
+    """Zero-copy decode: each value's tensor, chunked or of one key, lies in its own receive
+    buffer (its storage is that buffer: the frame plus at most `ALIGN` bytes, its data on
+    an `ALIGN` boundary), equal to what was put."""
     store, tensors = _store(client, "chunks.view"), _stash()
     store.put(4, 1, 2, tensors)
     got = store.take(4, 1, 2, _names(tensors))
     _assert_same(got, tensors)
-    for layer, name in [(0, "f32"), (0, "bf16"), (2, "i64"), (2, "wide_t"), (5, "past_limit")]:
-        t, frame = got[layer][name], len(pack(tensors[layer][name]))
-        assert frame > CHUNK
-        assert frame <= t.untyped_storage().nbytes() <= frame + ALIGN, name
-        assert t.data_ptr() % ALIGN == 0 and t.is_contiguous(), name
-    for layer, name in [(0, "small"), (5, "at_limit")]:  # one key each: decoded anew
-        t = got[layer][name]
-        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    chunked = {(0, "f32"), (0, "bf16"), (2, "i64"), (2, "wide_t"), (5, "past_limit")}
+    for layer, named in tensors.items():
+        for name, want in named.items():
+            t, frame = got[layer][name], len(pack(want))
+            assert (frame > CHUNK) == ((layer, name) in chunked), name
+            assert frame <= t.untyped_storage().nbytes() <= frame + ALIGN, name
+            assert t.data_ptr() % ALIGN == 0 and t.is_contiguous(), name
 
 
 def test_every_chunk_key_has_the_ttl(client: redis.Redis) -> None:
