@@ -32,7 +32,7 @@ from offload_store.chunks import (
 )
 from offload_store.frames import Frame, FramePacker
 from offload_store.keys import TIER_RANKS_SUFFIX, check_index, check_name, job_pattern, stash_key
-from offload_store.receive import getdel_frames
+from offload_store.receive import Taken, getdel_frames
 from pipefb.codec import DEFAULT_MAX_BYTES, unpack, unpack_in_place
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
@@ -268,9 +268,7 @@ class OffloadStore:
         keys = [self.key(step, microbatch, layer, version, name) for layer, name in wanted]
         if not keys:
             return {}
-        values = getdel_frames(self._client.connection_pool, keys,
-                               self.max_bytes + MAX_HEADER_BYTES)
-        return self.decode_taken(wanted, keys, values)
+        return self.decode_taken(wanted, keys, self.getdel(keys))
 
     def decode_taken(self, wanted: Sequence[tuple[int, str]], keys: Sequence[str],
                      values: Sequence[Any]) -> LayerTensors:
@@ -315,11 +313,11 @@ class OffloadStore:
         """
         keys = [self.key(step, microbatch, layer, version, name)
                 for layer, layer_names in names.items() for name in layer_names]
-        values = self._getdel(keys) if keys else []
+        values = self.getdel(keys) if keys else []
         chunked = named_chunks(keys, values)
         if chunked:
             self._client.unlink(*chunked)
-        return sum(1 for value in values if isinstance(value, bytes))
+        return sum(1 for value in values if isinstance(value, bytes | torch.Tensor))
 
     def clear_job(self) -> int:
         """Deletes every key of this job, any attempt (SCAN + UNLINK).
@@ -397,17 +395,21 @@ class OffloadStore:
         """The Redis client (the local tier sends its index with it)."""
         return self._client
 
-    def _getdel(self, keys: list[str]) -> list[Any]:
-        """Sends one GETDEL pipeline exactly once and returns the replies, errors included.
+    def getdel(self, keys: Sequence[str]) -> list[Taken]:
+        """Sends one GETDEL pipeline exactly once; returns its replies, each value received
+        into a buffer of its own ([Note: values received in place] in
+        `offload_store.receive`), errors included, a value longer than `max_bytes` and a
+        header as a `CodecError`.
 
         [Note: no resend] redis-py re-sends a command after a connection error or timeout;
         a re-sent GETDEL whose first reply was lost would find nothing and lose the values.
-        So the pipeline runs on a checked-out connection with retries switched off.
+        So the pipeline is sent once on a pooled connection, which a failure disconnects.
+
+        Raises:
+            redis.exceptions.ConnectionError, TimeoutError: the connection failed.
         """
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.getdel(key)
-        return execute_once(pipe)
+        return getdel_frames(self._client.connection_pool, keys,
+                             self.max_bytes + MAX_HEADER_BYTES)
 
     def _full_error(self, step: int, microbatch: int, nbytes: int) -> StashFullError:
         """Builds the error of a put that timed out, with the server's memory figures."""
@@ -472,7 +474,8 @@ def count_job_keys(client: redis.Redis, job: str) -> int:
 
 
 def execute_once(pipe: Pipeline) -> list[Any]:
-    """Executes a pipeline without redis-py's automatic resend; see [Note: no resend]."""
+    """Executes a pipeline without redis-py's automatic resend ([Note: no resend]): on a
+    checked-out connection with retries switched off."""
     conn = pipe.connection_pool.get_connection()
     saved = conn.retry
     conn.retry = Retry(NoBackoff(), 0)
