@@ -373,6 +373,20 @@ def _getdels(cluster: Any) -> int:
     return int(stats.get("cmdstat_getdel", {}).get("calls", 0))
 
 
+def trains_bit_for_bit(coordinator: Any, job: Any) -> tuple[str, list[Any]]:
+    """Runs `job` on a cluster, checks that its losses and weights are `single`'s bit for
+    bit, and returns its id and step reports."""
+    job_id = coordinator.submit(job).job_id
+    reports = list(coordinator.train(job_id))
+    weights = coordinator.weights(job_id)
+    want_losses, want_weights = reference(job)
+    assert [r.loss for r in reports] == want_losses
+    assert sorted(weights) == sorted(want_weights)
+    for name, want in want_weights.items():
+        assert torch.equal(weights[name], want), name
+    return job_id, reports
+
+
 def test_a_job_with_chunked_stashes_trains_as_one_process(chunking: tuple[Any, Any]) -> None:
     """PipeFB on 2 workers, every stash value of 16 samples of a 512-wide mlp (32 KiB) in
     chunks of 4 KiB through Redis: the losses and weights are `single`'s bit for bit, each
@@ -382,14 +396,7 @@ def test_a_job_with_chunked_stashes_trains_as_one_process(chunking: tuple[Any, A
     job = make_job("mlp", "pipefb", 2, "adamw", batch_size=64,
                    model_config={"hidden": 512, "depth": 3})
     before = _getdels(cluster)
-    job_id = coordinator.submit(job).job_id
-    reports = list(coordinator.train(job_id))
-    weights = coordinator.weights(job_id)
-    want_losses, want_weights = reference(job)
-    assert [r.loss for r in reports] == want_losses
-    assert sorted(weights) == sorted(want_weights)
-    for name, want in want_weights.items():
-        assert torch.equal(weights[name], want), name
+    job_id, reports = trains_bit_for_bit(coordinator, job)
     stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
     assert stashed > 3 * 4 * 32 * KiB  # steps x micro-batches x one 32 KiB value at least
     assert _getdels(cluster) - before >= stashed // MIN_CHUNK_BYTES
@@ -399,7 +406,7 @@ def test_a_job_with_chunked_stashes_trains_as_one_process(chunking: tuple[Any, A
 # --- replies received into buffers (offload_store/receive.py) ------------------------------
 
 
-def _one_reply_peer(reply: bytes, close: bool) -> tuple[int, threading.Thread, list[bytes]]:
+def one_reply_peer(reply: bytes, close: bool) -> tuple[int, threading.Thread, list[bytes]]:
     """A TCP peer that reads one command, answers `reply`, then closes (`close`) or waits
     for the client to close; what it read (the command, then b"" on the client's close)
     lands in the returned list."""
@@ -427,7 +434,7 @@ def _one_reply_peer(reply: bytes, close: bool) -> tuple[int, threading.Thread, l
 ])
 def test_a_bad_or_cut_reply_raises_and_the_connection_is_closed(
         reply: bytes, close: bool, error: type[Exception], match: str) -> None:
-    port, thread, seen = _one_reply_peer(reply, close)
+    port, thread, seen = one_reply_peer(reply, close)
     pool = ConnectionPool(host="127.0.0.1", port=port, protocol=2, socket_timeout=10,
                           driver_info=None)  # no HELLO, no CLIENT SETINFO: just the GETDEL
     view = memoryview(bytearray(100 if close else 5))
@@ -443,7 +450,7 @@ def test_a_push_before_the_reply_is_dropped() -> None:
     map) before the GETDEL's reply is read past; the value still lands in its view."""
     push = (b">4\r\n$10\r\ninvalidate\r\n*1\r\n$3\r\nkey\r\n:7\r\n"
             b"%1\r\n+a\r\n$-1\r\n")
-    port, thread, seen = _one_reply_peer(push + b"$3\r\nabc\r\n", close=True)
+    port, thread, seen = one_reply_peer(push + b"$3\r\nabc\r\n", close=True)
     pool = ConnectionPool(host="127.0.0.1", port=port, protocol=2, socket_timeout=10,
                           driver_info=None)
     view = memoryview(bytearray(3))

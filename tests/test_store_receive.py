@@ -20,8 +20,8 @@ from pipefb.codec import pack, unpack
 from pipefb.errors import CodecError
 from tests import test_offload_store
 from tests.conftest import WORKER_THREADS, store_client
-from tests.test_store_chunks import _one_reply_peer
-from tests.test_transparency import make_job, reference
+from tests.test_store_chunks import one_reply_peer, trains_bit_for_bit
+from tests.test_transparency import make_job
 
 server = test_offload_store.server  # the store tests' fixtures: a Redis for the module
 client = test_offload_store.client  # (256 MB, noeviction) and a client of it per test
@@ -242,14 +242,7 @@ def test_a_job_whose_stashes_all_go_through_redis_trains_as_one_process(
                    model_config={"hidden": 256, "depth": 3})
     observer = store_client(cluster)
     before = _getdels(observer)
-    job_id = coordinator.submit(job).job_id
-    reports = list(coordinator.train(job_id))
-    weights = coordinator.weights(job_id)
-    want_losses, want_weights = reference(job)
-    assert [r.loss for r in reports] == want_losses
-    assert sorted(weights) == sorted(want_weights)
-    for name, want in want_weights.items():
-        assert torch.equal(weights[name], want), name
+    job_id, reports = trains_bit_for_bit(coordinator, job)
     assert sum(w.bytes_stashed for r in reports for w in r.workers) > 3 * 4 * 16 * 256 * 4
     assert _getdels(observer) > before
     assert list(observer.scan_iter(match=job_pattern(job_id))) == []
@@ -264,7 +257,7 @@ def test_every_kind_of_reply_comes_back_as_its_own_kind() -> None:
     bytes."""
     frame = pack(torch.arange(5, dtype=torch.int64))
     replies = (b"$-1\r\n_\r\n-ERR no\r\n$%d\r\n%s\r\n$3\r\nabc\r\n" % (len(frame), frame))
-    port, thread, seen = _one_reply_peer(replies, close=True)
+    port, thread, seen = one_reply_peer(replies, close=True)
     pool = ConnectionPool(host="127.0.0.1", port=port, protocol=2, socket_timeout=10,
                           driver_info=None)
     got = getdel_frames(pool, ["a", "b", "c", "d", "e"], 1 << 20)
@@ -279,7 +272,7 @@ def test_every_kind_of_reply_comes_back_as_its_own_kind() -> None:
 
 def test_a_value_cut_short_raises_and_the_connection_is_closed() -> None:
     frame = pack(torch.zeros(100))
-    port, thread, seen = _one_reply_peer(b"$%d\r\n%s" % (len(frame), frame[:50]), close=True)
+    port, thread, seen = one_reply_peer(b"$%d\r\n%s" % (len(frame), frame[:50]), close=True)
     pool = ConnectionPool(host="127.0.0.1", port=port, protocol=2, socket_timeout=10,
                           driver_info=None)
     with pytest.raises(redis.ConnectionError, match="closed the connection"):
