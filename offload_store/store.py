@@ -122,14 +122,14 @@ class OffloadStore:
     micro-batch, version; a `StashStore`.
 
     [Note: delete on consume] `take` reads and deletes in one GETDEL per key, each value
-    received straight into a tensor its own tensor views ([Note: values received in
-    place] in `offload_store.receive`); the TTL only reclaims what a crashed job never
-    takes. Redis must run with ``noeviction``: a full
-    store refuses writes and `put` backs off until a `take` frees memory; nothing is
-    evicted. A value over `chunk_bytes` goes as chunks over several connections ([Note:
-    chunked values] in `offload_store.chunks`); `stats` count it as one key of its frame's
-    bytes, `count_keys` counts its chunk keys too. Safe to share between threads (each
-    call uses its own pipelines).
+    received from the socket into a buffer of its own, which its tensor views ([Note:
+    values received in place] in `offload_store.receive`); the TTL only reclaims what a
+    crashed job never takes. Redis must run with ``noeviction``: a full store refuses
+    writes and `put` backs off until a `take` frees memory; nothing is evicted. A value
+    over `chunk_bytes` goes as chunks over several connections ([Note: chunked values] in
+    `offload_store.chunks`); `stats` count it as one key of its frame's bytes,
+    `count_keys` counts its chunk keys too. Safe to share between threads (each call uses
+    its own pipelines).
     """
 
     def __init__(
