@@ -2,8 +2,9 @@
 
 One micro-batch's stash of a small GPT stage (56 float32 tensors, 21 MiB by default) goes
 through the store the workers use (`OffloadStore.put`: zero-copy frames in one pipeline,
-[Note: zero-copy put]; `OffloadStore.take`: one pipeline of GETDEL, then every value
-validated and decoded into a tensor) and, alternately in the same rounds, through a plain
+[Note: zero-copy put]; `OffloadStore.take`: one pipeline of GETDEL, every value received
+into a buffer of its own, validated, and viewed by its tensor, [Note: values received in
+place]) and, alternately in the same rounds, through a plain
 redis-py client on the same server: SET of the same bytes (`pipefb.codec.pack`, hiredis
 packing) and GETDEL of them, returned as bytes with nothing decoded. Ratios are the
 store's MB/s over plain redis-py's, paired by round.
@@ -13,14 +14,14 @@ through six paths on this host, interleaved in each repeat: `memcpy` (a copy int
 buffer and one back, torch, one thread), `raw TCP` (a loopback socket to a peer process
 that keeps the bytes and sends them back: length-prefixed, no framing beyond that),
 `redis-py` (SET of a view of the tensor's bytes, GETDEL returned as bytes, nothing
-decoded), `store` (`OffloadStore.put` and `take`, validated and decoded into a tensor; a
-value over the chunk size, 4 MiB, as chunks over several connections: [Note: chunked
-values] in offload_store/chunks.py), `store, one key` (the same with chunks off,
-`chunk_bytes=0`: every value one SET and one GETDEL) and `local tier` (the node-local
-tier's `put` and `take`: a segment in /dev/shm written with one copy, into a spare
-file's kept mapping once there is one, and its index key in the same Redis, then the
-take's one pipeline, the checks, and a tensor viewing the segment's mapping, no copy:
-[Note: segment mappings] in offload_store/mapped.py). A round trip's
+decoded), `store` (`OffloadStore.put` and `take`: validated, the tensor viewing the buffer
+the value was received into; a value over the chunk size, 4 MiB, as chunks over several
+connections: [Note: chunked values] in offload_store/chunks.py), `store, one key` (the
+same with chunks off, `chunk_bytes=0`: every value one SET and one GETDEL) and `local
+tier` (the node-local tier's `put` and `take`: a segment in /dev/shm written with one
+copy, into a spare file's kept mapping once there is one, and its index key in the same
+Redis, then the take's one pipeline, the checks, and a tensor viewing the segment's
+mapping, no copy: [Note: segment mappings] in offload_store/mapped.py). A round trip's
 MiB/s is the stash's MiB over put + fetch seconds. Run:
 `python bench/store.py [--quick] [--part measured|bandwidth] [--repeats N] [--out DIR]`.
 """
@@ -366,7 +367,8 @@ def bandwidth_lines(bw: dict[str, Any]) -> list[str]:
              "and one back (one thread); `raw TCP`: a loopback socket to a peer process "
              "that keeps the bytes and sends them back; `redis-py`: SET of the tensor's "
              "bytes and GETDEL, returned as bytes; `store`: `OffloadStore.put` and `take` "
-             "(validated, decoded into a tensor; a value over the chunk size as chunks over "
+             "(validated, the tensor viewing the buffer the value was received into; a "
+             "value over the chunk size as chunks over "
              "several connections, [Note: chunked values]); `store, one key`: the same with "
              "chunks off, one SET and one GETDEL; `local tier`: the node-local tier's `put` "
              "and `take` (a /dev/shm segment written with one copy into a spare's kept "
@@ -398,9 +400,10 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
              f"One stash of {meas['tensors']} float32 tensors ({meas['bytes'] / MiB:.1f} MiB) "
              f"per round, {meas['rounds']} rounds, every path once per round on one loopback "
              "Redis. `store put` and `store take` are what the workers run (zero-copy frames "
-             "in one pipeline; GETDEL in one pipeline, then each value validated and decoded "
-             "into a tensor); `plain` is redis-py SET and GETDEL of the same bytes, returned "
-             "as bytes. Median [min-max] over rounds; ratios paired by round.", "",
+             "in one pipeline; GETDEL in one pipeline, each value received into a buffer of "
+             "its own, validated, and viewed by its tensor); `plain` is redis-py SET and "
+             "GETDEL of the same bytes, returned as bytes. Median [min-max] over rounds; "
+             "ratios paired by round.", "",
              "| path | MB/s |", "| --- | --- |"]
     lines += [f"| {p} | {fmt(meas['mb_per_second'][p], digits=0)} |" for p in PATHS]
     lines += ["", "| ratio | median [min-max] |", "| --- | --- |"]

@@ -2,31 +2,32 @@
 written and read over several pooled connections at once.
 
 [Note: chunked values] A value (a `pipefb.codec.pack` frame) longer than the store's chunk
-size is stored as its *manifest* under its own key (`keys.stash_key`): `MAGIC`, the
-tensor data's byte count and the chunk size, then the frame's codec header; and its
-tensor data cut into chunks of the chunk size (the last one shorter) under
-`keys.chunk_key(key, i)`. A manifest never starts as a frame does (`MAGIC` is not the
-codec's magic), so a take knows a chunked value from the reply of its one GETDEL pipeline;
-values up to the chunk size are stored and taken exactly as before. A put sends the
-chunks (views of the tensor's memory, [Note: zero-copy put]) with the manifests and small
-values spread over up to `connections` pooled connections, one SET pipeline each, from a
-small thread pool (`ChunkIO`; redis-py sends with the GIL released). A take, after that
-first pipeline, GETDELs the chunks the same way, each connection's replies received
-straight from its socket into one buffer per value (`receive.getdel_into`: no bytes object
-per chunk, no copy between), then validates the whole buffer as `pipefb.codec.unpack`
-checks a value of one key, and only then hands out a tensor that views the buffer's data
-(`pipefb.codec.unpack_in_place`; the data starts on an `ALIGN` boundary): the take copies
-nothing after the socket, and no tensor exists before those checks. A
-manifest is written with its chunks, not after them, so a value left half written (a
-store full midway, a crashed writer) may have a manifest and not every chunk: a take
-checks that each chunk came back with exactly its span's bytes, and a missing one raises
-`KeyError` naming the chunk's key, a short or long one `CodecError`, never a tensor. A
-manifest's sizes are bounded (the codec's largest tensor, `MIN_CHUNK_BYTES`) before its
-buffer is allocated. Every chunk a take asks for is deleted by its GETDEL all the same; a
-put that fails unlinks every key it may have written (after its last pipeline finished);
-SCAN by the job's pattern finds chunk keys, so `clear_job` and the TTL reclaim a crashed
-writer's chunks. Chunks also keep each SET under Redis's largest argument
-(`proto-max-bulk-len`, 512 MB by default), which a value of one key must fit.
+size is stored as its *manifest* under its own key (`keys.stash_key`): `MAGIC`, the tensor
+data's byte count and the chunk size, then the frame's codec header; and its tensor data
+cut into chunks of the chunk size (the last one shorter) under `keys.chunk_key(key, i)`. A
+manifest never starts as a frame does (`MAGIC` is not the codec's magic), so a take knows
+a chunked value from the reply of its one GETDEL pipeline (which receives a manifest as
+bytes, [Note: values received in place] in `offload_store.receive`); a value up to the
+chunk size is one key. A put sends the chunks (views of the tensor's memory,
+[Note: zero-copy put]) with the manifests and small values spread over up to `connections` pooled
+connections, one SET pipeline each, from a small thread pool (`ChunkIO`; redis-py sends
+with the GIL released). A take, after that first pipeline, GETDELs the chunks the same
+way, each connection's replies received straight from its socket into one buffer per value
+(`receive.getdel_into`: no bytes object per chunk, no copy between), then validates the
+whole buffer as a value of one key is validated, and only then hands out a tensor that
+views the buffer's data (`pipefb.codec.unpack_in_place`; the data starts on a
+`receive.ALIGN` boundary, `receive.frame_buffer`): the take copies nothing after the
+socket, and no tensor exists before those checks. A manifest is written with its chunks,
+not after them, so a value left half written (a store full midway, a crashed writer) may
+have a manifest and not every chunk: a take checks that each chunk came back with exactly
+its span's bytes, and a missing one raises `KeyError` naming the chunk's key, a short or
+long one `CodecError`, never a tensor. A manifest's sizes are bounded (the codec's largest
+tensor, `MIN_CHUNK_BYTES`) before its buffer is allocated. Every chunk a take asks for is
+deleted by its GETDEL all the same; a put that fails unlinks every key it may have written
+(after its last pipeline finished); SCAN by the job's pattern finds chunk keys, so
+`clear_job` and the TTL reclaim a crashed writer's chunks. Chunks also keep each SET under
+Redis's largest argument (`proto-max-bulk-len`, 512 MB by default), which a value of one
+key must fit.
 """
 
 from __future__ import annotations
@@ -40,12 +41,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
 from redis.connection import ConnectionPool
 
 from offload_store.frames import Frame
 from offload_store.keys import chunk_key
-from offload_store.receive import Received, getdel_into
+from offload_store.receive import Received, frame_buffer, getdel_into
 from pipefb.codec import DEFAULT_MAX_BYTES, MAX_RANK
 from pipefb.errors import CodecError
 
@@ -56,7 +56,6 @@ CHUNK_BYTES = 4 << 20
 # more connections only add client threads; 4 let a 16 MiB value's chunks move together.
 CONNECTIONS = 4
 MIN_CHUNK_BYTES = 4096  # the smallest chunk size a store accepts (bounds a value's keys)
-ALIGN = 64  # a chunked value's data starts on this boundary of its buffer: any dtype's size
 MAGIC = b"PFC1"  # a manifest's first bytes; a frame starts with the codec's b"PFT1"
 _LAYOUT = struct.Struct("<4sQQ")  # magic, tensor data bytes, chunk bytes; the header follows
 MAX_HEADER_BYTES = 6 + 8 * MAX_RANK  # the longest codec header: bounds a manifest
@@ -252,11 +251,9 @@ class ChunkIO:
         if not layouts:
             return out, layouts
         # bytes, not a tensor of the value: `unpack_in_place` checks them whole first, then
-        # views the data where it lies; each frame starts `ALIGN`-minus-its-header bytes
-        # into its buffer, so its data starts on an `ALIGN` boundary (torch allocates on
-        # one); `torch.empty` leaves the memory unwritten until the chunks arrive
-        frames = {i: torch.empty(ALIGN + m.frame_bytes, dtype=torch.uint8)[
-            -len(m.head) % ALIGN:][:m.frame_bytes] for i, m in layouts.items()}
+        # views the data where it lies, on an aligned address (`frame_buffer`); the
+        # memory stays unwritten until the chunks arrive
+        frames = {i: frame_buffer(m.frame_bytes, len(m.head)) for i, m in layouts.items()}
         buffers = {i: memoryview(frame.numpy()) for i, frame in frames.items()}
         jobs: dict[str, memoryview] = {}
         for i, m in layouts.items():

@@ -215,14 +215,16 @@ class SharedTierStore:
         indexed = [layer for layer in layers if layer not in elsewhere]
         direct = [(layer, name) for layer, name in wanted if layer in elsewhere]
         keys = [self.inner.key(step, microbatch, layer, version, name) for layer, name in direct]
-        pipe = self.inner.client.pipeline(transaction=False)
+        taken = [*self._index_keys(step, microbatch, version, indexed), *keys]
         if unseen:  # a producer not in the tier ranks yet: read them in the same round trip
+            pipe = self.inner.client.pipeline(transaction=False)
             self.tier_ranks.read_in(pipe)
-        for key in [*self._index_keys(step, microbatch, version, indexed), *keys]:
-            pipe.getdel(key)
-        replies = execute_once(pipe)
-        if unseen:
+            for key in taken:
+                pipe.getdel(key)
+            replies = execute_once(pipe)
             self.tier_ranks.record(replies.pop(0))
+        else:  # values received in place, as the Redis backend's take receives them
+            replies = self.inner.getdel(taken)
         out = self._read_indexed(zip(indexed, replies[:len(indexed)], strict=True), names)
         out.update(self.inner.decode_taken(direct, keys, replies[len(indexed):]))
         spilled = {layer: names[layer] for layer in indexed if layer not in out}

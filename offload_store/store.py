@@ -24,6 +24,7 @@ from offload_store.api import LayerTensors, StashFullError, StoreStats
 from offload_store.chunks import (
     CHUNK_BYTES,
     CONNECTIONS,
+    MAX_HEADER_BYTES,
     ChunkIO,
     Value,
     chunk_bytes_from_env,
@@ -31,7 +32,8 @@ from offload_store.chunks import (
 )
 from offload_store.frames import Frame, FramePacker
 from offload_store.keys import TIER_RANKS_SUFFIX, check_index, check_name, job_pattern, stash_key
-from pipefb.codec import unpack, unpack_in_place
+from offload_store.receive import Taken, getdel_frames
+from pipefb.codec import DEFAULT_MAX_BYTES, unpack, unpack_in_place
 
 FIRST_DELAY_S = 0.02  # first backoff after the store refuses a write
 MAX_DELAY_S = 1.0  # backoff doubles up to this
@@ -119,13 +121,15 @@ class OffloadStore:
     """One job attempt's stash in Redis: layer -> name -> tensor, keyed by step,
     micro-batch, version; a `StashStore`.
 
-    [Note: delete on consume] `take` reads and deletes in one GETDEL per key; the TTL only
-    reclaims what a crashed job never takes. Redis must run with ``noeviction``: a full
-    store refuses writes and `put` backs off until a `take` frees memory; nothing is
-    evicted. A value over `chunk_bytes` goes as chunks over several connections ([Note:
-    chunked values] in `offload_store.chunks`); `stats` count it as one key of its frame's
-    bytes, `count_keys` counts its chunk keys too. Safe to share between threads (each
-    call uses its own pipelines).
+    [Note: delete on consume] `take` reads and deletes in one GETDEL per key, each value
+    received from the socket into a buffer of its own, which its tensor views ([Note:
+    values received in place] in `offload_store.receive`); the TTL only reclaims what a
+    crashed job never takes. Redis must run with ``noeviction``: a full store refuses
+    writes and `put` backs off until a `take` frees memory; nothing is evicted. A value
+    over `chunk_bytes` goes as chunks over several connections ([Note: chunked values] in
+    `offload_store.chunks`); `stats` count it as one key of its frame's bytes,
+    `count_keys` counts its chunk keys too. Safe to share between threads (each call uses
+    its own pipelines).
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class OffloadStore:
         max_wait_seconds: float = 30.0,
         chunk_bytes: int = CHUNK_BYTES,
         chunk_connections: int = CONNECTIONS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         """Binds a client to one job attempt.
 
@@ -149,9 +154,12 @@ class OffloadStore:
             max_wait_seconds: how long `put` backs off on a full store before giving up.
             chunk_bytes: values longer than this are chunked; 0: never.
             chunk_connections: connections a chunked put or take uses at once.
+            max_bytes: the largest tensor data a take accepts in a value of one key (its
+                frame may add a codec header); a longer value is refused unread.
 
         Raises:
-            ValueError: a bad job id, attempt, TTL, wait, chunk size or connection count.
+            ValueError: a bad job id, attempt, TTL, wait, chunk size, connection count or
+                `max_bytes`.
         """
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the client decodes responses; tensor values must stay bytes")
@@ -159,6 +167,7 @@ class OffloadStore:
             raise ValueError(f"ttl_seconds {ttl_seconds} must be positive")
         if not max_wait_seconds >= 0:
             raise ValueError(f"max_wait_seconds {max_wait_seconds!r} must be >= 0")
+        self.max_bytes = check_index("max_bytes", max_bytes)
         self._chunks = ChunkIO(client.connection_pool, chunk_bytes, chunk_connections)
         self.job = check_name("job", job)
         self.attempt = check_index("attempt", attempt)
@@ -230,8 +239,10 @@ class OffloadStore:
     def take(
         self, step: int, microbatch: int, version: int, names: Mapping[int, Sequence[str]]
     ) -> LayerTensors:
-        """Fetches and deletes stashed tensors in one pipeline of GETDEL, then the chunks
-        of chunked values over several connections ([Note: chunked values]).
+        """Fetches and deletes stashed tensors in one pipeline of GETDEL, each value
+        received into its own aligned buffer, which its tensor views after the codec's
+        checks ([Note: values received in place] in `offload_store.receive`), then the
+        chunks of chunked values over several connections ([Note: chunked values]).
 
         Every requested key is deleted even when another one is missing or corrupt, and
         every chunk of a chunked value whose manifest was found.
@@ -248,22 +259,27 @@ class OffloadStore:
         Raises:
             KeyError: a key that is not in the store, or a chunk of a chunked value that
                 is not; the argument is the full key.
-            CodecError: a value that is not a valid tensor frame, or a chunk of the wrong
-                length.
+            CodecError: a value that is not a valid tensor frame, one longer than
+                `max_bytes` and a header, or a chunk of the wrong length.
+            redis.exceptions.ConnectionError, TimeoutError: the connection failed; the
+                pipeline is not sent again ([Note: no resend]).
         """
         wanted = [(layer, name) for layer, layer_names in names.items() for name in layer_names]
         keys = [self.key(step, microbatch, layer, version, name) for layer, name in wanted]
         if not keys:
             return {}
-        return self.decode_taken(wanted, keys, self._getdel(keys))
+        return self.decode_taken(wanted, keys, self.getdel(keys))
 
     def decode_taken(self, wanted: Sequence[tuple[int, str]], keys: Sequence[str],
                      values: Sequence[Any]) -> LayerTensors:
         """The tensors of a GETDEL pipeline's replies (counted as taken), as `take`
         returns them, with the chunks of chunked values fetched first; raises as `take`
-        does."""
+        does. A reply is a frame in its own buffer (`receive.getdel_frames`), whose tensor
+        views it, or bytes (redis-py's replies), which the tensor must not share: decoded
+        into a new one."""
         frames, layouts = self._chunks.receive(keys, values)
-        found = [i for i, value in enumerate(values) if isinstance(value, bytes)]
+        found = [i for i, value in enumerate(values)
+                 if isinstance(value, bytes | torch.Tensor)]
         self._count(bytes_taken=sum(layouts[i].frame_bytes if i in layouts else len(values[i])
                                     for i in found), keys_taken=len(found))
         out: LayerTensors = {}
@@ -272,11 +288,9 @@ class OffloadStore:
                 raise frame
             if frame is None:
                 raise KeyError(key)
-            # a chunked value's frame is its own buffer: its tensor views it ([Note: chunked
-            # values]); a value of one key is bytes, which the tensor must not share
-            out.setdefault(layer, {})[name] = (unpack_in_place(frame)
-                                               if isinstance(frame, torch.Tensor)
-                                               else unpack(frame))
+            out.setdefault(layer, {})[name] = (
+                unpack_in_place(frame, max_bytes=self.max_bytes)
+                if isinstance(frame, torch.Tensor) else unpack(frame, max_bytes=self.max_bytes))
         return out
 
     def prefetch(
@@ -299,11 +313,11 @@ class OffloadStore:
         """
         keys = [self.key(step, microbatch, layer, version, name)
                 for layer, layer_names in names.items() for name in layer_names]
-        values = self._getdel(keys) if keys else []
+        values = self.getdel(keys) if keys else []
         chunked = named_chunks(keys, values)
         if chunked:
             self._client.unlink(*chunked)
-        return sum(1 for value in values if isinstance(value, bytes))
+        return sum(1 for value in values if isinstance(value, bytes | torch.Tensor))
 
     def clear_job(self) -> int:
         """Deletes every key of this job, any attempt (SCAN + UNLINK).
@@ -381,17 +395,21 @@ class OffloadStore:
         """The Redis client (the local tier sends its index with it)."""
         return self._client
 
-    def _getdel(self, keys: list[str]) -> list[Any]:
-        """Sends one GETDEL pipeline exactly once and returns the replies, errors included.
+    def getdel(self, keys: Sequence[str]) -> list[Taken]:
+        """Sends one GETDEL pipeline exactly once; returns its replies, each value received
+        into a buffer of its own ([Note: values received in place] in
+        `offload_store.receive`), errors included, a value longer than `max_bytes` and a
+        header as a `CodecError`.
 
         [Note: no resend] redis-py re-sends a command after a connection error or timeout;
         a re-sent GETDEL whose first reply was lost would find nothing and lose the values.
-        So the pipeline runs on a checked-out connection with retries switched off.
+        So the pipeline is sent once on a pooled connection, which a failure disconnects.
+
+        Raises:
+            redis.exceptions.ConnectionError, TimeoutError: the connection failed.
         """
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.getdel(key)
-        return execute_once(pipe)
+        return getdel_frames(self._client.connection_pool, keys,
+                             self.max_bytes + MAX_HEADER_BYTES)
 
     def _full_error(self, step: int, microbatch: int, nbytes: int) -> StashFullError:
         """Builds the error of a put that timed out, with the server's memory figures."""
@@ -456,7 +474,8 @@ def count_job_keys(client: redis.Redis, job: str) -> int:
 
 
 def execute_once(pipe: Pipeline) -> list[Any]:
-    """Executes a pipeline without redis-py's automatic resend; see [Note: no resend]."""
+    """Executes a pipeline without redis-py's automatic resend ([Note: no resend]): on a
+    checked-out connection with retries switched off."""
     conn = pipe.connection_pool.get_connection()
     saved = conn.retry
     conn.retry = Retry(NoBackoff(), 0)

@@ -45,6 +45,7 @@ DEFAULT_MAX_BYTES = 1 << 31  # 2 GiB: the largest single tensor a peer may make 
 _MAGIC = b"PFT1"
 _HEADER = struct.Struct("<4sBB")  # magic, dtype code, rank
 _DIM = struct.Struct("<q")
+FRAME_PREFIX = _HEADER.size  # a frame's first bytes, which fix its header's length
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("pipefb's codec assumes a little-endian host")
@@ -206,6 +207,19 @@ def unpack_in_place(frame: torch.Tensor, *, max_bytes: int = DEFAULT_MAX_BYTES
     if dtype == "bool" and bool((data > 1).any()):
         raise CodecError("bool tensor data holds bytes other than 0 and 1")
     return data.view(DTYPES[dtype]).view(shape)
+
+
+def frame_head_bytes(prefix: bytes | bytearray | memoryview) -> int | None:
+    """The length of the header of a frame that starts with `prefix` (its first
+    `FRAME_PREFIX` bytes or more); None where `prefix` is shorter or not a frame's start.
+
+    Only where a receiver places the frame rests on it (its data on an aligned address):
+    `unpack` still checks the whole frame.
+    """
+    if len(prefix) < _HEADER.size:
+        return None
+    magic, _, rank = _HEADER.unpack_from(prefix)
+    return _HEADER.size + rank * _DIM.size if magic == _MAGIC else None
 
 
 def _frame_header(view: memoryview) -> tuple[str, tuple[int, ...], int]:

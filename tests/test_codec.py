@@ -230,3 +230,18 @@ def test_unpack_in_place_checks_as_unpack_does() -> None:
         codec.unpack_in_place(torch.zeros(4, dtype=torch.int32))
     empty = codec.unpack_in_place(_frame_at(torch.zeros(0, 3), 0))
     assert empty.shape == (0, 3)
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (1,) * codec.MAX_RANK])
+def test_frame_head_bytes_reads_a_header_s_length_from_a_frame_s_first_bytes(
+        shape: tuple[int, ...]) -> None:
+    frame = codec.pack(torch.zeros(shape, dtype=torch.int16))
+    head = len(frame) - 2 * torch.zeros(shape).numel()
+    assert head == 6 + 8 * len(shape)
+    assert codec.frame_head_bytes(frame[:codec.FRAME_PREFIX]) == head
+    assert codec.frame_head_bytes(memoryview(frame)) == head
+
+
+@pytest.mark.parametrize("prefix", [b"", b"PFT1\x03", b"PFC1\x00\x00", b"XFT1\x03\x01"])
+def test_frame_head_bytes_of_a_short_or_foreign_start_is_none(prefix: bytes) -> None:
+    assert codec.frame_head_bytes(prefix) is None

@@ -26,10 +26,10 @@ from offload_store import (
     open_admin,
     open_store,
 )
-from offload_store.chunks import ALIGN, CHUNK_ENV, MAGIC, MIN_CHUNK_BYTES, Manifest, split
+from offload_store.chunks import CHUNK_ENV, MAGIC, MIN_CHUNK_BYTES, Manifest, split
 from offload_store.frames import Frame
 from offload_store.keys import chunk_key
-from offload_store.receive import getdel_into
+from offload_store.receive import ALIGN, getdel_into
 from pipefb.codec import pack
 from pipefb.errors import CodecError
 from tests import test_offload_store
@@ -138,21 +138,20 @@ def test_taken_tensors_are_writable_and_independent(client: redis.Redis) -> None
 
 def test_a_chunked_value_s_tensor_views_the_buffer_its_chunks_arrived_in(
         client: redis.Redis) -> None:
-    """Zero-copy decode: each chunked value's tensor lies in its own receive buffer (its
-    storage is that buffer: the frame plus at most `ALIGN` bytes, its data on an `ALIGN`
-    boundary), equal to what was put; a value of one key is a tensor of its own size."""
+    """Zero-copy decode: each value's tensor, chunked or of one key, lies in its own receive
+    buffer (its storage is that buffer: the frame plus at most `ALIGN` bytes, its data on
+    an `ALIGN` boundary), equal to what was put."""
     store, tensors = _store(client, "chunks.view"), _stash()
     store.put(4, 1, 2, tensors)
     got = store.take(4, 1, 2, _names(tensors))
     _assert_same(got, tensors)
-    for layer, name in [(0, "f32"), (0, "bf16"), (2, "i64"), (2, "wide_t"), (5, "past_limit")]:
-        t, frame = got[layer][name], len(pack(tensors[layer][name]))
-        assert frame > CHUNK
-        assert frame <= t.untyped_storage().nbytes() <= frame + ALIGN, name
-        assert t.data_ptr() % ALIGN == 0 and t.is_contiguous(), name
-    for layer, name in [(0, "small"), (5, "at_limit")]:  # one key each: decoded anew
-        t = got[layer][name]
-        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    chunked = {(0, "f32"), (0, "bf16"), (2, "i64"), (2, "wide_t"), (5, "past_limit")}
+    for layer, named in tensors.items():
+        for name, want in named.items():
+            t, frame = got[layer][name], len(pack(want))
+            assert (frame > CHUNK) == ((layer, name) in chunked), name
+            assert frame <= t.untyped_storage().nbytes() <= frame + ALIGN, name
+            assert t.data_ptr() % ALIGN == 0 and t.is_contiguous(), name
 
 
 def test_every_chunk_key_has_the_ttl(client: redis.Redis) -> None:
@@ -374,6 +373,20 @@ def _getdels(cluster: Any) -> int:
     return int(stats.get("cmdstat_getdel", {}).get("calls", 0))
 
 
+def trains_bit_for_bit(coordinator: Any, job: Any) -> tuple[str, list[Any]]:
+    """Runs `job` on a cluster, checks that its losses and weights are `single`'s bit for
+    bit, and returns its id and step reports."""
+    job_id = coordinator.submit(job).job_id
+    reports = list(coordinator.train(job_id))
+    weights = coordinator.weights(job_id)
+    want_losses, want_weights = reference(job)
+    assert [r.loss for r in reports] == want_losses
+    assert sorted(weights) == sorted(want_weights)
+    for name, want in want_weights.items():
+        assert torch.equal(weights[name], want), name
+    return job_id, reports
+
+
 def test_a_job_with_chunked_stashes_trains_as_one_process(chunking: tuple[Any, Any]) -> None:
     """PipeFB on 2 workers, every stash value of 16 samples of a 512-wide mlp (32 KiB) in
     chunks of 4 KiB through Redis: the losses and weights are `single`'s bit for bit, each
@@ -383,14 +396,7 @@ def test_a_job_with_chunked_stashes_trains_as_one_process(chunking: tuple[Any, A
     job = make_job("mlp", "pipefb", 2, "adamw", batch_size=64,
                    model_config={"hidden": 512, "depth": 3})
     before = _getdels(cluster)
-    job_id = coordinator.submit(job).job_id
-    reports = list(coordinator.train(job_id))
-    weights = coordinator.weights(job_id)
-    want_losses, want_weights = reference(job)
-    assert [r.loss for r in reports] == want_losses
-    assert sorted(weights) == sorted(want_weights)
-    for name, want in want_weights.items():
-        assert torch.equal(weights[name], want), name
+    job_id, reports = trains_bit_for_bit(coordinator, job)
     stashed = sum(w.bytes_stashed for r in reports for w in r.workers)
     assert stashed > 3 * 4 * 32 * KiB  # steps x micro-batches x one 32 KiB value at least
     assert _getdels(cluster) - before >= stashed // MIN_CHUNK_BYTES
@@ -400,7 +406,7 @@ def test_a_job_with_chunked_stashes_trains_as_one_process(chunking: tuple[Any, A
 # --- replies received into buffers (offload_store/receive.py) ------------------------------
 
 
-def _one_reply_peer(reply: bytes, close: bool) -> tuple[int, threading.Thread, list[bytes]]:
+def one_reply_peer(reply: bytes, close: bool) -> tuple[int, threading.Thread, list[bytes]]:
     """A TCP peer that reads one command, answers `reply`, then closes (`close`) or waits
     for the client to close; what it read (the command, then b"" on the client's close)
     lands in the returned list."""
@@ -428,7 +434,7 @@ def _one_reply_peer(reply: bytes, close: bool) -> tuple[int, threading.Thread, l
 ])
 def test_a_bad_or_cut_reply_raises_and_the_connection_is_closed(
         reply: bytes, close: bool, error: type[Exception], match: str) -> None:
-    port, thread, seen = _one_reply_peer(reply, close)
+    port, thread, seen = one_reply_peer(reply, close)
     pool = ConnectionPool(host="127.0.0.1", port=port, protocol=2, socket_timeout=10,
                           driver_info=None)  # no HELLO, no CLIENT SETINFO: just the GETDEL
     view = memoryview(bytearray(100 if close else 5))
@@ -444,7 +450,7 @@ def test_a_push_before_the_reply_is_dropped() -> None:
     map) before the GETDEL's reply is read past; the value still lands in its view."""
     push = (b">4\r\n$10\r\ninvalidate\r\n*1\r\n$3\r\nkey\r\n:7\r\n"
             b"%1\r\n+a\r\n$-1\r\n")
-    port, thread, seen = _one_reply_peer(push + b"$3\r\nabc\r\n", close=True)
+    port, thread, seen = one_reply_peer(push + b"$3\r\nabc\r\n", close=True)
     pool = ConnectionPool(host="127.0.0.1", port=port, protocol=2, socket_timeout=10,
                           driver_info=None)
     view = memoryview(bytearray(3))

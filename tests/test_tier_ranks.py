@@ -176,6 +176,9 @@ def test_a_consumer_whose_producer_is_on_another_tier_takes_from_redis_in_one_ro
             got = consumer.take(0, microbatch, 0, names(want))
         assert sent == {"round trips": 1, "getdel": 4}
         assert_same(got, want)
+        for named in got.values():  # each received in place ([Note: values received in
+            for t in named.values():  # place]): its data on a 64-byte boundary past a header
+                assert t.data_ptr() % 64 == 0 and t.data_ptr() > t.untyped_storage().data_ptr()
     assert connect(server.address).keys("pipefb:apart:0:0:*") == []
     producer.close()
     consumer.close()
