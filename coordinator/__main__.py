@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
                     rendezvous_host=host, rendezvous_advertise=args.advertise,
                     rendezvous_port=args.rendezvous_port, journal=journal)
     servicer = CoordinatorServicer(registry, driver, limits.size)
+    # the journaled jobs are known before anything is served: a client's first call after a
+    # restart finds them; their threads wait for the workers to register
+    servicer.resume(journal.pending())
     admission = Admission(limits, servicer.unfinished)  # [Note: reserved threads]
     # first, so that every RegisterWorkerReply names its port
     workers, _ = serve_worker_path(  # [Note: workers' path]: heartbeats on a port of their own
@@ -90,7 +93,6 @@ def main(argv: list[str] | None = None) -> None:
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s), args.listen,
         interceptors=(*interceptors, admission), max_workers=limits.threads,
         max_concurrent_rpcs=limits.max_rpcs)
-    servicer.resume(journal.pending())
     server.ready(health)
     print(f"ready {args.listen.rsplit(':', 1)[0]}:{port}", flush=True)
     monitoring.announce(url)
