@@ -12,7 +12,7 @@ import pytest
 
 from pipefb.errors import ConfigError
 from pipefb.plan.partition import balanced_plan
-from pipefb.plan.stashpath import stash_partners
+from pipefb.plan.stashpath import fences_sends, stash_partners
 from pipefb.sim.cluster import Cluster, Link, WorkerSpec
 from pipefb.sim.costmodel import Costs
 from pipefb.sim.costs import LayerProfile, Profile
@@ -55,6 +55,12 @@ def test_the_stash_partners_are_the_workers_consumers_and_producers():
         consumers = {t.backward_workers[b] for b in range(len(t.backward_workers))
                      if set(t.layers_of_backward(b)) & set(t.layers_of_forward(f))}
         assert stash_partners(four, rank) == consumers
+
+
+def test_only_a_forward_only_rank_fences_its_sends():
+    assert [fences_sends(PLAN.topology(), r) for r in (0, 1)] == [True, False]
+    gpipe = balanced_plan("gpipe", 2, [1.0] * 4, 4, 4)
+    assert not any(fences_sends(gpipe.topology(), r) for r in (0, 1))
 
 
 def test_on_one_loopback_host_the_stash_moves_through_the_shared_tier():

@@ -25,6 +25,7 @@ from pipefb.plan.migration import takeover
 from pipefb.plan.plan import Plan
 from pipefb.plan.stashpath import (
     copies_on_compute_thread,
+    fences_sends,
     stash_consumers,
     stash_producers,
     takes_back_own_stash,
@@ -78,7 +79,7 @@ def _write_in_background(transport: GrpcTransport, store: StashStore, runtime: S
     transport.writer = StashWriter(store, cap, transport.staging.to_host
                                    if transport.staging is not None else None,
                                    memory if memory_cap and device.type == "cpu" else None)
-    transport.fence_sends = runtime.role == "forward"
+    transport.fence_sends = fences_sends(runtime.topology, runtime.rank)
 
 
 @dataclass

@@ -65,6 +65,14 @@ def _across(plan: Plan, rank: int, from_forward: bool) -> dict[int, int]:
     return {layer: holder[layer] for layer in own_layers(stage)}
 
 
+def fences_sends(topology: Topology, rank: int) -> bool:
+    """Whether rank `rank`'s transfers leave only after the stashes it handed over before
+    them are written: a forward-only rank (PipeFB's), so that the backward rank its loss
+    or activations reach finds those stashes in the store (`GrpcTransport.fence_sends`;
+    the simulator's [Note: fenced sends] in pipefb.sim.engine)."""
+    return rank in topology.forward_workers and rank not in topology.backward_workers
+
+
 def stash_partners(plan: Plan, rank: int) -> frozenset[int]:
     """The other ranks rank `rank` exchanges stashes with: those that take its stashes
     (`stash_consumers`) and those whose stashes it takes (`stash_producers`); empty for a
@@ -73,5 +81,5 @@ def stash_partners(plan: Plan, rank: int) -> frozenset[int]:
     return frozenset(partners - {rank})
 
 
-__all__ = ["copies_on_compute_thread", "stash_consumers", "stash_partners", "stash_producers",
-           "takes_back_own_stash", "takes_back_own_stash_in"]
+__all__ = ["copies_on_compute_thread", "fences_sends", "stash_consumers", "stash_partners",
+           "stash_producers", "takes_back_own_stash", "takes_back_own_stash_in"]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from pipefb.errors import ScheduleError
 from pipefb.plan.plan import Plan
+from pipefb.plan.stashpath import fences_sends
 from pipefb.schedule import Action, Kind, Schedule, iteration
 from pipefb.sim.cluster import Link
 from pipefb.sim.copylane import CopyLane
@@ -104,7 +105,7 @@ class Engine:
         t = costs.topology
         self.lanes = {r: CopyLane(costs.copy_links[r], self.cluster.stash_in_flight_bytes)
                       for r in self.runs}
-        self.fenced = {r: t.is_split and r not in t.backward_workers for r in self.runs}
+        self.fenced = {r: fences_sends(t, r) for r in self.runs}
         self.fetched: dict[int, tuple[int, float]] = {}
         self.arrived: dict[int, float] = {}
         self.written: dict[int, float] = {}
