@@ -16,10 +16,11 @@ from pathlib import Path
 from pipefb.sim.cluster import MAX_TRANSFER_CPU
 
 
-def _cpu_seconds(pids: Sequence[int]) -> float | None:
-    """Seconds every thread of `pids` has run on a core (Linux `/proc/PID/task/*/schedstat`,
-    nanoseconds); None where /proc cannot tell. A thread that ends meanwhile is skipped."""
-    total = 0
+def _cpu_by_thread(pids: Sequence[int]) -> dict[str, int] | None:
+    """Nanoseconds each thread of `pids` has run on a core, by `PID/TID` (Linux
+    `/proc/PID/task/*/schedstat`); None where /proc cannot tell. A thread that ends while
+    it is read is skipped."""
+    by_thread: dict[str, int] = {}
     for pid in pids:
         try:
             tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -27,8 +28,15 @@ def _cpu_seconds(pids: Sequence[int]) -> float | None:
             return None
         for task in tasks:
             with contextlib.suppress(OSError, ValueError, IndexError):
-                total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
+                by_thread[f"{pid}/{task.name}"] = int((task / "schedstat").read_text().split()[0])
+    return by_thread
+
+
+def _ran(before: dict[str, int], after: dict[str, int]) -> float:
+    """Seconds the threads ran between two readings: each thread's own difference (one
+    started meanwhile from 0); a thread that ended meanwhile counts nothing, so threads that
+    come and go (a closed stream's) never make the sum negative."""
+    return sum(ns - before.get(key, 0) for key, ns in after.items()) / 1e9
 
 
 def child_pids(pid: int) -> list[int]:
@@ -50,13 +58,13 @@ class CpuMeter:
     @contextlib.contextmanager
     def span(self) -> Iterator[None]:
         """Times the body."""
-        cpu, wall = _cpu_seconds(self.pids), time.perf_counter()
+        cpu, wall = _cpu_by_thread(self.pids), time.perf_counter()
         yield
-        end_wall, end_cpu = time.perf_counter(), _cpu_seconds(self.pids)
+        end_wall, end_cpu = time.perf_counter(), _cpu_by_thread(self.pids)
         if cpu is None or end_cpu is None:
             self.readable = False
         else:
-            self.cpu, self.wall = self.cpu + end_cpu - cpu, self.wall + end_wall - wall
+            self.cpu, self.wall = self.cpu + _ran(cpu, end_cpu), self.wall + end_wall - wall
 
     def cores(self) -> float:
         """Cores busy on average over the spans, within 1..MAX_TRANSFER_CPU (1 where the

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -130,6 +131,29 @@ def test_cpu_meter_counts_every_thread_of_every_process_it_watches() -> None:
     with gone.span():
         pass
     assert gone.cores() == 1.0
+
+
+def test_cpu_meter_never_loses_the_time_of_a_thread_that_ends_in_its_span() -> None:
+    """A thread that ran 0.3 s before the span and ends inside it takes its total out of
+    the process's threads; the meter counts per thread, so the span's CPU stays >= 0."""
+    if not PROC:
+        pytest.skip("no /proc/PID/task on this system")
+    go = threading.Event()
+
+    def spin_then_wait() -> None:
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+        go.wait()
+
+    worker = threading.Thread(target=spin_then_wait)
+    worker.start()
+    time.sleep(0.4)  # it has spun and waits
+    meter = cpu.CpuMeter([os.getpid()])
+    with meter.span():
+        go.set()
+        worker.join()
+    assert 0.0 <= meter.cpu < 0.1, meter.cpu
 
 
 def test_cluster_shape(measured: tuple[Path, Cluster]) -> None:
