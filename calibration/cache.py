@@ -23,7 +23,7 @@ from calibration.settings import HOST, Measured
 from pipefb.errors import ConfigError
 from pipefb.sim.cluster import Cluster
 
-PROBE_VERSION = 11  # bumped when a probe measures differently: older caches are re-measured
+PROBE_VERSION = 12  # bumped when a probe measures differently: older caches are re-measured
 
 
 def cache_path(cache_dir: Path | None = None) -> Path:
@@ -66,7 +66,10 @@ def read_cache(path: Path) -> tuple[Measured, str]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         first = (str(error).splitlines() or [""])[0]
         raise ConfigError(f"{type(error).__name__}: {first}") from None
-    missing = {"network", "store", "overheads"} - set(data if isinstance(data, dict) else ())
+    # every part a calibration writes that the cluster cannot do without (`hosts` comes
+    # last: a file cut short lacks it)
+    missing = ({"network", "store", "overheads", "hosts"}
+               - set(data if isinstance(data, dict) else ()))
     if missing:
         raise ConfigError(f"missing {sorted(missing)}")
     try:
@@ -77,7 +80,7 @@ def read_cache(path: Path) -> tuple[Measured, str]:
     return Measured(cluster.network, cluster.store, cluster.action_overhead,
                     cluster.step_overhead, cluster.step_cpu,
                     cluster.oversubscribed_of(HOST), cluster.busy_send,
-                    cluster.local_tier), head
+                    cluster.local_tier, cluster.shared_tier, cluster.stream), head
 
 
 def write_cache(path: Path, text: str) -> None:

@@ -2,8 +2,9 @@
 (or read from the cache), described as loopback workers on one host.
 
 `measure` starts the probe Redis and the echo peer and runs each probe with the parts a
-local run uses: the worker-to-worker link and busy senders (`calibration.links`), the
-offload-store link and the node-local tier's (`calibration.store`), the runtime's and the
+local run uses: the worker-to-worker link (the hop socket), the gRPC stream's and busy
+senders (`calibration.links`), the offload-store link and the node-local tier's, a
+private rank's and two ranks' sharing it (`calibration.store`), the runtime's and the
 Step call's overheads (`calibration.overheads`) and the cores' speed when oversubscribed
 (`calibration.crowding`). `local_cluster` reads the result from the cache
 (`calibration.cache`) where it is current and measures again where not.
@@ -82,17 +83,19 @@ def measure(settings: Settings = DEFAULTS) -> Measured:
     """
     inbox = Inbox(timeout_seconds=PROBE_TIMEOUT_S)
     with _switch_interval(SWITCH_INTERVAL_SECONDS), _helpers(inbox) as (redis_proc, peer):
-        network, busy_send = links.network(peer, inbox, settings)
+        network, busy_send, stream = links.network(peer, inbox, settings)
         rpc = overheads.rpc_round_trip(peer.address, settings.rpc_repeats)
         step_cpu = overheads.step_cpu(peer.address, settings.step_calls,
                                       [os.getpid(), peer.pid])
         store_link = store.store_link(redis_proc.address, settings,
                                       child_pids(redis_proc.pid))
         tier = store.tier_link(redis_proc.address, settings)
+        shared_tier = store.shared_tier_link(redis_proc.address, settings,
+                                             child_pids(redis_proc.pid))
         action, step = overheads.runtime_overheads(settings.steps)
     oversubscribed = crowding.oversubscribed(os.cpu_count() or 1, settings.crowd_seconds)
     return Measured(network, store_link, action, rpc + step, step_cpu, oversubscribed,
-                    busy_send, tier)
+                    busy_send, tier, shared_tier, stream)
 
 
 def build_cluster(workers: int, measured: Measured) -> Cluster:
@@ -107,7 +110,8 @@ def build_cluster(workers: int, measured: Measured) -> Cluster:
                    action_overhead=measured.action_overhead,
                    step_overhead=measured.step_overhead, step_cpu=measured.step_cpu,
                    host_oversubscribed={HOST: measured.oversubscribed},
-                   busy_send=measured.busy_send, local_tier=measured.local_tier)
+                   busy_send=measured.busy_send, local_tier=measured.local_tier,
+                   shared_tier=measured.shared_tier, stream=measured.stream)
 
 
 def calibrated(workers: int, *, cache_dir: Path | None = None, refresh: bool = False,

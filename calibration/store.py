@@ -1,6 +1,7 @@
 """The offload-store link probe: stashes shaped as a stage's put into and taken from a
 real Redis through `OffloadStore`, the worker's own stash and fetch; and the node-local
-tier's, through the store a CPU rank that takes back its own stashes opens (`tier_link`).
+tier's, through the store a CPU rank that takes back its own stashes opens (`tier_link`),
+and through the stores of two ranks that hand stashes over on one host (`shared_tier_link`).
 
 The Redis is started as `LocalServices` starts it (`python -m offload_store`). A probe
 round puts `STASH_DEPTH` fresh stashes of `STASH_TENSORS` tensors over `STASH_LAYERS`
@@ -47,16 +48,17 @@ def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def _store_round(store: StashStore, first_step: int, size: int, gap: float,
-                 meter: CpuMeter | None = None) -> float:
+                 meter: CpuMeter | None = None, taker: StashStore | None = None) -> float:
     """Mean seconds of one put or take of `STASH_DEPTH` fresh stashes, all put before the
     first is taken, each after the store sat idle `gap` seconds ([Note: idle links]);
-    `meter` times the puts and takes alone (not the stashes' making, nor the gaps)."""
+    `meter` times the puts and takes alone (not the stashes' making, nor the gaps); the
+    takes go through `taker` where given (another rank's store), else `store`."""
     stashes = [_probe_stash(size) for _ in range(STASH_DEPTH)]
     names = {layer: list(tensors) for layer, tensors in stashes[0].items()}
     ops: list[Callable[[], object]] = [
         functools.partial(store.put, first_step + k, 0, 0, stash)
         for k, stash in enumerate(stashes)]
-    ops += [functools.partial(store.take, first_step + k, 0, 0, names)
+    ops += [functools.partial((taker or store).take, first_step + k, 0, 0, names)
             for k in range(STASH_DEPTH)]
     seconds = 0.0
     for op in ops:
@@ -69,11 +71,11 @@ def _store_round(store: StashStore, first_step: int, size: int, gap: float,
 
 
 def _store_seconds(store: StashStore, size: int, repeats: int, warmup: int,
-                   first_step: int, gap: float, meter: CpuMeter | None = None
-                   ) -> list[float]:
+                   first_step: int, gap: float, meter: CpuMeter | None = None,
+                   taker: StashStore | None = None) -> list[float]:
     """Seconds of one stash or fetch of `size` bytes, in each of `repeats` rounds after
     `warmup` untimed (see `_store_round`)."""
-    times = [_store_round(store, first_step + i * STASH_DEPTH, size, gap, meter)
+    times = [_store_round(store, first_step + i * STASH_DEPTH, size, gap, meter, taker)
              for i in range(warmup + repeats)]
     return times[warmup:]
 
@@ -124,3 +126,42 @@ def tier_link(address: str, settings: Settings) -> Link:
             store.close()
     return fit_link("node-local tier", settings.small_bytes, statistics.median(small),
                     settings.large_bytes, statistics.median(large))
+
+
+def shared_tier_link(address: str, settings: Settings, pids: Sequence[int] = ()) -> Link:
+    """The node-local tier as two ranks of one host that hand stashes over use it (a
+    PipeFB forward rank and the backward rank that takes its layers: [Note: tier ranks]
+    in offload_store/tierranks.py): the store's probe stashes put by a producer's tier
+    store and taken by a consumer's, both on one tier directory in front of the Redis at
+    `address` that holds their index keys, each after the idle gap, as `store_link` times
+    Redis's ([Note: shared tier] in pipefb.sim.costmodel). Half `settings.large_repeats`
+    rounds of each size keep the calibration short; `pids` are as `store_link`'s."""
+    meter = CpuMeter([os.getpid(), *pids])
+    layers = range(STASH_LAYERS)
+    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-shared-", dir=root) as folder:
+        def tier_store(rank: int) -> StashStore:  # rank 0 stashes, rank 1 takes
+            inner = OffloadStore(connect(address, username=None, password=None), JOB,
+                                 max_wait_seconds=PROBE_TIMEOUT_S)
+            return with_local_tier(inner, folder, local_tier_ranks=2, local_tier_rank=rank,
+                                   local_tier_consumers=dict.fromkeys(layers, 1) if rank == 0
+                                   else {},
+                                   local_tier_producers=dict.fromkeys(layers, 0) if rank == 1
+                                   else {})
+
+        producer = tier_store(0)
+        consumer = tier_store(1)
+        repeats, warmup = max(1, settings.large_repeats // 2), settings.warmup
+        try:
+            small = _store_seconds(producer, settings.small_bytes, repeats, warmup, 0,
+                                   settings.idle_gap, taker=consumer)
+            large = _store_seconds(producer, settings.large_bytes, repeats, warmup,
+                                   (warmup + repeats) * STASH_DEPTH, settings.idle_gap,
+                                   meter, consumer)
+            producer.clear_job()
+        finally:
+            consumer.close()
+            producer.close()
+    link = fit_probes("shared node-local tier", settings.small_bytes, small,
+                      settings.large_bytes, large)
+    return replace(link, cpu=meter.cores())

@@ -9,14 +9,14 @@ rank's store adds ``{tier id}/{rank}/{token}`` to the attempt's set
 the worker's rank in the job attempt (empty for a store opened without one). A producer
 that knows which rank takes each of its layers (``local_tier_consumers``: the backward
 rank holding the layer in PipeFB, itself on a combined rank;
-`pipefb.runtime.place.stash_consumers`) writes a layer to the tier once that rank's entry
+`pipefb.plan.stashpath.stash_consumers`) writes a layer to the tier once that rank's entry
 names its own tier id, and to Redis while the rank has not opened its store yet or when
 it names another tier: so a job spread over hosts uses the tier for every pair of ranks
 that share one. A layer with no known consumer may be taken by any rank, so it goes to
 the tier only once the set names as many ranks as the job has, all on this tier. A
 consumer that knows which rank stashed each layer it takes (``local_tier_producers``: the
 forward rank that runs the layer in PipeFB, itself on a combined rank;
-`pipefb.runtime.place.stash_producers`) takes a layer whose producer's entry names
+`pipefb.plan.stashpath.stash_producers`) takes a layer whose producer's entry names
 another tier straight from Redis, without an index lookup: that producer can only have
 written it there. Every other layer (its producer on this tier, not named, or not in the
 set yet) is looked up in the index: an entry means a segment of this host, none means

@@ -22,7 +22,7 @@ from offload_store.shm import SharedTierStore
 from pipefb.job.config import build_layers
 from pipefb.plan.partition import balanced_plan
 from pipefb.plan.plan import Plan
-from pipefb.runtime.place import stash_consumers, stash_producers
+from pipefb.plan.stashpath import stash_consumers, stash_producers
 from tests.conftest import WORKER_THREADS, store_client
 from tests.test_shm_cluster import redis_input_bytes, segments_left
 from tests.test_shm_tier import assert_same, names, segment_files, stash, tier

@@ -23,7 +23,13 @@ from pipefb.errors import CodecError, ConfigError, WorkerFailed
 from pipefb.job.config import JobConfig, job_device
 from pipefb.plan.migration import takeover
 from pipefb.plan.plan import Plan
-from pipefb.plan.stashpath import copies_on_compute_thread, takes_back_own_stash
+from pipefb.plan.stashpath import (
+    copies_on_compute_thread,
+    fences_sends,
+    stash_consumers,
+    stash_producers,
+    takes_back_own_stash,
+)
 from pipefb.profile.measure import measure_profile
 from pipefb.runtime.allreduce import (
     GroupAllReduce,
@@ -32,7 +38,6 @@ from pipefb.runtime.allreduce import (
 )
 from pipefb.runtime.checkpoint import rank_file, resolve_under
 from pipefb.runtime.manifest import verified_files
-from pipefb.runtime.place import stash_consumers, stash_producers
 from pipefb.runtime.stage import StageRuntime
 from pipefb.schedule import Kind
 from protos import job_pb2, tensor_pb2, wire, worker_pb2, worker_pb2_grpc
@@ -74,7 +79,7 @@ def _write_in_background(transport: GrpcTransport, store: StashStore, runtime: S
     transport.writer = StashWriter(store, cap, transport.staging.to_host
                                    if transport.staging is not None else None,
                                    memory if memory_cap and device.type == "cpu" else None)
-    transport.fence_sends = runtime.role == "forward"
+    transport.fence_sends = fences_sends(runtime.topology, runtime.rank)
 
 
 @dataclass

@@ -261,7 +261,7 @@ def local_cluster_file(workers: int, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cluster = local_cluster(workers)
     if os.environ.get(TIER_ENV) == "":
-        cluster = replace(cluster, local_tier=None)
+        cluster = replace(cluster, local_tier=None, shared_tier=None)
     path.write_text(yaml.safe_dump(cluster.to_dict(), sort_keys=False))
     return path
 

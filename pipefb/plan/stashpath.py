@@ -1,5 +1,6 @@
 """Where a rank's stash copies run: on its compute thread, or beside it through the
-store's I/O thread and prefetch (the rule the workers follow and the simulator mirrors)."""
+store's I/O thread and prefetch; and which ranks take a rank's stashes or stashed what it
+takes (the rules the workers follow and the simulator mirrors)."""
 
 from __future__ import annotations
 
@@ -33,4 +34,52 @@ def copies_on_compute_thread(private: bool, local_tier: bool, device: str) -> bo
     return private and local_tier and device == "cpu"
 
 
-__all__ = ["copies_on_compute_thread", "takes_back_own_stash", "takes_back_own_stash_in"]
+def stash_consumers(plan: Plan, rank: int) -> dict[int, int]:
+    """Layer -> the rank that takes rank `rank`'s stash of it: for each layer of the rank's
+    forward stage, the rank of the backward stage in its group that holds the layer (the
+    rank itself on a combined one); empty for a backward rank, which stashes nothing."""
+    return _across(plan, rank, from_forward=True)
+
+
+def stash_producers(plan: Plan, rank: int) -> dict[int, int]:
+    """Layer -> the rank whose stash of it rank `rank` takes: for each layer of the rank's
+    backward stage, the rank of the forward stage in its group that runs the layer (the
+    rank itself on a combined one); empty for a forward rank, which takes nothing. The
+    mirror of `stash_consumers`."""
+    return _across(plan, rank, from_forward=False)
+
+
+def _across(plan: Plan, rank: int, from_forward: bool) -> dict[int, int]:
+    """For each layer of rank `rank`'s forward stage (`from_forward`) or backward stage,
+    the rank of its group's stage on the other side that holds the layer; empty where the
+    rank has no stage on its own side."""
+    topology = plan.topology(plan.group_of(rank))
+    forward = (topology.forward_workers, topology.layers_of_forward)
+    backward = (topology.backward_workers, topology.layers_of_backward)
+    (own, own_layers), (other, other_layers) = (
+        (forward, backward) if from_forward else (backward, forward))
+    if rank not in own:
+        return {}
+    stage = own.index(rank)
+    holder = {layer: worker for s, worker in enumerate(other) for layer in other_layers(s)}
+    return {layer: holder[layer] for layer in own_layers(stage)}
+
+
+def fences_sends(topology: Topology, rank: int) -> bool:
+    """Whether rank `rank`'s transfers leave only after the stashes it handed over before
+    them are written: a forward-only rank (PipeFB's), so that the backward rank its loss
+    or activations reach finds those stashes in the store (`GrpcTransport.fence_sends`;
+    the simulator's [Note: fenced sends] in pipefb.sim.engine)."""
+    return rank in topology.forward_workers and rank not in topology.backward_workers
+
+
+def stash_partners(plan: Plan, rank: int) -> frozenset[int]:
+    """The other ranks rank `rank` exchanges stashes with: those that take its stashes
+    (`stash_consumers`) and those whose stashes it takes (`stash_producers`); empty for a
+    rank that takes back only its own."""
+    partners = {*stash_consumers(plan, rank).values(), *stash_producers(plan, rank).values()}
+    return frozenset(partners - {rank})
+
+
+__all__ = ["copies_on_compute_thread", "fences_sends", "stash_consumers", "stash_partners",
+           "stash_producers", "takes_back_own_stash", "takes_back_own_stash_in"]

@@ -127,14 +127,17 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
                                                     * factors.get("OPT", 1.0)))
     stash = factors.get("STASH", 1.0)  # the store's copies and the tier's alike
     store = replace(cluster.store, bandwidth=cluster.store.bandwidth / stash)
-    tier = (None if cluster.local_tier is None else
-            replace(cluster.local_tier, bandwidth=cluster.local_tier.bandwidth / stash))
     hop = factors.get(LATENCY, 1.0)
+
+    def copies(link: Link | None) -> Link | None:
+        return None if link is None else replace(link, bandwidth=link.bandwidth / stash)
 
     def slower(link: Link) -> Link:
         return Link(link.bandwidth, link.latency * hop)
 
-    return profile, replace(cluster, store=store, local_tier=tier,
+    return profile, replace(cluster, store=store, local_tier=copies(cluster.local_tier),
+                            shared_tier=copies(cluster.shared_tier),
+                            stream=None if cluster.stream is None else slower(cluster.stream),
                             network=slower(cluster.network),
                             links={pair: slower(x) for pair, x in cluster.links.items()})
 

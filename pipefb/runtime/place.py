@@ -126,36 +126,5 @@ def place(plan: Plan, rank: int, stale_microbatches: int = 0) -> RankPlace:
     )
 
 
-def stash_consumers(plan: Plan, rank: int) -> dict[int, int]:
-    """Layer -> the rank that takes rank `rank`'s stash of it: for each layer of the rank's
-    forward stage, the rank of the backward stage in its group that holds the layer (the
-    rank itself on a combined one); empty for a backward rank, which stashes nothing."""
-    return _across(plan, rank, from_forward=True)
-
-
-def stash_producers(plan: Plan, rank: int) -> dict[int, int]:
-    """Layer -> the rank whose stash of it rank `rank` takes: for each layer of the rank's
-    backward stage, the rank of the forward stage in its group that runs the layer (the
-    rank itself on a combined one); empty for a forward rank, which takes nothing. The
-    mirror of `stash_consumers`."""
-    return _across(plan, rank, from_forward=False)
-
-
-def _across(plan: Plan, rank: int, from_forward: bool) -> dict[int, int]:
-    """For each layer of rank `rank`'s forward stage (`from_forward`) or backward stage,
-    the rank of its group's stage on the other side that holds the layer; empty where the
-    rank has no stage on its own side."""
-    topology = plan.topology(plan.group_of(rank))
-    forward = (topology.forward_workers, topology.layers_of_forward)
-    backward = (topology.backward_workers, topology.layers_of_backward)
-    (own, own_layers), (other, other_layers) = (
-        (forward, backward) if from_forward else (backward, forward))
-    stage = _stage_of(own, rank)
-    if stage is None:
-        return {}
-    holder = {layer: worker for s, worker in enumerate(other) for layer in other_layers(s)}
-    return {layer: holder[layer] for layer in own_layers(stage)}
-
-
 def _stage_of(workers: tuple[int, ...], rank: int) -> int | None:
     return workers.index(rank) if rank in workers else None

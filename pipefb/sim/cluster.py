@@ -26,6 +26,17 @@ simulator take it as plain data. Sizes and rates accept units::
                                    # shared-memory tier (--local-tier-dir); a put or take
                                    # of a private rank's stash there ([Note: tier copies]
                                    # in pipefb.sim.costmodel)
+    shared_tier: {bandwidth: 8GB/s, latency: 1ms}  # optional: a put or take of a stash
+                                   # there by the worker's I/O thread and prefetch (its
+                                   # segments plus index keys in the store), for a rank on
+                                   # a loopback host whose stash partners share that host
+                                   # ([Note: shared tier] in pipefb.sim.costmodel); unset:
+                                   # such stashes are priced by `store`
+    stream: {bandwidth: 1GB/s, latency: 350us}     # optional: the workers' gRPC stream
+                                   # between two workers of a loopback host, which a
+                                   # forward rank whose sends wait for its stash writes
+                                   # sends over instead of the hop socket ([Note: fenced
+                                   # sends] in pipefb.sim.engine); unset: `network`
     device: cpu                    # what the workers compute on (cpu or cuda; default cpu)
     overheads: {action: 20us, step: 1ms}           # per executed action; per step and worker
                                    # (step_cpu: 0.5ms -> on a loopback host each worker's
@@ -118,16 +129,19 @@ class Link:
 
     @staticmethod
     def parse(data: Any, what: str) -> Link:
-        """A link from `{bandwidth, latency}`; ConfigError names the bad field."""
+        """A link from `{bandwidth, latency, cpu}`; ConfigError names the bad field."""
         fields_ = _mapping(data, what, {"bandwidth", "latency", "cpu", "between"})
         if "bandwidth" not in fields_:
             raise ConfigError(f"{what} needs a bandwidth (e.g. 12GB/s)")
         cpu = fields_.get("cpu", 1.0)
         if isinstance(cpu, bool) or not isinstance(cpu, int | float):
             raise ConfigError(f"{what}.cpu = {cpu!r} is not a number")
-        return Link(parse_quantity(fields_["bandwidth"], f"{what}.bandwidth", "rate"),
-                    parse_quantity(fields_.get("latency", 0), f"{what}.latency", "seconds"),
-                    float(cpu))
+        bandwidth = parse_quantity(fields_["bandwidth"], f"{what}.bandwidth", "rate")
+        latency = parse_quantity(fields_.get("latency", 0), f"{what}.latency", "seconds")
+        try:
+            return Link(bandwidth, latency, float(cpu))
+        except ConfigError as error:
+            raise ConfigError(f"{what}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,14 @@ class Cluster:
     #: a put or a take of a private rank's stash there costs its `seconds` ([Note: tier
     #: copies] in pipefb.sim.costmodel)
     local_tier: Link | None = None
+    #: a put or a take of a stash in the node-local tier through the worker's I/O thread
+    #: and prefetch, for a rank that shares it with its stash partners on a loopback host;
+    #: None: `store` ([Note: shared tier] in pipefb.sim.costmodel)
+    shared_tier: Link | None = None
+    #: the gRPC stream between two workers of a loopback host, which a rank whose sends
+    #: wait for its stash writes sends over; None: the hop's link ([Note: fenced sends] in
+    #: pipefb.sim.engine)
+    stream: Link | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -257,7 +279,8 @@ class Cluster:
     def from_dict(data: Any, source: str = "cluster") -> Cluster:
         """Reads the YAML form (see the module docstring); ConfigError names the bad field."""
         top = _mapping(data, source, {"workers", "hosts", "network", "links", "store",
-                                      "overheads", "device", "local_tier"})
+                                      "overheads", "device", "local_tier", "shared_tier",
+                                      "stream"})
         if "workers" not in top:
             raise ConfigError(f"{source} needs `workers`")
         workers = _workers(top["workers"], f"{source}.workers")
@@ -282,8 +305,9 @@ class Cluster:
                 kwargs["stash_in_flight_bytes"] = int(parse_quantity(
                     store.pop("in_flight"), f"{source}.store.in_flight", "bytes"))
             kwargs["store"] = Link.parse(store, f"{source}.store")
-        if "local_tier" in top:
-            kwargs["local_tier"] = Link.parse(top["local_tier"], f"{source}.local_tier")
+        for name in ("local_tier", "shared_tier", "stream"):
+            if name in top:
+                kwargs[name] = Link.parse(top[name], f"{source}.{name}")
         if "device" in top:
             kwargs["device"] = str(top["device"])
         return Cluster(
@@ -338,8 +362,10 @@ class Cluster:
                           **({"step_cpu": self.step_cpu} if self.step_cpu else {}),
                           **({"busy_send": self.busy_send} if self.busy_send else {})},
         }
-        if self.local_tier is not None:
-            out["local_tier"] = link(self.local_tier)
+        for name, optional in (("local_tier", self.local_tier),
+                               ("shared_tier", self.shared_tier), ("stream", self.stream)):
+            if optional is not None:
+                out[name] = link(optional)
         if self.device != "cpu":
             out["device"] = self.device
         if self.host_cores:

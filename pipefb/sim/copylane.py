@@ -12,8 +12,10 @@ from pipefb.sim.cluster import Link
 # copy stream into pinned buffers) and takes each fetch on a prefetch thread from its
 # action list (`dataplane.grpc_transport`), so the simulator gives every rank a copy lane
 # beside its compute lane, with two directions (writes out, takes in), each FIFO like a
-# link's, at the store link's latency and bandwidth (the calibration's store probe times
-# the same put and take: `calibration/store.py`).
+# link's, at its copy link's latency and bandwidth: the store's, or the node-local
+# tier's where the rank shares it with its stash partners ([Note: shared tier] in
+# pipefb.sim.costmodel; the calibration's store and shared-tier probes time the same put
+# and take: `calibration/store.py`).
 # - STASH hands its bytes to the out direction and holds the compute lane only for the
 #   action overhead, plus a wait while the bytes in flight (handed over, not yet
 #   written) and its own would pass `Cluster.stash_in_flight_bytes` (the workers'
@@ -32,8 +34,8 @@ from pipefb.sim.cluster import Link
 #   written (the runtime fences them so), and an iteration's end waits for every write of
 #   the step (the flush drains the writer): [Note: flush] in pipefb.sim.engine.
 # - Bytes in flight count as `stash_in_flight` memory until their write ends.
-# - On a loopback host a copy is CPU work (the I/O thread and Redis): a job of
-#   `store.cpu` times its seconds runs on the host's cores from its start, slowing the
+# - On a loopback host a copy is CPU work (the I/O thread and Redis): a job of the copy
+#   link's `cpu` times its seconds runs on the host's cores from its start, slowing the
 #   computes beside it (so there a prefetch's take is issued as soon as its inputs are
 #   in, not when the rank reaches its FETCH); the lane's own times are not stretched by
 #   that sharing.
@@ -44,7 +46,7 @@ class CopyLane:
     """One rank's copy lane ([Note: copy lane]): when each direction is next free, and
     the writes still in flight as (end, bytes), in order of their ends."""
 
-    store: Link
+    link: Link  # the store's, or the shared tier's ([Note: shared tier])
     cap: int  # bytes in flight at most; 0: writes run on the compute lane
     out_free: float = 0.0
     in_free: float = 0.0
@@ -68,14 +70,14 @@ class CopyLane:
     def write(self, t: float, nbytes: int) -> tuple[float, float]:
         """Queues a write handed over at `t`; returns its (start, end)."""
         start = max(t, self.out_free)
-        self.out_free = end = start + self.store.seconds(nbytes)
+        self.out_free = end = start + self.link.seconds(nbytes)
         self.writes.append((end, nbytes))
         return start, end
 
     def take(self, t: float, nbytes: int) -> tuple[float, float]:
         """Queues a take issued (and its stash written) by `t`; returns its (start, end)."""
         start = max(t, self.in_free)
-        self.in_free = end = start + self.store.seconds(nbytes)
+        self.in_free = end = start + self.link.seconds(nbytes)
         return start, end
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pipefb.errors import ScheduleError
 from pipefb.plan.plan import Plan, recompute_runs
-from pipefb.plan.stashpath import copies_on_compute_thread, takes_back_own_stash_in
+from pipefb.plan.stashpath import (
+    copies_on_compute_thread,
+    stash_partners,
+    takes_back_own_stash_in,
+)
 from pipefb.schedule import Action, Kind, Topology
 from pipefb.sim.cluster import Cluster, Link, group_view, ring_link
 from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
@@ -21,7 +25,8 @@ from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
 #   then cross the link between the two workers, one transfer at a time per direction
 #   (FIFO), arriving `latency + bytes / bandwidth` after they start.
 # - STASH and FETCH move the stashed bytes through the rank's copy lane, beside its
-#   compute, at the store link's latency + bytes over bandwidth ([Note: copy lane] in
+#   compute, at its copy link's latency + bytes over bandwidth (the store's, or the
+#   shared tier's: [Note: shared tier]; [Note: copy lane] in
 #   pipefb.sim.copylane): a STASH holds the compute lane only while the bytes in flight
 #   are at their cap (a cap of 0: for its whole write), a FETCH only for what is left of
 #   its prefetched take. A STASH whose FETCH comes right after it moves nothing
@@ -42,6 +47,19 @@ from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
 # put and a take of the same tier, as it times the store's), nothing goes on its copy
 # lane, no bytes are in flight (`stash_in_flight` 0) and no FETCH is prefetched. Every
 # other rank (PipeFB's, one without the tier, one on CUDA) keeps the copy lane.
+
+# [Note: shared tier]
+# A rank that exchanges stashes with other ranks (`pipefb.plan.stashpath.stash_partners`:
+# the consumers of a forward rank's stashes, the producers of a backward rank's fetches,
+# the lists its worker gives its store) writes a layer to the node-local tier when the
+# rank that takes it uses the same tier, and takes a layer from there when its producer
+# does, else from Redis ([Note: tier ranks] in offload_store/tierranks.py). The simulator
+# takes a host for a tier: where `Cluster.shared_tier` is set and every stash partner of
+# a rank that is not private ([Note: tier copies]) shares its loopback host, its copy lane
+# moves its stashes at the shared tier's latency and bandwidth (a put is a copy into a
+# mapped segment plus its index keys in Redis, a take the segment's bytes back), and on
+# that host its copies keep `shared_tier.cpu` cores busy; every other rank's copy lane
+# (a partner on another host, no shared tier described) uses `Cluster.store`.
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.OPT})
 SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_L})
@@ -69,6 +87,8 @@ class Costs:
         self._stash: dict[tuple[Kind, int], int] = {}
         self.on_compute = frozenset(r for r in self.topology.workers()  # [Note: tier copies]
                                     if tier_copies(self.topology, cluster, r) is not None)
+        self.copy_links = {r: copy_link(plan, self.cluster, r)  # [Note: shared tier]
+                           for r in self.topology.workers()}
 
     def boundary_bytes(self, layer: int) -> int:
         """Bytes of the tensor entering `layer` from the layer before (0 for the data)."""
@@ -162,9 +182,20 @@ def tier_copies(topology: Topology, cluster: Cluster, rank: int) -> Link | None:
     return tier if copies_on_compute_thread(private, tier is not None, cluster.device) else None
 
 
+def copy_link(plan: Plan, cluster: Cluster, rank: int) -> Link:
+    """The link rank `rank`'s copy lane moves its stashes over: the shared tier where its
+    stash partners share its loopback host, else the store ([Note: shared tier])."""
+    tier = cluster.shared_tier
+    partners = stash_partners(plan, rank)
+    if tier is not None and partners and all(cluster.on_loopback(rank, p) for p in partners):
+        return tier
+    return cluster.store
+
+
 def stage_of(workers: tuple[int, ...], rank: int) -> int | None:
     """The stage `rank` runs among a role's `workers` (None: it has none there)."""
     return workers.index(rank) if rank in workers else None
 
 
-__all__ = ["COMPUTE", "LOSS_BYTES", "SENDS", "STORE_KINDS", "Costs", "stage_of", "tier_copies"]
+__all__ = ["COMPUTE", "LOSS_BYTES", "SENDS", "STORE_KINDS", "Costs", "copy_link", "stage_of",
+           "tier_copies"]

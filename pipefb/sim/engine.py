@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from pipefb.errors import ScheduleError
 from pipefb.plan.plan import Plan
+from pipefb.plan.stashpath import fences_sends
 from pipefb.schedule import Action, Kind, Schedule, iteration
 from pipefb.sim.cluster import Link
 from pipefb.sim.copylane import CopyLane
@@ -53,6 +54,15 @@ _PREFETCH = -10  # a waiter at or below it is rank (_PREFETCH - waiter)'s pendin
 # would end at full speed if sooner; an early send ([Note: early sends] in
 # pipefb.sim.program) is followed by its B's weight halves. A step's last sends are not:
 # its flush waits, the lock free, until they left.
+#
+# [Note: fenced sends]
+# A PipeFB forward rank's transfers leave only after the stashes it handed over before
+# them are written ([Note: copy lane] in pipefb.sim.copylane), and that wait runs on its
+# gRPC threads, so such a rank sends over its gRPC stream even to a worker of its own host
+# (`GrpcTransport.fence_sends`: no hop socket, [Note: local hops] in
+# dataplane/localhop.py). So where `Cluster.stream` is set, a fenced rank's transfers to
+# a worker of its loopback host cross that link instead of the hop's (`Cluster.link`);
+# every other transfer keeps its link.
 
 
 class Engine:
@@ -89,12 +99,13 @@ class Engine:
         self.records: list[Record] = []
         self.seq = 0
         # [Note: copy lane]: each rank's lane; forward ranks whose sends wait for their
-        # writes; per rank the iteration and end of its last FETCH, and when its last
-        # receive arrived; when each stash's write ends, by its slot in `avail`
+        # writes ([Note: fenced sends]); per rank the iteration and end of its last FETCH,
+        # and when its last receive arrived; when each stash's write ends, by its slot in
+        # `avail`
         t = costs.topology
-        self.lanes = {r: CopyLane(self.cluster.store, self.cluster.stash_in_flight_bytes)
+        self.lanes = {r: CopyLane(costs.copy_links[r], self.cluster.stash_in_flight_bytes)
                       for r in self.runs}
-        self.fenced = {r: t.is_split and r not in t.backward_workers for r in self.runs}
+        self.fenced = {r: fences_sends(t, r) for r in self.runs}
         self.fetched: dict[int, tuple[int, float]] = {}
         self.arrived: dict[int, float] = {}
         self.written: dict[int, float] = {}
@@ -221,7 +232,7 @@ class Engine:
         """The local Redis's share of a STASH or FETCH on a loopback host."""
         name = self.host[r][0]
         if name in self.cluster.loopback_hosts:
-            self._other_end(name, t, self.cluster.store, seconds)
+            self._other_end(name, t, self.lanes[r].link, seconds)
 
     def _other_end(self, name: str, t: float, link: Link, seconds: float) -> None:
         """Beside a transfer of `seconds` on host `name`, a job of (link.cpu - 1) times that
@@ -377,12 +388,12 @@ class Engine:
         self.taken[(r, q)] = self._take(r, run[q][1], waits[0][1], issue)
 
     def _lane_cpu(self, r: int, begin: float, seconds: float) -> None:
-        """On a loopback host, a copy's CPU from `begin`: `store.cpu` times its seconds
-        ([Note: copy lane] in pipefb.sim.copylane)."""
+        """On a loopback host, a copy's CPU from `begin`: its copy link's `cpu` times its
+        seconds ([Note: copy lane] in pipefb.sim.copylane)."""
         name = self.host[r][0]
         if name not in self.cluster.loopback_hosts or seconds <= 0:
             return
-        work = self.cluster.store.cpu * seconds
+        work = self.lanes[r].link.cpu * seconds
 
         def start(at: float) -> None:
             self._start_job(name, at, work, _nothing)
@@ -440,9 +451,16 @@ class Engine:
         return begin + link.seconds(nbytes)
 
     def _link(self, src: int, dst: int) -> Link:
+        """The link from `src` to `dst`: on a loopback host a fenced rank's is the gRPC
+        stream where the cluster gives one ([Note: fenced sends])."""
         link = self.link_of.get((src, dst))
         if link is None:
-            link = self.link_of[(src, dst)] = self.cluster.link(src, dst)
+            stream = self.cluster.stream
+            if stream is not None and self.fenced[src] and self.cluster.on_loopback(src, dst):
+                link = stream
+            else:
+                link = self.cluster.link(src, dst)
+            self.link_of[(src, dst)] = link
         return link
 
     def _loopback_transfer(self, src: int, dst: int, nbytes: int, slot: int, sent: float,

@@ -115,7 +115,7 @@ class Program:
         elif a.kind in STORE_KINDS and r in c.on_compute:
             seconds += c.tier_seconds(a)  # [Note: tier copies]
         elif a.kind is Kind.STASH and not c.cluster.stash_in_flight_bytes:
-            seconds += c.cluster.store.seconds(c.stash_bytes(a))  # on the compute lane
+            seconds += c.copy_links[r].seconds(c.stash_bytes(a))  # on the compute lane
         # local needs too: an unvalidated list may put them after (a deadlock)
         needs = tuple((offset, self.family(stage, "push", r), False) if kind is Kind.PUSH_W
                       else (offset, self.family(kind, stage), kind not in STAGE_KINDS)
