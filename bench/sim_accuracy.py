@@ -164,7 +164,7 @@ def round_cluster(folder: Path, workers: int, fresh: bool) -> tuple[Path, dict[s
     _, head = read_cache(cache_path(cache))
     found = re.search(r"measured (\S+)", head)
     return path, {"network": links["network"], "store": links["store"],
-                  **{k: links[k] for k in ("shared_tier", "stream") if k in links},
+                  **{k: links[k] for k in ("shared_tier",) if k in links},
                   "measured": found.group(1) if found else "unknown"}
 
 

@@ -80,7 +80,7 @@ def read_cache(path: Path) -> tuple[Measured, str]:
     return Measured(cluster.network, cluster.store, cluster.action_overhead,
                     cluster.step_overhead, cluster.step_cpu,
                     cluster.oversubscribed_of(HOST), cluster.busy_send,
-                    cluster.local_tier, cluster.shared_tier, cluster.stream), head
+                    cluster.local_tier, cluster.shared_tier), head
 
 
 def write_cache(path: Path, text: str) -> None:

@@ -2,7 +2,7 @@
 (or read from the cache), described as loopback workers on one host.
 
 `measure` starts the probe Redis and the echo peer and runs each probe with the parts a
-local run uses: the worker-to-worker link (the hop socket), the gRPC stream's and busy
+local run uses: the worker-to-worker link (the hop socket) and busy
 senders (`calibration.links`), the offload-store link and the node-local tier's, a
 private rank's and two ranks' sharing it (`calibration.store`), the runtime's and the
 Step call's overheads (`calibration.overheads`) and the cores' speed when oversubscribed
@@ -83,7 +83,7 @@ def measure(settings: Settings = DEFAULTS) -> Measured:
     """
     inbox = Inbox(timeout_seconds=PROBE_TIMEOUT_S)
     with _switch_interval(SWITCH_INTERVAL_SECONDS), _helpers(inbox) as (redis_proc, peer):
-        network, busy_send, stream = links.network(peer, inbox, settings)
+        network, busy_send = links.network(peer, inbox, settings)
         rpc = overheads.rpc_round_trip(peer.address, settings.rpc_repeats)
         step_cpu = overheads.step_cpu(peer.address, settings.step_calls,
                                       [os.getpid(), peer.pid])
@@ -95,7 +95,7 @@ def measure(settings: Settings = DEFAULTS) -> Measured:
         action, step = overheads.runtime_overheads(settings.steps)
     oversubscribed = crowding.oversubscribed(os.cpu_count() or 1, settings.crowd_seconds)
     return Measured(network, store_link, action, rpc + step, step_cpu, oversubscribed,
-                    busy_send, tier, shared_tier, stream)
+                    busy_send, tier, shared_tier)
 
 
 def build_cluster(workers: int, measured: Measured) -> Cluster:
@@ -111,7 +111,7 @@ def build_cluster(workers: int, measured: Measured) -> Cluster:
                    step_overhead=measured.step_overhead, step_cpu=measured.step_cpu,
                    host_oversubscribed={HOST: measured.oversubscribed},
                    busy_send=measured.busy_send, local_tier=measured.local_tier,
-                   shared_tier=measured.shared_tier, stream=measured.stream)
+                   shared_tier=measured.shared_tier)
 
 
 def calibrated(workers: int, *, cache_dir: Path | None = None, refresh: bool = False,

@@ -11,10 +11,6 @@ one-way probe times, and how much later a send followed by compute arrives.
   and sends it back: a delivery is send call to the peer's `recv` return, one way. Small
   tensors give the latency, large ones the bandwidth (`calibration.fit`); the CPU of both
   processes during the large probes gives the link's `cpu` (`calibration.cpu`).
-- **stream**: the network probes with the sender's hop sockets off (`local_hops`), over
-  the gRPC stream a worker whose sends wait for its stash writes uses to a peer of its own
-  host ([Note: fenced sends] in pipefb.sim.engine); half `Settings.large_repeats` probes
-  of each size keep the calibration short.
 - **busy senders** (`overheads.busy_send`): probes whose sender then computes for
   `Settings.busy_seconds` (a Linear's forward and backward, one torch thread) against
   probes whose sender waits; the echo peer stamps when each arrived, and the mean one-way
@@ -246,9 +242,9 @@ def _busy_send(pinger: _Pinger, settings: Settings) -> float:
     return max(0.0, statistics.mean(times[True]) - statistics.mean(times[False]))
 
 
-def network(peer: Process, inbox: Inbox, settings: Settings) -> tuple[Link, float, Link]:
-    """The worker-to-worker link (the hop socket), from probes to the echo peer; how much
-    later a send followed by compute arrives; and the gRPC stream's link (`_stream`)."""
+def network(peer: Process, inbox: Inbox, settings: Settings) -> tuple[Link, float]:
+    """The worker-to-worker link, from probes to the echo peer, and how much later a
+    send followed by compute arrives."""
     transport = GrpcTransport(JOB, [peer.address], None, inbox)
     meter = CpuMeter([os.getpid(), peer.pid])
     try:
@@ -258,25 +254,9 @@ def network(peer: Process, inbox: Inbox, settings: Settings) -> tuple[Link, floa
         large = pinger.one_way(settings.large_bytes, settings.large_repeats, settings.warmup,
                                settings.idle_gap, meter)
         busy = _busy_send(pinger, settings)
-        grpc_stream = _stream(pinger, settings)
         transport.flush()
     finally:
         transport.close()
     link = fit_probes("loopback hop socket", settings.small_bytes, small, settings.large_bytes,
                       large)
-    return replace(link, cpu=meter.cores()), busy, grpc_stream
-
-
-def _stream(pinger: _Pinger, settings: Settings) -> Link:
-    """The gRPC stream between two workers of this host: the network probes again with the
-    sender's hop sockets off (`GrpcTransport.local_hops`; the echo comes back as before),
-    half `Settings.large_repeats` of each size."""
-    pinger.transport.local_hops = False
-    meter = CpuMeter([os.getpid(), pinger.peer.pid])
-    repeats, warmup, gap = max(1, settings.large_repeats // 2), settings.warmup, settings.idle_gap
-    small = pinger.one_way(settings.small_bytes, repeats, warmup, gap)
-    large = pinger.one_way(settings.large_bytes, repeats, warmup, gap, meter)
-    link = fit_probes("loopback gRPC stream", settings.small_bytes, small,
-                      settings.large_bytes, large)
-    return replace(link, cpu=meter.cores())
-
+    return replace(link, cpu=meter.cores()), busy

@@ -51,7 +51,6 @@ class Measured:
     busy_send: float = 0.0  # how much later a send followed by compute starts
     local_tier: Link | None = None  # one put or take of a private rank's node-local tier
     shared_tier: Link | None = None  # one put or take of a stash two ranks share in the tier
-    stream: Link | None = None  # worker to worker over the gRPC stream, not the hop socket
 
 
 DEFAULTS = Settings()  # the settings of a real calibration

@@ -1,8 +1,8 @@
 """A PipeFB rank whose stash partners share its loopback host moves its stashes through the
-node-local tier ([Note: shared tier] in pipefb.sim.costmodel), and a forward rank whose
-sends wait for its writes sends over its gRPC stream there ([Note: fenced sends] in
-pipefb.sim.engine), as the workers do; a cluster that describes neither is priced as
-before. Expected times are worked out by hand in the comments (milliseconds)."""
+node-local tier ([Note: shared tier] in pipefb.sim.costmodel), as the workers do, and a
+forward rank's sends wait for its writes ([Note: fenced sends] in pipefb.sim.engine); a
+cluster that describes no shared tier is priced as before. Expected times are worked out
+by hand in the comments (milliseconds)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ MS = 1e-3
 MB = 1_000_000
 STORE = Link(1e8, 0.0)  # 2 MB of stash: 20 ms to write, 20 ms to take
 TIER = Link(1e9, 0.5e-3)  # 2 MB: 2.5 ms each way
-STREAM = Link(1e9, 3e-3)  # the 4-byte loss: 3.000004 ms
 PLAN = balanced_plan("pipefb", 2, [1.0], 1, 1)  # rank 0 forward, rank 1 backward
 # F 4 ms, B 1 us, 2 MB saved: rank 0 runs RECV_W F0 STASH0 SEND_L0, rank 1 RECV_L0
 # FETCH0 B0 OPT PUSH_W
@@ -82,7 +81,7 @@ def test_without_the_shared_tier_or_with_a_partner_on_another_host_redis_prices_
     assert _spans(plain)["0RECV_L0"][1] == pytest.approx(24)
     assert _spans(plain)["0FETCH0"] == pytest.approx((24, 44))
     assert plain.step_seconds == pytest.approx(44.001 * MS)
-    apart = _cluster(("a", "b"), shared_tier=TIER, stream=STREAM)
+    apart = _cluster(("a", "b"), shared_tier=TIER)
     assert Costs(PLAN, PROFILE, apart).copy_links == {0: STORE, 1: STORE}
     assert (simulate(PLAN, PROFILE, apart, 2).records
             == simulate(PLAN, PROFILE, _cluster(("a", "b")), 2).records)
@@ -91,25 +90,6 @@ def test_without_the_shared_tier_or_with_a_partner_on_another_host_redis_prices_
     gpipe = replace(balanced_plan("gpipe", 2, [1.0] * 2, 2, 2), policy=("offload",) * 2)
     profile = Profile(1, (PROFILE.layers[0],) * 2, optimizer_seconds_per_byte=0.0)
     assert Costs(gpipe, profile, _cluster(shared_tier=TIER)).copy_links == {0: STORE, 1: STORE}
-
-
-def test_a_fenced_forward_rank_sends_over_the_stream_on_its_loopback_host_only():
-    # the loss leaves when the write ends (6.5) and crosses the stream: RECV_L0 ends at
-    # 9.500004, FETCH0 takes 9.500004-12.000004; the backward rank's PUSH_W keeps the hop
-    both = _cluster(shared_tier=TIER, stream=STREAM)
-    sim = simulate(PLAN, PROFILE, both, 2)
-    arrived = 6.5 + STREAM.seconds(4) / MS
-    assert _spans(sim)["0RECV_L0"][1] == pytest.approx(arrived)
-    assert _spans(sim)["0FETCH0"] == pytest.approx((arrived, arrived + 2.5))
-    push = next(s for s in sim.spans if s.rank == 1 and s.iteration == 0
-                and s.label == "0PUSH_W")
-    recv_w = next(s for s in sim.spans if s.rank == 0 and s.iteration == 1
-                  and s.label == "0RECV_W")
-    assert recv_w.end == pytest.approx(push.end)  # the ~zero hop, not the stream's 3 ms
-    # workers on hosts of their own: no loopback pair, the stream is never used
-    uniform = Cluster.uniform(2, network=Link(1e15, 0.0), store=STORE)
-    assert (simulate(PLAN, PROFILE, replace(uniform, stream=STREAM), 2).records
-            == simulate(PLAN, PROFILE, uniform, 2).records)
 
 
 def test_a_shared_tier_copy_keeps_its_links_cpu_busy_on_the_host():
@@ -128,7 +108,7 @@ def test_a_shared_tier_copy_keeps_its_links_cpu_busy_on_the_host():
 
 
 # step seconds of these plans on a calibrated-like loopback cluster without the shared
-# tier or the stream, as main's simulator gave them before either existed
+# tier, as main's simulator gave them before it existed
 BEFORE = {("pipefb", 2): 0.10590427169200073, ("pipefb", 4): 0.0974905089037032,
           ("gpipe", 2): 0.09775641427904072, ("gpipe", 4): 0.08222524403023379,
           ("1f1b", 2): 0.09565387130177502, ("1f1b", 4): 0.07997697457010096,
@@ -151,34 +131,33 @@ def test_a_cluster_without_the_new_links_is_priced_as_before(kind, n):
         BEFORE[(kind, n)], rel=1e-12)
 
 
-def test_the_shared_tier_and_stream_read_from_yaml_and_round_trip():
+def test_the_shared_tier_reads_from_yaml_and_round_trips():
     data = {"workers": {"count": 2, "host": "box"}, "hosts": [{"name": "box", "cores": 4,
                                                               "loopback": True}],
-            "shared_tier": {"bandwidth": "8GB/s", "latency": "1ms", "cpu": 1.2},
-            "stream": {"bandwidth": "1GB/s", "latency": "350us"}}
+            "shared_tier": {"bandwidth": "8GB/s", "latency": "1ms", "cpu": 1.2}}
     cluster = Cluster.from_dict(data)
     assert cluster.shared_tier == Link(8e9, pytest.approx(1e-3), 1.2)
-    assert cluster.stream == Link(1e9, pytest.approx(3.5e-4))
     text = cluster.to_dict()
     assert text["shared_tier"] == {"bandwidth": 8e9, "latency": cluster.shared_tier.latency,
                                    "cpu": 1.2}
     assert Cluster.from_dict(text) == cluster
     plain = Cluster.from_dict({"workers": {"count": 1}})
-    assert plain.shared_tier is None and plain.stream is None
-    assert "shared_tier" not in plain.to_dict() and "stream" not in plain.to_dict()
+    assert plain.shared_tier is None and "shared_tier" not in plain.to_dict()
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("shared_tier", {"latency": "1ms"}, r"cluster\.shared_tier needs a bandwidth"),
     ("shared_tier", {"bandwidth": "fast"}, r"cluster\.shared_tier\.bandwidth = 'fast' is "
                                            "not a number with a unit"),
-    ("stream", {"bandwidth": "1GB"}, r"cluster\.stream\.bandwidth = '1GB' has the wrong unit"),
-    ("stream", {"bandwidth": 0}, r"cluster\.stream: link bandwidth 0.0 must be > 0"),
-    ("stream", {"bandwidth": "1GB/s", "cpu": 0.5}, r"cluster\.stream: link cpu 0.5 must be"),
-    ("stream", {"bandwidth": "1GB/s", "jitter": 1}, r"cluster\.stream has unknown key "
-                                                    "'jitter'"),
+    ("shared_tier", {"bandwidth": "1GB"}, r"cluster\.shared_tier\.bandwidth = '1GB' has the "
+                                          "wrong unit"),
+    ("shared_tier", {"bandwidth": 0}, r"cluster\.shared_tier: link bandwidth 0.0 must be > 0"),
+    ("shared_tier", {"bandwidth": "1GB/s", "cpu": 0.5}, r"cluster\.shared_tier: link cpu 0.5 "
+                                                       "must be"),
+    ("shared_tier", {"bandwidth": "1GB/s", "jitter": 1}, r"cluster\.shared_tier has unknown "
+                                                         "key 'jitter'"),
     ("shared_tier", "fast", r"cluster\.shared_tier must be a mapping, got str"),
 ])
-def test_a_bad_shared_tier_or_stream_is_refused_by_name(field, value, message):
+def test_a_bad_shared_tier_is_refused_by_name(field, value, message):
     with pytest.raises(ConfigError, match=message):
         Cluster.from_dict({"workers": {"count": 1}, field: value})

@@ -137,7 +137,6 @@ def scaled(profile: Profile, cluster: Cluster, factors: Mapping[str, float]
 
     return profile, replace(cluster, store=store, local_tier=copies(cluster.local_tier),
                             shared_tier=copies(cluster.shared_tier),
-                            stream=None if cluster.stream is None else slower(cluster.stream),
                             network=slower(cluster.network),
                             links={pair: slower(x) for pair, x in cluster.links.items()})
 

@@ -32,11 +32,6 @@ simulator take it as plain data. Sizes and rates accept units::
                                    # a loopback host whose stash partners share that host
                                    # ([Note: shared tier] in pipefb.sim.costmodel); unset:
                                    # such stashes are priced by `store`
-    stream: {bandwidth: 1GB/s, latency: 350us}     # optional: the workers' gRPC stream
-                                   # between two workers of a loopback host, which a
-                                   # forward rank whose sends wait for its stash writes
-                                   # sends over instead of the hop socket ([Note: fenced
-                                   # sends] in pipefb.sim.engine); unset: `network`
     device: cpu                    # what the workers compute on (cpu or cuda; default cpu)
     overheads: {action: 20us, step: 1ms}           # per executed action; per step and worker
                                    # (step_cpu: 0.5ms -> on a loopback host each worker's
@@ -198,10 +193,6 @@ class Cluster:
     #: and prefetch, for a rank that shares it with its stash partners on a loopback host;
     #: None: `store` ([Note: shared tier] in pipefb.sim.costmodel)
     shared_tier: Link | None = None
-    #: the gRPC stream between two workers of a loopback host, which a rank whose sends
-    #: wait for its stash writes sends over; None: the hop's link ([Note: fenced sends] in
-    #: pipefb.sim.engine)
-    stream: Link | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -279,8 +270,7 @@ class Cluster:
     def from_dict(data: Any, source: str = "cluster") -> Cluster:
         """Reads the YAML form (see the module docstring); ConfigError names the bad field."""
         top = _mapping(data, source, {"workers", "hosts", "network", "links", "store",
-                                      "overheads", "device", "local_tier", "shared_tier",
-                                      "stream"})
+                                      "overheads", "device", "local_tier", "shared_tier"})
         if "workers" not in top:
             raise ConfigError(f"{source} needs `workers`")
         workers = _workers(top["workers"], f"{source}.workers")
@@ -305,7 +295,7 @@ class Cluster:
                 kwargs["stash_in_flight_bytes"] = int(parse_quantity(
                     store.pop("in_flight"), f"{source}.store.in_flight", "bytes"))
             kwargs["store"] = Link.parse(store, f"{source}.store")
-        for name in ("local_tier", "shared_tier", "stream"):
+        for name in ("local_tier", "shared_tier"):
             if name in top:
                 kwargs[name] = Link.parse(top[name], f"{source}.{name}")
         if "device" in top:
@@ -363,7 +353,7 @@ class Cluster:
                           **({"busy_send": self.busy_send} if self.busy_send else {})},
         }
         for name, optional in (("local_tier", self.local_tier),
-                               ("shared_tier", self.shared_tier), ("stream", self.stream)):
+                               ("shared_tier", self.shared_tier)):
             if optional is not None:
                 out[name] = link(optional)
         if self.device != "cpu":

@@ -57,12 +57,10 @@ _PREFETCH = -10  # a waiter at or below it is rank (_PREFETCH - waiter)'s pendin
 #
 # [Note: fenced sends]
 # A PipeFB forward rank's transfers leave only after the stashes it handed over before
-# them are written ([Note: copy lane] in pipefb.sim.copylane), and that wait runs on its
-# gRPC threads, so such a rank sends over its gRPC stream even to a worker of its own host
-# (`GrpcTransport.fence_sends`: no hop socket, [Note: local hops] in
-# dataplane/localhop.py). So where `Cluster.stream` is set, a fenced rank's transfers to
-# a worker of its loopback host cross that link instead of the hop's (`Cluster.link`);
-# every other transfer keeps its link.
+# them are written ([Note: copy lane] in pipefb.sim.copylane): the wait runs on the
+# hop's writer thread to a worker of its own host, on its gRPC stream's to one elsewhere
+# (`GrpcTransport.fence_sends`, [Note: local hops] in dataplane/localhop.py), and the
+# transfer then crosses the link between the two workers (`Cluster.link`) as any other.
 
 
 class Engine:
@@ -451,16 +449,9 @@ class Engine:
         return begin + link.seconds(nbytes)
 
     def _link(self, src: int, dst: int) -> Link:
-        """The link from `src` to `dst`: on a loopback host a fenced rank's is the gRPC
-        stream where the cluster gives one ([Note: fenced sends])."""
         link = self.link_of.get((src, dst))
         if link is None:
-            stream = self.cluster.stream
-            if stream is not None and self.fenced[src] and self.cluster.on_loopback(src, dst):
-                link = stream
-            else:
-                link = self.cluster.link(src, dst)
-            self.link_of[(src, dst)] = link
+            link = self.link_of[(src, dst)] = self.cluster.link(src, dst)
         return link
 
     def _loopback_transfer(self, src: int, dst: int, nbytes: int, slot: int, sent: float,
