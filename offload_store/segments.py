@@ -61,8 +61,10 @@ OFFSET_BYTES = 40  # the most bytes ``, "offset": N`` adds to one header entry
 NODE_FILE = "node-id"  # the base directory's id: directories with the same id are one tier
 SPARE_PREFIX = "spare-"  # a read segment's file, kept for the directory's next write
 LENT_PREFIX = "lent-"  # a taken segment's file while its consumer's tensors view it
+OWN_PREFIX = "own-"  # a private store's slot file ([Note: own slots] in offload_store.ownslots)
 LOCK_FILE = "lock"  # flock'ed while a producer checks the cap and reserves its segment
 _SEGMENT_NAME = re.compile(r"(\d+)-\d+-\d+-\d+-\d+-[0-9a-f]+\.seg")
+_OWN_NAME = re.compile(r"own-(\d+)-[0-9a-f]+\.seg")
 _DIR_NAME = re.compile(r"[A-Za-z0-9_.-]+\+[0-9a-f]{32}")
 
 LayerTensors = dict[int, dict[str, torch.Tensor]]
@@ -410,6 +412,11 @@ def segment_name(attempt: int, step: int, microbatch: int, layer: int, version: 
     return f"{attempt}-{step}-{microbatch}-{layer}-{version}-{secrets.token_hex(8)}{SUFFIX}"
 
 
+def own_name(attempt: int) -> str:
+    """A fresh file name of a private store's slot ([Note: own slots])."""
+    return f"{OWN_PREFIX}{attempt}-{secrets.token_hex(8)}{SUFFIX}"
+
+
 def check_path(base: Path, job: str, path: str) -> Path:
     """`path` if it names a segment of `job` directly in one of its directories under
     `base`.
@@ -462,7 +469,8 @@ def clear_job(base: Path, job: str, below_attempt: int | None = None) -> int:
     removed = 0
     for folder in _job_dirs(base, job):
         for seg in folder.glob(f"*{SUFFIX}"):
-            match = _SEGMENT_NAME.fullmatch(seg.name.removeprefix(LENT_PREFIX))
+            match = (_SEGMENT_NAME.fullmatch(seg.name.removeprefix(LENT_PREFIX))
+                     or _OWN_NAME.fullmatch(seg.name))
             if match and (below_attempt is None or int(match[1]) < below_attempt):
                 seg.unlink(missing_ok=True)
                 removed += 1

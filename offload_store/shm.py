@@ -24,11 +24,13 @@ segment leaves the tier only when it is taken, released, or its job cleared.
 
 [Note: private index] A combined rank whose layers are the same forward and backward
 (GPipe, 1F1B, PipeDream) takes back every stash it puts, whole, so nobody else looks its
-segments up: its store (``private``) writes a micro-batch's whole stash as one segment
-and keeps the index in a dict of its own instead of Redis, so a put and a take cost one
-file each and no round trip to Redis. The segments are the same files in the job's directory, so the
-tier's cap, the node's memory accounting and the leases below hold as for any segment;
-a layer past the cap still spills to Redis and comes back from there.
+segments up: its store (``private``) copies a micro-batch's whole stash into one of its
+own slot files, kept mapped and reused, and keeps where each tensor lies in this process
+instead of Redis ([Note: own slots] in `offload_store.ownslots`), so a put costs the
+copies, a take the views, and neither a round trip to Redis nor a system call. The slots
+are files in the job's directory, so the tier's cap, the node's memory accounting and the
+leases below hold as for any segment; a stash past the cap spills to Redis and comes back
+from there.
 
 Which layers go to the tier: those whose consumer's store uses the same tier, [Note: tier
 ranks] in `offload_store.tierranks` (the others, and every layer until the consumer's
@@ -59,6 +61,7 @@ from offload_store import segments
 from offload_store.api import LayerTensors, StashStore, StoreStats
 from offload_store.keys import segment_key
 from offload_store.mapped import SegmentMaps
+from offload_store.ownslots import OwnSlots
 from offload_store.segments import SegmentError
 from offload_store.store import OffloadStore, execute_once
 from offload_store.tierranks import TierRanks
@@ -141,12 +144,12 @@ class SharedTierStore:
         self._read = (functools.partial(segments.lend, maps=self._maps) if zero_copy
                       else segments.read)
         self._dir: Path | None = None
-        self._private = private
-        # a private store's index: (step, micro-batch, version) -> its segment's entry
-        self._own: dict[tuple[int, int, int], str] = {}
         self._stats = StoreStats()
         self._lock = threading.Lock()
         segments.clear_job(self.base, self.job, below_attempt=self.attempt)  # [Note: tier leases]
+        # a private store's stashes ([Note: private index])
+        self._own = OwnSlots(self.base, self.attempt, self.cap_bytes, self._job_dir
+                             ) if private else None
         self.tier_ranks = TierRanks(inner.client, self.job, self.attempt, self.node, ranks,
                                     rank, inner.ttl_seconds)
 
@@ -164,7 +167,7 @@ class SharedTierStore:
         """Writes as a segment each layer whose consumer uses this tier ([Note: tier
         ranks]) and sets their index keys in one round trip; to Redis the other layers
         and those past the cap (a private store: its own, [Note: private index])."""
-        if self._private:
+        if self._own is not None:
             return self._put_private(step, microbatch, version, tensors)
         here = self._layers_here(tensors)
         if not here:
@@ -208,7 +211,7 @@ class SharedTierStore:
         wanted = [(layer, name) for layer, layer_names in names.items() for name in layer_names]
         if not wanted:
             return {}
-        if self._private:
+        if self._own is not None:
             return self._take_private(step, microbatch, version, names)
         layers = [layer for layer in names if names[layer]]
         elsewhere, unseen = self._produced_elsewhere(layers)
@@ -239,16 +242,16 @@ class SharedTierStore:
     def release(self, step: int, microbatch: int, version: int,
                 names: Mapping[int, Sequence[str]]) -> int:
         """Frees the stash's segments and its Redis keys (chunks too), whichever it has."""
+        if self._own is not None:  # one slot holds the whole stash, or Redis does
+            size = self._own.release((step, microbatch, version))
+            if size is None:
+                return self.inner.release(step, microbatch, version, names)
+            self._count(bytes_taken=size, keys_taken=1)
+            return sum(map(len, names.values()))
         freed = self.inner.release(step, microbatch, version, names)
-        found: list[tuple[str | bytes | Exception, int]]
-        if self._private:  # one segment holds the whole stash ([Note: private index])
-            with self._lock:
-                entry = self._own.pop((step, microbatch, version), None)
-            found = [] if entry is None else [(entry, sum(map(len, names.values())))]
-        else:
-            entries = self._take_index(step, microbatch, version, list(names))
-            found = [(e, len(names[layer])) for layer, e in zip(names, entries, strict=True)
-                     if e is not None]
+        entries = self._take_index(step, microbatch, version, list(names))
+        found = [(e, len(names[layer])) for layer, e in zip(names, entries, strict=True)
+                 if e is not None]
         unlinked: set[Path] = set()
         for entry, tensors in found:
             if isinstance(entry, Exception):
@@ -263,13 +266,16 @@ class SharedTierStore:
 
     def clear_job(self) -> int:
         """Deletes the job's Redis keys and its segments on this host, any attempt."""
-        with self._lock:
-            self._own.clear()
+        if self._own is not None:
+            self._own.close()
         return self.inner.clear_job() + segments.clear_job(self.base, self.job)
 
     def node_bytes(self) -> int:
         """Bytes of this store's own files in the tier: its segments no rank took yet and
-        its spares (`StashStore.node_bytes`)."""
+        its spares (`StashStore.node_bytes`); a private store's slots that no taken tensor
+        views."""
+        if self._own is not None:
+            return self._own.held_bytes()
         with self._lock:
             folder = self._dir
         return 0 if folder is None else segments.own_bytes(folder)
@@ -282,33 +288,40 @@ class SharedTierStore:
         with self._lock:
             if self._dir is not None:  # its spares go; segments not yet taken stay
                 segments.drop_spares(self._dir)
+        if self._own is not None:
+            self._own.close()
         self._maps.close()
         self.inner.close()
 
     def _put_private(self, step: int, microbatch: int, version: int,
                      tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int:
-        """A private store's put: the whole stash as one segment, indexed in this process,
-        or to Redis past the cap ([Note: private index])."""
+        """A private store's put: the whole stash into one of its slots, or to Redis past
+        the cap ([Note: private index])."""
+        assert self._own is not None
         stored = {layer: named for layer, named in tensors.items() if named}
-        entry = self._write(step, microbatch, min(stored), version, stored) if stored else None
-        if entry is None:
+        size = None
+        if stored:
+            try:
+                size = self._own.put((step, microbatch, version), stored)
+            except FileNotFoundError:  # the job's directory was cleared: use a new one
+                with self._lock:
+                    self._dir = None
+        if size is None:
             return self.inner.put(step, microbatch, version, tensors)
-        with self._lock:
-            self._own[(step, microbatch, version)] = entry
-        size = int(json.loads(entry)["size"])
         self._count(bytes_put=size, keys_put=1)
         return size
 
     def _take_private(self, step: int, microbatch: int, version: int,
                       names: Mapping[int, Sequence[str]]) -> LayerTensors:
-        """A private store's take: the stash's one segment, or Redis where it spilled."""
-        with self._lock:
-            entry = self._own.pop((step, microbatch, version), None)
-        if entry is None:
+        """A private store's take: the stash's slot, or Redis where it spilled."""
+        assert self._own is not None
+        got = self._own.take((step, microbatch, version),
+                             {layer: names[layer] for layer in names if names[layer]})
+        if got is None:
             return self.inner.take(step, microbatch, version, names)
-        path, size = self._segment(entry)
+        tensors, size = got
         self._count(bytes_taken=size, keys_taken=1)
-        return self._read(path, size, {layer: names[layer] for layer in names if names[layer]})
+        return tensors
 
     def _produced_elsewhere(self, layers: Sequence[int]) -> tuple[set[int], bool]:
         """The layers of `layers` whose producer's store is known to use another tier

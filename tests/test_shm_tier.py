@@ -20,7 +20,8 @@ import torch
 
 from offload_store import OffloadStore, RedisServer, connect, open_admin, open_store
 from offload_store.keys import segment_key, tier_ranks_key
-from offload_store.segments import LENT_PREFIX, SPARE_PREFIX, SUFFIX, SegmentError, segment_size
+from offload_store.segments import (LENT_PREFIX, OWN_PREFIX, SPARE_PREFIX, SUFFIX, SegmentError,
+                                     segment_size)
 from offload_store.shm import DIR_ENV, SharedTierStore
 from offload_store.store import SOCKET_ENV
 
@@ -61,6 +62,11 @@ def names(tensors: dict[int, dict[str, torch.Tensor]]) -> dict[int, list[str]]:
 
 def segment_files(base: Path) -> list[Path]:
     return sorted(base.glob(f"*/[0-9]*{SUFFIX}"))  # not the spares
+
+
+def own_files(base: Path) -> list[Path]:
+    """A private store's slot files ([Note: own slots])."""
+    return sorted(base.glob(f"*/{OWN_PREFIX}*{SUFFIX}"))
 
 
 def redis_client(server: RedisServer) -> redis.Redis:
@@ -132,20 +138,22 @@ def test_a_private_store_keeps_a_whole_stash_in_one_segment_and_redis_out_of_it(
     store, want = tier(server, base, job="own", ranks=2, private=True), stash()
     writes = redis_writes(server)
     size = store.put(3, 1, 2, want)  # its other rank never opened: a private store needs none
-    files = segment_files(base)
+    files = own_files(base)
     assert len(files) == 1 and files[0].stat().st_size == size  # both layers, one file
     only = [tier_ranks_key("own", 0).encode()]  # no index entry, no value
     assert redis_client(server).keys("pipefb:own:*") == only
     got = store.take(3, 1, 2, names(want))
     assert_same(got, want)
-    assert segment_files(base) == [] and redis_writes(server) == writes  # no round trip
+    assert own_files(base) == files and redis_writes(server) == writes  # no round trip
     assert store.stats.bytes_put == store.stats.bytes_taken == size
     with pytest.raises(KeyError):
         store.take(3, 1, 2, names(want))
+    del got  # its slot is free again once no tensor views it
     store.put(4, 0, 2, want)
     assert store.release(4, 0, 2, names(want)) == 4  # its four tensors
-    assert segment_files(base) == []
+    assert segment_files(base) == [] and own_files(base) == files  # one slot, reused
     store.close()
+    assert own_files(base) == []
 
 
 def test_a_private_store_spills_a_stash_past_the_cap_to_redis(

@@ -1,0 +1,142 @@
+"""A private store's own slots ([Note: own slots] in offload_store/ownslots.py), against a
+real redis-server and a real tier directory: stashes copied into reused, mapped files,
+taken as views, freed when the views go; the cap, the leases and the store's memory."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_store import RedisServer, connect, open_store
+from offload_store.segments import OWN_PREFIX, SUFFIX, SegmentError
+from offload_store.shm import SharedTierStore
+
+Stash = dict[int, dict[str, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer(maxmemory="64mb") as srv:
+        yield srv
+
+
+def private(server: RedisServer, base: Path, job: str, attempt: int = 0, cap: int = -1
+            ) -> SharedTierStore:
+    store = open_store(server.address, job, attempt, local_tier_dir=str(base),
+                       local_tier_bytes=cap, local_tier_private=True)
+    assert isinstance(store, SharedTierStore)
+    return store
+
+
+def slots(base: Path) -> list[Path]:
+    return sorted(base.glob(f"*/{OWN_PREFIX}*{SUFFIX}"))
+
+
+def stash(seed: int) -> Stash:
+    """What users' layers save: float, half, bf16, bool and int tensors, a transposed
+    (non-contiguous) one, an empty one, and one that requires grad."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(6, 4, generator=g, requires_grad=True)
+    return {0: {"x": torch.randn(5, 7, generator=g), "t": torch.randn(4, 6, generator=g).t(),
+                "w": weight * 2},
+            3: {"h": torch.randn(3, generator=g).half(),
+                "b": torch.randn(9, generator=g).bfloat16(),
+                "m": torch.rand(11, generator=g) > 0.5, "i": torch.arange(5),
+                "e": torch.empty(0, 3)}}
+
+
+def names(tensors: Stash) -> dict[int, list[str]]:
+    return {layer: list(named) for layer, named in tensors.items()}
+
+
+def assert_same(got: Stash, want: Stash) -> None:
+    assert names(got) == names(want)
+    for layer, named in want.items():
+        for name, tensor in named.items():
+            out = got[layer][name]
+            assert out.dtype == tensor.dtype and out.shape == tensor.shape
+            assert torch.equal(out, tensor.detach()) and not out.requires_grad
+
+
+def test_stashes_are_copied_into_one_reused_slot_and_taken_as_its_views(
+        server: RedisServer, tmp_path: Path) -> None:
+    store = private(server, tmp_path / "tier", "slots")
+    client = connect(server.address)
+    want = stash(0)
+    size = store.put(0, 0, 0, want)
+    (slot,) = slots(tmp_path / "tier")
+    assert slot.stat().st_size == size and store.node_bytes() == size
+    got = store.take(0, 0, 0, names(want))
+    assert_same(got, want)
+    assert store.node_bytes() == 0  # the taker's tensors hold it now
+    bases = {t.untyped_storage().data_ptr() for named in got.values() for t in named.values()
+             if t.numel()}
+    assert len(bases) == 1  # every tensor views the one mapping
+    got[0]["x"].add_(1)  # writable
+    with pytest.raises(KeyError):
+        store.take(0, 0, 0, names(want))  # not here: asks Redis
+    calls = client.info("commandstats")
+    for step in range(1, 4):  # the slot is free again once the views are gone
+        del got
+        gc.collect()
+        assert store.node_bytes() == size
+        want = stash(step)
+        store.put(step, 1, 0, want)
+        got = store.take(step, 1, 0, names(want))
+        assert_same(got, want)
+        assert slots(tmp_path / "tier") == [slot]
+    store.put(9, 0, 0, want)  # a second stash while the first's views live: a second slot
+    assert len(slots(tmp_path / "tier")) == 2 and store.node_bytes() == size
+    assert store.release(9, 0, 0, names(want)) == 8  # its tensors
+    assert store.node_bytes() == size  # released untaken: free at once
+    after = client.info("commandstats")
+    for command in ("cmdstat_set", "cmdstat_getdel", "cmdstat_del"):  # no round trip
+        assert after.get(command, {}).get("calls", 0) == calls.get(command, {}).get("calls", 0)
+    assert store.stats.bytes_put == store.stats.bytes_taken == 5 * size  # 4 taken, 1 released
+    store.close()
+    assert slots(tmp_path / "tier") == []
+    assert_same({3: {"m": got[3]["m"]}}, {3: {"m": want[3]["m"]}})  # views outlive the close
+
+
+def test_a_take_must_name_exactly_the_tensors_the_stash_holds(
+        server: RedisServer, tmp_path: Path) -> None:
+    store = private(server, tmp_path / "tier", "names")
+    want = stash(1)
+    store.put(0, 0, 0, want)
+    with pytest.raises(SegmentError, match="holds"):
+        store.take(0, 0, 0, {0: ["x"]})
+    store.close()
+
+
+def test_a_slot_past_the_cap_spills_and_free_slots_of_other_sizes_make_room(
+        server: RedisServer, tmp_path: Path) -> None:
+    base = tmp_path / "tier"
+    small, large = {0: {"a": torch.randn(1000)}}, {0: {"a": torch.randn(1500)}}
+    store = private(server, base, "cap", cap=8192)
+    store.put(0, 0, 0, small)  # 4000 bytes: one slot
+    store.release(0, 0, 0, names(small))
+    store.put(0, 1, 0, large)  # 6000: fits only once the free 4000-byte slot went
+    assert [p.stat().st_size for p in slots(base)] == [6016]
+    store.put(0, 2, 0, large)  # a second 6000 would pass the cap: Redis holds it
+    assert connect(server.address).exists(store.inner.key(0, 2, 0, 0, "a"))
+    assert len(slots(base)) == 1
+    assert torch.equal(store.take(0, 2, 0, {0: ["a"]})[0]["a"], large[0]["a"])
+    assert torch.equal(store.take(0, 1, 0, {0: ["a"]})[0]["a"], large[0]["a"])
+    store.close()
+
+
+def test_a_crashed_rank_s_slots_go_when_the_next_attempt_opens(
+        server: RedisServer, tmp_path: Path) -> None:
+    base = tmp_path / "tier"
+    crashed = private(server, base, "lease", attempt=0)
+    crashed.put(0, 0, 0, stash(2))  # never closed: its slot stays behind
+    assert len(slots(base)) == 1
+    successor = private(server, base, "lease", attempt=1)
+    assert slots(base) == []
+    successor.put(0, 0, 0, stash(2))
+    assert successor.clear_job() >= 1 and slots(base) == []
+    successor.close()
