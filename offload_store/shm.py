@@ -6,13 +6,16 @@ named consumer takes as one segment (`offload_store.segments`, one copy; a PipeF
 forward rank's layers may go to several backward ranks, and each takes all of its own in
 one FETCH), and each layer without a named consumer as a segment of its own (whoever
 takes it takes it alone); then, in one round trip as the Redis backend's write would
-take, it sets each layer's index key (`keys.segment_key`) to its segment's tier id, path,
-size and layers, with the store's TTL. A take reads a segment once for all its layers,
-and refuses one that asks for only some of them (the segment is consumed whole). The
-consumer's take is one pipeline of GETDEL: of the index keys of the layers whose
-producer may be on this host, and of the ordinary value keys of those whose producer is
-known to be on another ([Note: tier ranks]); a second one takes the value keys of the
-layers that had no index entry (spilled ones). An index entry means the segment: it is
+take, it sets one index key per segment, its first layer's (`keys.segment_key`), to the
+segment's tier id, path, size and layers, with the store's TTL. A take reads a segment
+once for all its layers, and refuses one that asks for only some of them (the segment is
+consumed whole). The consumer's take is one pipeline of GETDEL: of the index keys of the
+layers whose producer may be on this host (one per producer whose layers it takes, the
+first of them, where it knows the producers: the worker names them from the same plan as
+the producer's consumers, `pipefb.plan.stashpath`; else one per layer, which finds the
+segments all the same), and of the ordinary value keys of those whose producer is known
+to be on another ([Note: tier ranks]); a second one takes the value keys of the layers
+that no index entry named (spilled ones). An index entry means the segment: it is
 checked and its tensors
 view a private mapping of it (no copy; with ``zero_copy=False`` they are read into new
 tensors, one copy), and its file becomes a spare for the producer's next write once
@@ -180,12 +183,11 @@ class SharedTierStore:
                                                if layer not in spilled]):
                 written = self._write(step, microbatch, group[0], version,
                                       {layer: tensors[layer] for layer in group})
-                for layer in group:
-                    if written is None:
-                        spilled[layer] = tensors[layer]
-                    else:
-                        entries[segment_key(self.job, self.attempt, step, microbatch, layer,
-                                            version)] = written
+                if written is None:
+                    spilled.update({layer: tensors[layer] for layer in group})
+                else:  # one key, the first layer's, indexes the segment
+                    entries[segment_key(self.job, self.attempt, step, microbatch, min(group),
+                                        version)] = written
             nbytes = self._set_index(entries)
         except BaseException:
             self._unlink(entries.values())
@@ -216,9 +218,10 @@ class SharedTierStore:
         layers = [layer for layer in names if names[layer]]
         elsewhere, unseen = self._produced_elsewhere(layers)
         indexed = [layer for layer in layers if layer not in elsewhere]
+        looked_up = self._index_layers(indexed)
         direct = [(layer, name) for layer, name in wanted if layer in elsewhere]
         keys = [self.inner.key(step, microbatch, layer, version, name) for layer, name in direct]
-        taken = [*self._index_keys(step, microbatch, version, indexed), *keys]
+        taken = [*self._index_keys(step, microbatch, version, looked_up), *keys]
         if unseen:  # a producer not in the tier ranks yet: read them in the same round trip
             pipe = self.inner.client.pipeline(transaction=False)
             self.tier_ranks.read_in(pipe)
@@ -228,8 +231,8 @@ class SharedTierStore:
             self.tier_ranks.record(replies.pop(0))
         else:  # values received in place, as the Redis backend's take receives them
             replies = self.inner.getdel(taken)
-        out = self._read_indexed(zip(indexed, replies[:len(indexed)], strict=True), names)
-        out.update(self.inner.decode_taken(direct, keys, replies[len(indexed):]))
+        out = self._read_indexed(zip(looked_up, replies[:len(looked_up)], strict=True), names)
+        out.update(self.inner.decode_taken(direct, keys, replies[len(looked_up):]))
         spilled = {layer: names[layer] for layer in indexed if layer not in out}
         if spilled:  # no index entry: the layer went to Redis (a second round trip)
             out.update(self.inner.take(step, microbatch, version, spilled))
@@ -249,19 +252,17 @@ class SharedTierStore:
             self._count(bytes_taken=size, keys_taken=1)
             return sum(map(len, names.values()))
         freed = self.inner.release(step, microbatch, version, names)
-        entries = self._take_index(step, microbatch, version, list(names))
-        found = [(e, len(names[layer])) for layer, e in zip(names, entries, strict=True)
-                 if e is not None]
-        unlinked: set[Path] = set()
-        for entry, tensors in found:
+        looked_up = self._index_layers(list(names))
+        for layer, entry in zip(looked_up, self._take_index(step, microbatch, version,
+                                                            looked_up), strict=True):
             if isinstance(entry, Exception):
                 raise entry
+            if entry is None:
+                continue
             path, size = self._segment(entry)
-            if path not in unlinked:  # one segment may hold several layers
-                path.unlink(missing_ok=True)
-                unlinked.add(path)
-                self._count(bytes_taken=size, keys_taken=1)
-            freed += tensors
+            path.unlink(missing_ok=True)
+            self._count(bytes_taken=size, keys_taken=1)
+            freed += sum(len(names.get(held, ())) for held in _entry_layers(entry, layer))
         return freed
 
     def clear_job(self) -> int:
@@ -335,30 +336,44 @@ class SharedTierStore:
 
     def _read_indexed(self, index: Iterable[tuple[int, Any]],
                       names: Mapping[int, Sequence[str]]) -> LayerTensors:
-        """The tensors of the segments that index replies (layer, GETDEL reply) name, each
-        read and freed in turn; a layer without an entry is not in the result.
+        """The tensors of the segments that index replies (looked-up layer, GETDEL reply)
+        name, each read and freed in turn; a layer of `names` that no entry names is not in
+        the result.
 
         Raises:
             RedisError: a reply that is an error.
-            SegmentError: a segment that fails its checks.
+            SegmentError: a segment that fails its checks, or holds a layer the take did not
+                ask for ([Note: local tier index]: a segment goes whole).
         """
-        # the layers of one segment share their entry: each segment is checked and read once
-        by_entry: dict[str | bytes, tuple[int, list[int]]] = {}
+        out: LayerTensors = {}
         for layer, entry in index:
             if isinstance(entry, Exception):
                 raise entry
-            if entry is not None:
-                by_entry.setdefault(entry, (layer, []))[1].append(layer)
-        out: LayerTensors = {}
-        for entry, (first, asked) in by_entry.items():
+            if entry is None:
+                continue
             path, size = self._segment(entry)
-            held = _entry_layers(entry, first)
-            if sorted(asked) != held:  # [Note: local tier index]: a segment goes whole
+            held = _entry_layers(entry, layer)
+            if not all(names.get(i) for i in held):  # its index key is gone: so is the file
+                path.unlink(missing_ok=True)
                 raise SegmentError(f"segment {path} holds layers {held}; a take asked for "
-                                   f"{sorted(asked)} of them")
+                                   f"{sorted(i for i in held if names.get(i))} of them")
             self._count(bytes_taken=size, keys_taken=1)
-            out.update(self._read(path, size, {layer: names[layer] for layer in asked}))
+            out.update(self._read(path, size, {i: names[i] for i in held}))
         return out
+
+    def _index_layers(self, layers: Sequence[int]) -> list[int]:
+        """The layers whose index keys a take of `layers` looks up ([Note: local tier
+        index]): the first of each producer's, where this store knows the producer, and
+        every other layer."""
+        first: dict[int, int] = {}
+        alone: list[int] = []
+        for layer in layers:
+            producer = self.producers.get(layer)
+            if producer is None:
+                alone.append(layer)
+            else:
+                first[producer] = min(first.get(producer, layer), layer)
+        return [*first.values(), *alone]
 
     def _segment_groups(self, layers: Sequence[int]) -> list[list[int]]:
         """The layers of one micro-batch's stash that share a segment ([Note: local tier

@@ -20,8 +20,14 @@ import torch
 
 from offload_store import OffloadStore, RedisServer, connect, open_admin, open_store
 from offload_store.keys import segment_key, tier_ranks_key
-from offload_store.segments import (LENT_PREFIX, OWN_PREFIX, SPARE_PREFIX, SUFFIX, SegmentError,
-                                     segment_size)
+from offload_store.segments import (
+    LENT_PREFIX,
+    OWN_PREFIX,
+    SPARE_PREFIX,
+    SUFFIX,
+    SegmentError,
+    segment_size,
+)
 from offload_store.shm import DIR_ENV, SharedTierStore
 from offload_store.store import SOCKET_ENV
 

@@ -130,7 +130,8 @@ def test_the_layers_one_consumer_takes_share_one_segment(
     (segment,) = segment_files(base)
     assert segment.stat().st_size == size  # counted once, not once per layer
     assert producer.stats.bytes_put == size and producer.stats.keys_put == 1
-    assert all(redis.exists(segment_key("group", 0, 0, 0, layer, 0)) for layer in want)
+    assert redis.exists(segment_key("group", 0, 0, 0, 1, 0))  # one index key, the first
+    assert not redis.exists(segment_key("group", 0, 0, 0, 2, 0))  # layer's
     got = consumer.take(0, 0, 0, names(want))
     assert_same(got, want)
     assert got[1]["x"].untyped_storage().data_ptr() == got[2]["m"].untyped_storage().data_ptr()
@@ -139,7 +140,8 @@ def test_the_layers_one_consumer_takes_share_one_segment(
     producer.put(0, 1, 0, want)  # a take of one layer of the two is refused by name
     with pytest.raises(SegmentError, match=r"holds layers \[1, 2\]; a take asked for \[1\]"):
         consumer.take(0, 1, 0, {1: names(want)[1]})
-    assert producer.release(0, 1, 0, names(want)) == 2  # layer 2's entry was left
+    assert segment_files(base) == []  # its index key was taken: the file went too
+    assert producer.release(0, 1, 0, names(want)) == 0
     producer.put(0, 2, 0, want)  # release frees the one file, every layer's tensors counted
     assert producer.release(0, 2, 0, names(want)) == 4
     assert segment_files(base) == [] and redis.keys("pipefb:group:0:2:*") == []
@@ -194,7 +196,7 @@ def test_a_consumer_whose_producer_shares_its_tier_takes_the_segments(
     assert len(segment_files(base)) == 1  # one consumer takes both layers: one segment
     with traffic(server, monkeypatch, consumer) as sent:
         assert_same(consumer.take(0, 0, 0, names(want)), want)
-    assert sent == {"round trips": 1, "getdel": 2}  # the two index keys
+    assert sent == {"round trips": 1, "getdel": 1}  # the segment's one index key
     assert segment_files(base) == []
     producer.close()
     consumer.close()
@@ -222,7 +224,8 @@ def test_a_take_from_producers_here_and_elsewhere_is_one_round_trip(
 def test_a_producer_not_in_the_tier_ranks_yet_is_taken_through_the_index(
         server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 has no tier store at first (its values are in Redis), then opens one on
-    rank 1's tier: rank 1 looks each layer up in the index meanwhile, and finds both."""
+    rank 1's tier: rank 1 looks its producer's segment up in the index meanwhile, and
+    finds both layers."""
     base = tmp_path / "host"
     consumer = rank_store(server, base, "unseen", 1, ranks=2, producers={1: 0, 2: 0})
     want = two_layers()
@@ -230,14 +233,14 @@ def test_a_producer_not_in_the_tier_ranks_yet_is_taken_through_the_index(
     plain.put(0, 0, 0, want)
     with traffic(server, monkeypatch, consumer) as sent:
         assert_same(consumer.take(0, 0, 0, names(want)), want)
-    # the set read and the index keys in one round trip, then the four values
-    assert sent == {"round trips": 2, "smembers": 1, "getdel": 6}
+    # the set read and the producer's index key in one round trip, then the four values
+    assert sent == {"round trips": 2, "smembers": 1, "getdel": 5}
     producer = rank_store(server, base, "unseen", 0, ranks=2, consumers={1: 1, 2: 1})
     producer.put(0, 1, 0, want)
     assert len(segment_files(base)) == 1
     with traffic(server, monkeypatch, consumer) as sent:
         assert_same(consumer.take(0, 1, 0, names(want)), want)
-    assert sent == {"round trips": 1, "smembers": 1, "getdel": 2}
+    assert sent == {"round trips": 1, "smembers": 1, "getdel": 1}
     assert segment_files(base) == []
     for store in (plain, producer, consumer):
         store.close()
