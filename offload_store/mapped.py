@@ -15,8 +15,8 @@ writes only a spare it renamed to a segment, a consumer's tensors view only a se
 renamed to lent, and a lent file becomes a spare again only once nothing views it (a
 finalizer on the view's holder), so the tensors behave as the consumer's own memory: they
 are writable, and nobody else reads or writes them while they live. A mapping goes when
-its file is gone (checked at each use) or at `close`; one that tensors still view lives
-until they go.
+its file is gone (checked when a file is mapped anew) or at `close`; one that tensors
+still view lives until they go.
 """
 
 from __future__ import annotations
@@ -66,16 +66,19 @@ class SegmentMaps:
             _unmap(own_fd, mapping)
 
     def _mapping(self, fd: int, size: int) -> mmap.mmap:
-        """The mapping of the file `fd`: the one kept for its inode if it has `size`
-        bytes, else a new one with every page mapped."""
+        """The mapping of the file `fd`: the one kept for its inode if that is still this
+        file and has `size` bytes, else a new one with every page mapped (the mappings of
+        files gone meanwhile go then)."""
         inode = os.fstat(fd).st_ino
         with self._lock:
-            for gone in [i for i, (own, _) in self._maps.items() if os.fstat(own).st_nlink == 0]:
-                _unmap(*self._maps.pop(gone))  # before the lookup: inode numbers are reused
-            entry = self._maps.pop(inode, None)
-            if entry is not None and len(entry[1]) == size:
-                self._maps[inode] = entry
+            entry = self._maps.get(inode)
+            # the kept file is this one while it is still linked: a live file's inode number
+            # is its own (a removed file's number may be reused by a new file)
+            if entry is not None and len(entry[1]) == size and os.fstat(entry[0]).st_nlink:
                 return entry[1]
+            for gone in [i for i, (own, _) in self._maps.items() if os.fstat(own).st_nlink == 0]:
+                _unmap(*self._maps.pop(gone))
+            entry = self._maps.pop(inode, None)
             if entry is not None:
                 _unmap(*entry)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
