@@ -116,7 +116,10 @@ class OwnSlots:
             self._give_back(slot)
             raise
         with self._lock:
+            replaced = self._filled.pop(key, None)
             self._filled[key] = filled
+        if replaced is not None:  # a stash put again (a retried step): the new one holds
+            self._give_back(replaced.slot)
         return size
 
     def take(self, key: Key, names: Mapping[int, Sequence[str]]

@@ -102,6 +102,19 @@ def test_stashes_are_copied_into_one_reused_slot_and_taken_as_its_views(
     assert_same({3: {"m": got[3]["m"]}}, {3: {"m": want[3]["m"]}})  # views outlive the close
 
 
+def test_a_stash_put_again_replaces_the_first_and_frees_its_slot(
+        server: RedisServer, tmp_path: Path) -> None:
+    store = private(server, tmp_path / "tier", "again")
+    first, second = stash(3), stash(4)
+    size = store.put(0, 0, 0, first)
+    store.put(0, 0, 0, second)
+    assert len(slots(tmp_path / "tier")) == 2 and store.node_bytes() == 2 * size
+    assert_same(store.take(0, 0, 0, names(second)), second)
+    store.put(1, 0, 0, first)  # into the first's slot, free again
+    assert len(slots(tmp_path / "tier")) == 2
+    store.close()
+
+
 def test_a_take_must_name_exactly_the_tensors_the_stash_holds(
         server: RedisServer, tmp_path: Path) -> None:
     store = private(server, tmp_path / "tier", "names")
