@@ -259,10 +259,10 @@ class SharedTierStore:
                 raise entry
             if entry is None:
                 continue
-            path, size = self._segment(entry)
+            path, size, held = self._segment(entry, layer)
             path.unlink(missing_ok=True)
             self._count(bytes_taken=size, keys_taken=1)
-            freed += sum(len(names.get(held, ())) for held in _entry_layers(entry, layer))
+            freed += sum(len(names.get(i, ())) for i in held)
         return freed
 
     def clear_job(self) -> int:
@@ -351,8 +351,7 @@ class SharedTierStore:
                 raise entry
             if entry is None:
                 continue
-            path, size = self._segment(entry)
-            held = _entry_layers(entry, layer)
+            path, size, held = self._segment(entry, layer)
             if not all(names.get(i) for i in held):  # its index key is gone: so is the file
                 path.unlink(missing_ok=True)
                 raise SegmentError(f"segment {path} holds layers {held}; a take asked for "
@@ -454,24 +453,29 @@ class SharedTierStore:
                 self._dir = segments.job_dir(self.base, self.job)
             return self._dir
 
-    def _segment(self, entry: str | bytes) -> tuple[Path, int]:
-        """The path and size an index entry names, checked ([Note: segment layout]).
+    def _segment(self, entry: str | bytes, layer: int) -> tuple[Path, int, list[int]]:
+        """The path, size and layers (sorted) that the index entry of `layer`'s key names,
+        checked ([Note: segment layout]; an entry that names no layers holds `layer`).
 
         Raises:
-            SegmentError: an entry that does not parse, names another tier, or a path
-                that is not one of this job's segments here.
+            SegmentError: an entry that does not parse, names another tier, a path that is
+                not one of this job's segments here, or layers that are not layer indices.
         """
         try:
             parsed = json.loads(entry)
             node, path, size = parsed["node"], parsed["path"], parsed["size"]
-        except (ValueError, TypeError, KeyError) as error:
+            held = parsed.get("layers", [layer])
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
             raise SegmentError(f"index entry {entry[:100]!r} does not parse: {error}") from None
+        if not (isinstance(held, list) and held and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in held)):
+            raise SegmentError(f"index entry names layers {held!r}")
         if node != self.node:
             raise SegmentError(f"segment {path!r} is in tier {node!r}, not this host's "
                                f"{self.node!r}")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise SegmentError(f"index entry names a size of {size!r}")
-        return segments.check_path(self.base, self.job, str(path)), size
+        return segments.check_path(self.base, self.job, str(path)), size, sorted(held)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -500,20 +504,6 @@ def with_local_tier(store: StashStore, local_tier_dir: str = "", local_tier_byte
     return SharedTierStore(store, Path(local_tier_dir), local_tier_bytes, local_tier_ranks,
                            private=local_tier_private, rank=local_tier_rank,
                            consumers=local_tier_consumers, producers=local_tier_producers)
-
-
-def _entry_layers(entry: str | bytes, layer: int) -> list[int]:
-    """The layers an index entry's segment holds, sorted (an entry that names none: the
-    one it indexes).
-
-    Raises:
-        SegmentError: a list that is not of layer indices.
-    """
-    held = json.loads(entry).get("layers", [layer])
-    if not (isinstance(held, list) and held and all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in held)):
-        raise SegmentError(f"index entry names layers {held!r}")
-    return sorted(held)
 
 
 def _check_layer_ranks(what: str, by_layer: Mapping[int, int], ranks: int) -> dict[int, int]:
