@@ -15,8 +15,8 @@ writes only a spare it renamed to a segment, a consumer's tensors view only a se
 renamed to lent, and a lent file becomes a spare again only once nothing views it (a
 finalizer on the view's holder), so the tensors behave as the consumer's own memory: they
 are writable, and nobody else reads or writes them while they live. A mapping goes when
-its file is gone (checked when a file is mapped anew) or at `close`; one that tensors
-still view lives until they go.
+its file is gone (checked when a file is mapped anew, and every `PURGE_EVERY` lookups) or
+at `close`; one that tensors still view lives until they go.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+PURGE_EVERY = 32  # lookups between checks of every kept mapping's file
 MADV_POPULATE_WRITE = 23  # Linux 5.14: map every page of a range writable now, not at use
 
 
@@ -39,6 +40,7 @@ class SegmentMaps:
 
     def __init__(self) -> None:
         self._maps: dict[int, tuple[int, mmap.mmap]] = {}  # inode -> (its fd, its mapping)
+        self._calls = 0
         self._lock = threading.Lock()
 
     def copy_into(self, fd: int, size: int, parts: Sequence[tuple[int, memoryview]]) -> None:
@@ -71,13 +73,15 @@ class SegmentMaps:
         files gone meanwhile go then)."""
         inode = os.fstat(fd).st_ino
         with self._lock:
+            self._calls += 1
+            if self._calls % PURGE_EVERY == 0:  # a removed spare's pages do not stay mapped
+                self._purge()
             entry = self._maps.get(inode)
             # the kept file is this one while it is still linked: a live file's inode number
             # is its own (a removed file's number may be reused by a new file)
             if entry is not None and len(entry[1]) == size and os.fstat(entry[0]).st_nlink:
                 return entry[1]
-            for gone in [i for i, (own, _) in self._maps.items() if os.fstat(own).st_nlink == 0]:
-                _unmap(*self._maps.pop(gone))
+            self._purge()
             entry = self._maps.pop(inode, None)
             if entry is not None:
                 _unmap(*entry)
@@ -88,6 +92,12 @@ class SegmentMaps:
                 pass
             self._maps[inode] = (os.dup(fd), mapping)
             return mapping
+
+
+    def _purge(self) -> None:
+        """Drops the mappings of files gone (under `_lock`)."""
+        for gone in [i for i, (own, _) in self._maps.items() if os.fstat(own).st_nlink == 0]:
+            _unmap(*self._maps.pop(gone))
 
 
 def _unmap(fd: int, mapping: mmap.mmap) -> None:

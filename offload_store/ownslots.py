@@ -27,6 +27,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,9 @@ from pipefb.codec import NAMES
 from pipefb.errors import CodecError
 
 Key = tuple[int, int, int]  # step, micro-batch, version
+# free slots kept per size: a step's stashes reuse them; more would hold room of the tier's
+# cap that no other writer can free
+FREE_SLOTS = 2
 # where one tensor lies in a slot: layer, name, dtype, shape, offset
 Placed = tuple[int, str, torch.dtype, tuple[int, ...], int]
 
@@ -48,6 +52,7 @@ Placed = tuple[int, str, torch.dtype, tuple[int, ...], int]
 class _Slot:
     path: Path
     size: int
+    fd: int  # kept open: its link count says whether a clear of the job removed the file
     data: torch.Tensor  # (size,) uint8 over the file's shared mapping
     mapping: mmap.mmap
 
@@ -84,11 +89,16 @@ class OwnSlots:
         self._filled: dict[Key, _Filled] = {}
         self._slots: list[_Slot] = []  # every slot, lent ones too
         self._lent = 0  # bytes of slots that taken tensors view
+        # slots whose views are gone, queued by their finalizers (which may run in the
+        # garbage collector on a thread that holds `_lock`) and freed under the lock
+        self._returns: deque[_Slot] = deque()
         self._lock = threading.Lock()
 
     def put(self, key: Key, tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> int | None:
         """Copies `tensors` into a free slot of their size (a new one if none is free);
-        returns the slot's size, or None when a new slot would pass the tier's cap.
+        returns the slot's size, or None when a new slot would pass the tier's cap. A
+        stash already here under `key` (a step run again) is replaced: its slot is reused
+        or freed, so a None leaves nothing under `key`.
 
         Raises:
             CodecError: a dtype the codec does not allow.
@@ -100,6 +110,10 @@ class OwnSlots:
             if tensor.dtype not in NAMES:
                 raise CodecError(f"dtype {tensor.dtype} is not allowed in the tier")
         offsets, size = _offsets(tuple(t.numel() * t.element_size() for *_, t in items))
+        with self._lock:
+            replaced = self._filled.pop(key, None)
+        if replaced is not None:
+            self._give_back(replaced.slot)
         slot = self._claim(size)
         if slot is None:
             return None
@@ -116,10 +130,7 @@ class OwnSlots:
             self._give_back(slot)
             raise
         with self._lock:
-            replaced = self._filled.pop(key, None)
             self._filled[key] = filled
-        if replaced is not None:  # a stash put again (a retried step): the new one holds
-            self._give_back(replaced.slot)
         return size
 
     def take(self, key: Key, names: Mapping[int, Sequence[str]]
@@ -128,41 +139,49 @@ class OwnSlots:
         free again once none is left), and the slot's size; None when it is not here.
 
         Raises:
-            SegmentError: `names` are not the tensors the stash holds.
+            SegmentError: `names` are not the tensors the stash holds (the stash is
+                dropped: a take consumes it).
         """
         with self._lock:
             filled = self._filled.pop(key, None)
-            if filled is not None:
-                self._lent += filled.slot.size
         if filled is None:
             return None
         slot = filled.slot
         held = sorted((layer, name) for layer, name, *_ in filled.placed)
         asked = sorted((layer, name) for layer, named in names.items() for name in named)
         if held != asked:
-            self._returned(slot)
+            self._give_back(slot)
             raise SegmentError(f"slot {slot.path.name} holds {held}; a take asked for {asked}")
-        holder = (ctypes.c_uint8 * slot.size).from_buffer(slot.mapping)
-        weakref.finalize(holder, self._returned, slot)
-        data = torch.frombuffer(holder, dtype=torch.uint8)
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for layer, name, dtype, shape, offset in filled.placed:
-            nbytes = dtype.itemsize * _numel(shape)
-            out.setdefault(layer, {})[name] = data[offset:offset + nbytes].view(dtype).view(shape)
+        try:
+            holder = (ctypes.c_uint8 * slot.size).from_buffer(slot.mapping)
+            data = torch.frombuffer(holder, dtype=torch.uint8)
+            out: dict[int, dict[str, torch.Tensor]] = {}
+            for layer, name, dtype, shape, offset in filled.placed:
+                nbytes = dtype.itemsize * _numel(shape)
+                out.setdefault(layer, {})[name] = data[offset:offset + nbytes].view(
+                    dtype).view(shape)
+        except BaseException:  # e.g. a close unmapped it meanwhile
+            self._give_back(slot)
+            raise
+        with self._lock:
+            self._lent += slot.size
+        weakref.finalize(holder, self._returns.append, slot)
         return out, slot.size
 
-    def release(self, key: Key) -> int | None:
-        """Frees the slot of a stash not taken; returns its size (None: not here)."""
+    def release(self, key: Key) -> tuple[int, int] | None:
+        """Frees the slot of a stash not taken; returns its size and how many tensors it
+        held (None: not here)."""
         with self._lock:
             filled = self._filled.pop(key, None)
         if filled is None:
             return None
         self._give_back(filled.slot)
-        return filled.slot.size
+        return filled.slot.size, len(filled.placed)
 
     def held_bytes(self) -> int:
         """Bytes of the slots no taken tensor views: those holding stashes and the free."""
         with self._lock:
+            self._drain_returns()
             return sum(s.size for s in self._slots) - self._lent
 
     def close(self) -> None:
@@ -171,19 +190,27 @@ class OwnSlots:
         with self._lock:
             slots, self._slots, self._free, self._filled = self._slots, [], {}, {}
             self._lent = 0
+            self._returns.clear()
         for slot in slots:
             _remove(slot)
 
     def _claim(self, size: int) -> _Slot | None:
+        """A free slot of `size` bytes whose file is still there, else a new one (None:
+        past the cap). A slot whose file a clear of the job removed is dropped, with every
+        other (the clear removed theirs too)."""
         with self._lock:
+            self._drain_returns()
             free = self._free.get(size)
-            if free:
-                return free.pop()
+            slot = free.pop() if free else None
+        if slot is not None and os.fstat(slot.fd).st_nlink:
+            return slot
+        if slot is not None:
+            self.close()
         return self._new(size)
 
     def _new(self, size: int) -> _Slot | None:
         """A new slot of `size` bytes, reserved under the tier's lock; None past the cap
-        (after the tier's spares and this store's free slots of other sizes went)."""
+        (after the tier's spares and this store's free slots went)."""
         folder = self._folder()
         with open(self.base / segments.LOCK_FILE, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -197,17 +224,17 @@ class OwnSlots:
             try:
                 os.ftruncate(fd, size)
                 mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                try:
+                    mapping.madvise(MADV_POPULATE_WRITE)
+                except OSError:  # an older kernel: the pages are mapped at first touch
+                    pass
+                holder = (ctypes.c_uint8 * size).from_buffer(mapping)
+                slot = _Slot(path, size, fd, torch.frombuffer(holder, dtype=torch.uint8),
+                             mapping)
             except BaseException:
+                os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-            finally:
-                os.close(fd)
-        try:
-            mapping.madvise(MADV_POPULATE_WRITE)
-        except OSError:  # an older kernel: the pages are mapped at first touch
-            pass
-        holder = (ctypes.c_uint8 * size).from_buffer(mapping)
-        slot = _Slot(path, size, torch.frombuffer(holder, dtype=torch.uint8), mapping)
         with self._lock:
             self._slots.append(slot)
         return slot
@@ -215,6 +242,7 @@ class OwnSlots:
     def _drop_free(self) -> None:
         """Removes the free slots (a stash of a new size needs their room)."""
         with self._lock:
+            self._drain_returns()
             free = [s for slots in self._free.values() for s in slots]
             self._free = {}
             self._slots = [s for s in self._slots if s not in free]
@@ -222,16 +250,30 @@ class OwnSlots:
             _remove(slot)
 
     def _give_back(self, slot: _Slot) -> None:
+        """Frees a slot: kept for the next stash of its size, up to `FREE_SLOTS` of them;
+        removed beyond (its room goes back to the tier's cap for every writer)."""
         with self._lock:
-            if slot in self._slots:
-                self._free.setdefault(slot.size, []).append(slot)
+            if slot not in self._slots:  # closed meanwhile
+                return
+            free = self._free.setdefault(slot.size, [])
+            if len(free) < FREE_SLOTS:
+                free.append(slot)
+                return
+            self._slots.remove(slot)
+        _remove(slot)
 
-    def _returned(self, slot: _Slot) -> None:
-        """A lent slot that no tensor views any more: free again (gone if closed)."""
-        with self._lock:
+    def _drain_returns(self) -> None:
+        """Frees the lent slots whose views are gone (under `_lock`)."""
+        while self._returns:
+            slot = self._returns.popleft()
             if slot in self._slots:
                 self._lent -= slot.size
-                self._free.setdefault(slot.size, []).append(slot)
+                free = self._free.setdefault(slot.size, [])
+                if len(free) < FREE_SLOTS:
+                    free.append(slot)
+                else:
+                    self._slots.remove(slot)
+                    _remove(slot)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -244,6 +286,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _remove(slot: _Slot) -> None:
     """Unlinks a slot's file and unmaps it (once no tensor views it)."""
     slot.path.unlink(missing_ok=True)
+    os.close(slot.fd)
     slot.data = torch.empty(0, dtype=torch.uint8)  # lets go of the mapping's buffer
     try:
         slot.mapping.close()

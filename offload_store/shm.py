@@ -32,8 +32,9 @@ own slot files, kept mapped and reused, and keeps where each tensor lies in this
 instead of Redis ([Note: own slots] in `offload_store.ownslots`), so a put costs the
 copies, a take the views, and neither a round trip to Redis nor a system call. The slots
 are files in the job's directory, so the tier's cap, the node's memory accounting and the
-leases below hold as for any segment; a stash past the cap spills to Redis and comes back
-from there.
+leases below hold as for any segment, but no other writer removes them to make room: a
+store keeps at most two free slots of a size. A stash past the cap spills to Redis and
+comes back from there.
 
 Which layers go to the tier: those whose consumer's store uses the same tier, [Note: tier
 ranks] in `offload_store.tierranks` (the others, and every layer until the consumer's
@@ -153,6 +154,7 @@ class SharedTierStore:
         # a private store's stashes ([Note: private index])
         self._own = OwnSlots(self.base, self.attempt, self.cap_bytes, self._job_dir
                              ) if private else None
+        self._spilled: set[tuple[int, int, int]] = set()  # a private store's stashes in Redis
         self.tier_ranks = TierRanks(inner.client, self.job, self.attempt, self.node, ranks,
                                     rank, inner.ttl_seconds)
 
@@ -246,11 +248,14 @@ class SharedTierStore:
                 names: Mapping[int, Sequence[str]]) -> int:
         """Frees the stash's segments and its Redis keys (chunks too), whichever it has."""
         if self._own is not None:  # one slot holds the whole stash, or Redis does
-            size = self._own.release((step, microbatch, version))
-            if size is None:
+            with self._lock:
+                self._spilled.discard((step, microbatch, version))
+            released = self._own.release((step, microbatch, version))
+            if released is None:
                 return self.inner.release(step, microbatch, version, names)
+            size, tensors = released
             self._count(bytes_taken=size, keys_taken=1)
-            return sum(map(len, names.values()))
+            return tensors
         freed = self.inner.release(step, microbatch, version, names)
         looked_up = self._index_layers(list(names))
         for layer, entry in zip(looked_up, self._take_index(step, microbatch, version,
@@ -283,7 +288,8 @@ class SharedTierStore:
 
     def close(self) -> None:
         """Takes this rank out of the attempt's tier ranks (the last one out deletes the
-        set), removes its spare files and closes the Redis client; segments stay for
+        set), removes its spare files (a private store: its slots, stashes not taken
+        too, as no one else takes them) and closes the Redis client; segments stay for
         their consumers."""
         self.tier_ranks.leave()
         with self._lock:
@@ -307,8 +313,17 @@ class SharedTierStore:
             except FileNotFoundError:  # the job's directory was cleared: use a new one
                 with self._lock:
                     self._dir = None
+        key = (step, microbatch, version)
         if size is None:
+            with self._lock:
+                self._spilled.add(key)
             return self.inner.put(step, microbatch, version, tensors)
+        with self._lock:
+            respilled = key in self._spilled
+            self._spilled.discard(key)
+        if respilled:  # put again (a step run again): the first one's values go
+            self.inner.release(step, microbatch, version,
+                               {layer: list(named) for layer, named in tensors.items()})
         self._count(bytes_put=size, keys_put=1)
         return size
 
@@ -316,6 +331,8 @@ class SharedTierStore:
                       names: Mapping[int, Sequence[str]]) -> LayerTensors:
         """A private store's take: the stash's slot, or Redis where it spilled."""
         assert self._own is not None
+        with self._lock:
+            self._spilled.discard((step, microbatch, version))
         got = self._own.take((step, microbatch, version),
                              {layer: names[layer] for layer in names if names[layer]})
         if got is None:

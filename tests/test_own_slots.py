@@ -5,13 +5,15 @@ taken as views, freed when the views go; the cap, the leases and the store's mem
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from offload_store import RedisServer, connect, open_store
+from offload_store import RedisServer, connect, open_store, segments
+from offload_store.mapped import PURGE_EVERY, SegmentMaps
 from offload_store.segments import OWN_PREFIX, SUFFIX, SegmentError
 from offload_store.shm import SharedTierStore
 
@@ -91,7 +93,7 @@ def test_stashes_are_copied_into_one_reused_slot_and_taken_as_its_views(
         assert slots(tmp_path / "tier") == [slot]
     store.put(9, 0, 0, want)  # a second stash while the first's views live: a second slot
     assert len(slots(tmp_path / "tier")) == 2 and store.node_bytes() == size
-    assert store.release(9, 0, 0, names(want)) == 8  # its tensors
+    assert store.release(9, 0, 0, {0: [], 3: []}) == 8  # the tensors its slot held
     assert store.node_bytes() == size  # released untaken: free at once
     after = client.info("commandstats")
     for command in ("cmdstat_set", "cmdstat_getdel", "cmdstat_del"):  # no round trip
@@ -107,11 +109,11 @@ def test_a_stash_put_again_replaces_the_first_and_frees_its_slot(
     store = private(server, tmp_path / "tier", "again")
     first, second = stash(3), stash(4)
     size = store.put(0, 0, 0, first)
-    store.put(0, 0, 0, second)
-    assert len(slots(tmp_path / "tier")) == 2 and store.node_bytes() == 2 * size
+    store.put(0, 0, 0, second)  # into the first's slot, freed for it
+    assert len(slots(tmp_path / "tier")) == 1 and store.node_bytes() == size
     assert_same(store.take(0, 0, 0, names(second)), second)
-    store.put(1, 0, 0, first)  # into the first's slot, free again
-    assert len(slots(tmp_path / "tier")) == 2
+    with pytest.raises(KeyError):
+        store.take(0, 0, 0, names(second))
     store.close()
 
 
@@ -153,3 +155,65 @@ def test_a_crashed_rank_s_slots_go_when_the_next_attempt_opens(
     successor.put(0, 0, 0, stash(2))
     assert successor.clear_job() >= 1 and slots(base) == []
     successor.close()
+
+
+def test_a_stash_put_again_is_the_one_taken_wherever_either_went(
+        server: RedisServer, tmp_path: Path) -> None:
+    base, redis = tmp_path / "tier", connect(server.address)
+    small, large = {0: {"a": torch.zeros(1000)}}, {0: {"a": torch.ones(1500)}}
+    store = private(server, base, "twice", cap=5000)
+    store.put(0, 0, 0, small)
+    store.put(0, 0, 0, large)  # past the cap, its slot freed or not: to Redis
+    assert redis.exists(store.inner.key(0, 0, 0, 0, "a"))
+    assert torch.equal(store.take(0, 0, 0, {0: ["a"]})[0]["a"], large[0]["a"])
+    store.put(0, 1, 0, large)  # to Redis, then put again small enough for a slot:
+    store.put(0, 1, 0, small)  # the first one's values go
+    assert not redis.exists(store.inner.key(0, 1, 0, 0, "a"))
+    assert torch.equal(store.take(0, 1, 0, {0: ["a"]})[0]["a"], small[0]["a"])
+    store.close()
+
+
+def test_a_store_keeps_two_free_slots_of_a_size_and_removes_the_rest(
+        server: RedisServer, tmp_path: Path) -> None:
+    base = tmp_path / "tier"
+    store, want = private(server, base, "few"), stash(5)
+    size = store.put(0, 0, 0, want)
+    for m in (1, 2, 3):
+        store.put(0, m, 0, want)
+    assert len(slots(base)) == 4
+    for m in range(4):
+        store.release(0, m, 0, names(want))
+    assert len(slots(base)) == 2 and store.node_bytes() == 2 * size
+    store.close()
+
+
+def test_a_slot_of_a_cleared_job_is_not_written_again(
+        server: RedisServer, tmp_path: Path) -> None:
+    base = tmp_path / "tier"
+    store, want = private(server, base, "cleared"), stash(6)
+    size = store.put(0, 0, 0, want)
+    store.release(0, 0, 0, names(want))
+    assert segments.clear_job(base, "cleared") == 1 and slots(base) == []
+    store.put(0, 1, 0, want)  # a new slot in a new directory, counted by the tier
+    assert len(slots(base)) == 1 and segments.used_bytes(base) == size
+    assert_same(store.take(0, 1, 0, names(want)), want)
+    store.close()
+
+
+def test_the_mapping_of_a_removed_file_goes_within_a_few_lookups(tmp_path: Path) -> None:
+    maps = SegmentMaps()
+    paths = [tmp_path / f"f{i}" for i in range(2)]
+    fds = []
+    for path in paths:
+        path.write_bytes(bytes(4096))
+        fds.append(os.open(path, os.O_RDWR))
+    maps.copy_into(fds[0], 4096, [(0, memoryview(bytearray(b"x")))])
+    inode = os.fstat(fds[0]).st_ino
+    paths[0].unlink()
+    for _ in range(PURGE_EVERY):
+        maps.copy_into(fds[1], 4096, [(0, memoryview(bytearray(b"y")))])
+    assert inode not in maps._maps and len(maps._maps) == 1
+    assert paths[1].read_bytes()[:1] == b"y"
+    maps.close()
+    for fd in fds:
+        os.close(fd)
