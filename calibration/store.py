@@ -56,7 +56,7 @@ class PutTake(Protocol):
         ...
 
 
-class CopyLane:
+class LaneCopies:
     """A producer's and a consumer's store used as the workers' copy lanes use them
     ([Note: copy lane] in pipefb.sim.copylane): a put is handed to a `StashWriter`, whose
     I/O thread writes it, and lasts until it is written (what a fenced send waits for); a
@@ -184,7 +184,7 @@ def shared_tier_link(address: str, settings: Settings, pids: Sequence[int] = ())
     store and taken by a consumer's, both on one tier directory in front of the Redis at
     `address` that holds their index keys, each after the idle gap, as `store_link` times
     Redis's ([Note: shared tier] in pipefb.sim.costmodel), and each through the copy lane's
-    own threads (`CopyLane`): the producer's writer and the consumer's prefetch thread.
+    own threads (`LaneCopies`): the producer's writer and the consumer's prefetch thread.
     Half `settings.large_repeats` rounds of each size keep the calibration short; `pids`
     are as `store_link`'s.
 
@@ -208,7 +208,7 @@ def shared_tier_link(address: str, settings: Settings, pids: Sequence[int] = ())
 
         producer = tier_store(0)
         consumer = tier_store(1)
-        lane = CopyLane(producer, consumer)
+        lane = LaneCopies(producer, consumer)
         repeats, warmup = max(1, settings.large_repeats // 2), settings.warmup
         try:
             small = _store_seconds(lane, settings.small_bytes, repeats, warmup, 0,

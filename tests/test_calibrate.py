@@ -341,7 +341,7 @@ def test_the_shared_tier_probe_copies_through_a_writer_and_a_prefetch_thread() -
     """[Note: copy lane]: a put lasts until the writer's I/O thread wrote it, a take runs
     on a prefetch thread; neither on the caller's."""
     producer, consumer = _ThreadStore(put_seconds=0.02), _ThreadStore()
-    lane = store.CopyLane(producer, consumer)  # type: ignore[arg-type]
+    lane = store.LaneCopies(producer, consumer)  # type: ignore[arg-type]
     stash = store._probe_stash(1024)
     try:
         started = time.perf_counter()
@@ -359,7 +359,7 @@ def test_the_shared_tier_probe_copies_through_a_writer_and_a_prefetch_thread() -
 
 
 def test_a_failed_write_of_the_shared_tier_probe_raises_on_the_caller() -> None:
-    lane = store.CopyLane(_ThreadStore(error=ValueError("full")), _ThreadStore())  # type: ignore[arg-type]
+    lane = store.LaneCopies(_ThreadStore(error=ValueError("full")), _ThreadStore())  # type: ignore[arg-type]
     try:
         with pytest.raises(ValueError, match="full"):
             lane.put(0, 0, 0, store._probe_stash(1024))
