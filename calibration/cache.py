@@ -23,7 +23,7 @@ from calibration.settings import HOST, Measured
 from pipefb.errors import ConfigError
 from pipefb.sim.cluster import Cluster
 
-PROBE_VERSION = 12  # bumped when a probe measures differently: older caches are re-measured
+PROBE_VERSION = 13  # bumped when a probe measures differently: older caches are re-measured
 
 
 def cache_path(cache_dir: Path | None = None) -> Path:

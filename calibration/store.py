@@ -1,7 +1,8 @@
 """The offload-store link probe: stashes shaped as a stage's put into and taken from a
 real Redis through `OffloadStore`, the worker's own stash and fetch; and the node-local
 tier's, through the store a CPU rank that takes back its own stashes opens (`tier_link`),
-and through the stores of two ranks that hand stashes over on one host (`shared_tier_link`).
+and through the stores of two ranks that hand stashes over on one host, as their copy lanes
+use them (`shared_tier_link`).
 
 The Redis is started as `LocalServices` starts it (`python -m offload_store`). A probe
 round puts `STASH_DEPTH` fresh stashes of `STASH_TENSORS` tensors over `STASH_LAYERS`
@@ -18,9 +19,11 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -28,7 +31,9 @@ from calibration.cpu import CpuMeter
 from calibration.fit import fit_link, fit_probes
 from calibration.settings import JOB, PROBE_TIMEOUT_S, Settings
 from offload_store import OffloadStore, StashStore, connect
+from offload_store.api import LayerTensors
 from offload_store.shm import with_local_tier
+from offload_store.writer import STASH_IN_FLIGHT_BYTES, StashWriter
 from pipefb.sim.cluster import Link
 
 STORE_MAXMEMORY = "256mb"  # the probe Redis holds `STASH_DEPTH` stashes at a time
@@ -36,6 +41,50 @@ STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
 SHM_ROOT = Path("/dev/shm")  # where the tier probe's directory goes (= pipefb.app.local's)
+
+
+class PutTake(Protocol):
+    """What a probe round puts into and takes from: a store, or a copy lane over stores."""
+
+    def put(self, step: int, microbatch: int, version: int, tensors: LayerTensors) -> int:
+        """Puts one micro-batch's stash."""
+        ...
+
+    def take(self, step: int, microbatch: int, version: int,
+             names: Mapping[int, Sequence[str]]) -> LayerTensors:
+        """Takes one micro-batch's stash."""
+        ...
+
+
+class LaneCopies:
+    """A producer's and a consumer's store used as the workers' copy lanes use them
+    ([Note: copy lane] in pipefb.sim.copylane): a put is handed to a `StashWriter`, whose
+    I/O thread writes it, and lasts until it is written (what a fenced send waits for); a
+    take runs on a prefetch thread of its own and lasts until its result is back. Both so
+    pay the hand-overs between threads, and the waits for the interpreter's lock, that a
+    worker's copies pay beside the put and take themselves."""
+
+    def __init__(self, producer: StashStore, consumer: StashStore) -> None:
+        self.consumer = consumer
+        self.writer = StashWriter(producer, STASH_IN_FLIGHT_BYTES)
+        self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+
+    def put(self, step: int, microbatch: int, version: int, tensors: LayerTensors) -> int:
+        """Hands the stash to the writer and returns once it is written."""
+        self.writer.put(step, microbatch, version, tensors)
+        self.writer.drain()  # raises a failed write's error
+        return sum(t.nbytes for named in tensors.values() for t in named.values())
+
+    def take(self, step: int, microbatch: int, version: int,
+             names: Mapping[int, Sequence[str]]) -> LayerTensors:
+        """Takes the stash on the prefetch thread and returns its result."""
+        return self.prefetch.submit(self.consumer.take, step, microbatch, version,
+                                    names).result()
+
+    def close(self) -> None:
+        """Stops the writer and the prefetch thread (the stores stay open)."""
+        self.writer.close()
+        self.prefetch.shutdown(wait=True)
 
 
 def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -47,8 +96,8 @@ def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
             for layer in range(STASH_LAYERS)}
 
 
-def _store_round(store: StashStore, first_step: int, size: int, gap: float,
-                 meter: CpuMeter | None = None, taker: StashStore | None = None) -> float:
+def _store_round(store: PutTake, first_step: int, size: int, gap: float,
+                 meter: CpuMeter | None = None, taker: PutTake | None = None) -> float:
     """Mean seconds of one put or take of `STASH_DEPTH` fresh stashes, all put before the
     first is taken, each after the store sat idle `gap` seconds ([Note: idle links]);
     `meter` times the puts and takes alone (not the stashes' making, nor the gaps); the
@@ -70,9 +119,9 @@ def _store_round(store: StashStore, first_step: int, size: int, gap: float,
     return seconds / len(ops)
 
 
-def _store_seconds(store: StashStore, size: int, repeats: int, warmup: int,
+def _store_seconds(store: PutTake, size: int, repeats: int, warmup: int,
                    first_step: int, gap: float, meter: CpuMeter | None = None,
-                   taker: StashStore | None = None) -> list[float]:
+                   taker: PutTake | None = None) -> list[float]:
     """Seconds of one stash or fetch of `size` bytes, in each of `repeats` rounds after
     `warmup` untimed (see `_store_round`)."""
     times = [_store_round(store, first_step + i * STASH_DEPTH, size, gap, meter, taker)
@@ -134,8 +183,16 @@ def shared_tier_link(address: str, settings: Settings, pids: Sequence[int] = ())
     in offload_store/tierranks.py): the store's probe stashes put by a producer's tier
     store and taken by a consumer's, both on one tier directory in front of the Redis at
     `address` that holds their index keys, each after the idle gap, as `store_link` times
-    Redis's ([Note: shared tier] in pipefb.sim.costmodel). Half `settings.large_repeats`
-    rounds of each size keep the calibration short; `pids` are as `store_link`'s."""
+    Redis's ([Note: shared tier] in pipefb.sim.costmodel), and each through the copy lane's
+    own threads (`LaneCopies`): the producer's writer and the consumer's prefetch thread.
+    Half `settings.large_repeats` rounds of each size keep the calibration short; `pids`
+    are as `store_link`'s.
+
+    The line goes through the rounds' medians, not their means: a job's stashes of one
+    size go into the spare files its earlier takes left ([Note: spare segments] in
+    offload_store/segments.py), while the slow tail of these probes is a write into fresh
+    pages (the first rounds, or rounds after another process churned the host's memory),
+    many times slower than one into a spare (bench/findings.md)."""
     meter = CpuMeter([os.getpid(), *pids])
     layers = range(STASH_LAYERS)
     root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
@@ -151,17 +208,19 @@ def shared_tier_link(address: str, settings: Settings, pids: Sequence[int] = ())
 
         producer = tier_store(0)
         consumer = tier_store(1)
+        lane = LaneCopies(producer, consumer)
         repeats, warmup = max(1, settings.large_repeats // 2), settings.warmup
         try:
-            small = _store_seconds(producer, settings.small_bytes, repeats, warmup, 0,
-                                   settings.idle_gap, taker=consumer)
-            large = _store_seconds(producer, settings.large_bytes, repeats, warmup,
+            small = _store_seconds(lane, settings.small_bytes, repeats, warmup, 0,
+                                   settings.idle_gap)
+            large = _store_seconds(lane, settings.large_bytes, repeats, warmup,
                                    (warmup + repeats) * STASH_DEPTH, settings.idle_gap,
-                                   meter, consumer)
+                                   meter)
             producer.clear_job()
         finally:
+            lane.close()
             consumer.close()
             producer.close()
-    link = fit_probes("shared node-local tier", settings.small_bytes, small,
-                      settings.large_bytes, large)
+    link = fit_link("shared node-local tier", settings.small_bytes, statistics.median(small),
+                    settings.large_bytes, statistics.median(large))
     return replace(link, cpu=meter.cores())

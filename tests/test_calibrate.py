@@ -312,3 +312,56 @@ def test_cli_writes_the_out_file(measured: tuple[Path, Cluster], tmp_path: Path,
     assert main(["--workers", "4", "--out", str(tmp_path / "c.yaml")]) == 0
     loaded = Cluster.load(tmp_path / "c.yaml")
     assert loaded.size == 4 and loaded.store == measured[1].store
+
+
+class _ThreadStore:
+    """A stash store that keeps stashes in a dict and records the thread of each call;
+    a put takes `put_seconds` and fails with `error` where given."""
+
+    def __init__(self, put_seconds: float = 0.0, error: Exception | None = None) -> None:
+        self.put_seconds, self.error = put_seconds, error
+        self.held: dict[tuple[int, int], dict[int, dict[str, object]]] = {}
+        self.threads: list[tuple[str, str]] = []
+
+    def put(self, step: int, microbatch: int, version: int, tensors: dict) -> int:
+        self.threads.append(("put", threading.current_thread().name))
+        time.sleep(self.put_seconds)
+        if self.error is not None:
+            raise self.error
+        self.held[(step, microbatch)] = tensors
+        return 0
+
+    def take(self, step: int, microbatch: int, version: int, names: dict) -> dict:
+        self.threads.append(("take", threading.current_thread().name))
+        got = self.held.pop((step, microbatch))
+        return {i: {n: got[i][n] for n in names[i]} for i in names}
+
+
+def test_the_shared_tier_probe_copies_through_a_writer_and_a_prefetch_thread() -> None:
+    """[Note: copy lane]: a put lasts until the writer's I/O thread wrote it, a take runs
+    on a prefetch thread; neither on the caller's."""
+    producer, consumer = _ThreadStore(put_seconds=0.02), _ThreadStore()
+    lane = store.LaneCopies(producer, consumer)  # type: ignore[arg-type]
+    stash = store._probe_stash(1024)
+    try:
+        started = time.perf_counter()
+        assert lane.put(3, 0, 0, stash) == 1024
+        assert time.perf_counter() - started >= 0.02  # returned once written
+        consumer.held = producer.held  # one tier: what the producer wrote, the consumer takes
+        got = lane.take(3, 0, 0, {0: ["t0"]})
+        assert got[0]["t0"] is stash[0]["t0"]
+    finally:
+        lane.close()
+    caller = threading.current_thread().name
+    assert producer.threads == [("put", "stash-writer")]
+    assert consumer.threads[0][0] == "take" and consumer.threads[0][1].startswith("prefetch")
+    assert caller not in {name for _, name in producer.threads + consumer.threads}
+
+
+def test_a_failed_write_of_the_shared_tier_probe_raises_on_the_caller() -> None:
+    lane = store.LaneCopies(_ThreadStore(error=ValueError("full")), _ThreadStore())  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ValueError, match="full"):
+            lane.put(0, 0, 0, store._probe_stash(1024))
+    finally:
+        lane.close()

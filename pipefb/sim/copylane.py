@@ -15,7 +15,8 @@ from pipefb.sim.cluster import Link
 # link's, at its copy link's latency and bandwidth: the store's, or the node-local
 # tier's where the rank shares it with its stash partners ([Note: shared tier] in
 # pipefb.sim.costmodel; the calibration's store and shared-tier probes time the same put
-# and take: `calibration/store.py`).
+# and take, the shared tier's through a writer and a prefetch thread as here:
+# `calibration/store.py`).
 # - STASH hands its bytes to the out direction and holds the compute lane only for the
 #   action overhead, plus a wait while the bytes in flight (handed over, not yet
 #   written) and its own would pass `Cluster.stash_in_flight_bytes` (the workers'

@@ -32,10 +32,18 @@ from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
 #   its prefetched take. A STASH whose FETCH comes right after it moves nothing
 #   ([Note: back-to-back stash] in pipefb.runtime.exchange). A rank that copies its
 #   stashes on its compute thread keeps them off the lane: [Note: tier copies].
-# - RECV_* and RECV_W wait for the arrival; every action adds the cluster's action
-#   overhead, every iteration its step overhead (and, on a loopback host, its Step call's
+# - RECV_* and RECV_W wait for the arrival; a RECV_W then copies the pushed version into
+#   the rank's forward layers ([Note: weight installs]); every action adds the cluster's
+#   action overhead, every iteration its step overhead (and, on a loopback host, its Step call's
 #   CPU beside it: [Note: step calls] in pipefb.sim.engine). On a loopback host a send
 #   followed by compute starts later ([Note: busy senders] in pipefb.sim.engine).
+
+# [Note: weight installs]
+# A forward rank does not compute on the pushed tensors themselves: its RECV_W copies
+# every parameter of its forward stage from them into its layers (`RankState.install`),
+# on its compute thread, before the stage's first forward. The simulator prices that copy
+# as the OPT's weight-version copy is priced: the profile's `weight_copy_seconds_per_byte`
+# times the stage's parameter bytes, over the worker's speed (`Costs.install`).
 
 # [Note: tier copies]
 # On the CPU a rank that takes back its own stashes, in front of a node-local tier, puts
@@ -139,6 +147,12 @@ class Costs:
         """Seconds on `rank` to keep a copy of backward stage `stage`'s parameters."""
         owned = self.profile.param_bytes(self.topology.layers_of_backward(stage))
         return self.profile.weight_copy_seconds(owned) / self.cluster.workers[rank].speed
+
+    def install(self, rank: int, stage: int) -> float:
+        """Seconds on `rank` to copy a pushed weight version into forward stage `stage`'s
+        layers ([Note: weight installs])."""
+        held = self.profile.param_bytes(self.topology.layers_of_forward(stage))
+        return self.profile.weight_copy_seconds(held) / self.cluster.workers[rank].speed
 
     def stash_bytes(self, a: Action) -> int:
         """Bytes a STASH puts into (a FETCH takes from) the store per micro-batch."""

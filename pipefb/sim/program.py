@@ -112,6 +112,8 @@ class Program:
             seconds += c.compute(r, a)
             if a.kind is Kind.OPT and self.keeps_versions[r]:
                 seconds += c.weight_copy(r, a.stage)
+        elif a.kind is Kind.RECV_W:
+            seconds += c.install(r, a.stage)  # [Note: weight installs]
         elif a.kind in STORE_KINDS and r in c.on_compute:
             seconds += c.tier_seconds(a)  # [Note: tier copies]
         elif a.kind is Kind.STASH and not c.cluster.stash_in_flight_bytes:
