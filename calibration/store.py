@@ -97,17 +97,16 @@ def _probe_stash(size: int) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def _store_round(store: PutTake, first_step: int, size: int, gap: float,
-                 meter: CpuMeter | None = None, taker: PutTake | None = None) -> float:
+                 meter: CpuMeter | None = None) -> float:
     """Mean seconds of one put or take of `STASH_DEPTH` fresh stashes, all put before the
     first is taken, each after the store sat idle `gap` seconds ([Note: idle links]);
-    `meter` times the puts and takes alone (not the stashes' making, nor the gaps); the
-    takes go through `taker` where given (another rank's store), else `store`."""
+    `meter` times the puts and takes alone (not the stashes' making, nor the gaps)."""
     stashes = [_probe_stash(size) for _ in range(STASH_DEPTH)]
     names = {layer: list(tensors) for layer, tensors in stashes[0].items()}
     ops: list[Callable[[], object]] = [
         functools.partial(store.put, first_step + k, 0, 0, stash)
         for k, stash in enumerate(stashes)]
-    ops += [functools.partial((taker or store).take, first_step + k, 0, 0, names)
+    ops += [functools.partial(store.take, first_step + k, 0, 0, names)
             for k in range(STASH_DEPTH)]
     seconds = 0.0
     for op in ops:
@@ -120,11 +119,11 @@ def _store_round(store: PutTake, first_step: int, size: int, gap: float,
 
 
 def _store_seconds(store: PutTake, size: int, repeats: int, warmup: int,
-                   first_step: int, gap: float, meter: CpuMeter | None = None,
-                   taker: PutTake | None = None) -> list[float]:
+                   first_step: int, gap: float, meter: CpuMeter | None = None
+                   ) -> list[float]:
     """Seconds of one stash or fetch of `size` bytes, in each of `repeats` rounds after
     `warmup` untimed (see `_store_round`)."""
-    times = [_store_round(store, first_step + i * STASH_DEPTH, size, gap, meter, taker)
+    times = [_store_round(store, first_step + i * STASH_DEPTH, size, gap, meter)
              for i in range(warmup + repeats)]
     return times[warmup:]
 

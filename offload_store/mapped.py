@@ -85,14 +85,9 @@ class SegmentMaps:
             entry = self._maps.pop(inode, None)
             if entry is not None:
                 _unmap(*entry)
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            try:
-                mapping.madvise(MADV_POPULATE_WRITE)
-            except OSError:  # an older kernel: the pages are mapped at first touch
-                pass
+            mapping = map_file(fd, size)
             self._maps[inode] = (os.dup(fd), mapping)
             return mapping
-
 
     def _purge(self) -> None:
         """Drops the mappings of files gone (under `_lock`)."""
@@ -100,9 +95,24 @@ class SegmentMaps:
             _unmap(*self._maps.pop(gone))
 
 
-def _unmap(fd: int, mapping: mmap.mmap) -> None:
-    os.close(fd)
+def map_file(fd: int, size: int) -> mmap.mmap:
+    """A shared mapping of the file `fd` of `size` bytes, every page mapped writable now."""
+    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # an older kernel: the pages are mapped at first touch
+        pass
+    return mapping
+
+
+def unmap(mapping: mmap.mmap) -> None:
+    """Closes a mapping, or leaves it to the tensors that still view it."""
     try:
         mapping.close()
     except BufferError:  # tensors still view it: it is unmapped when they go
         pass
+
+
+def _unmap(fd: int, mapping: mmap.mmap) -> None:
+    os.close(fd)
+    unmap(mapping)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import functools
+import math
 import mmap
 import os
 import threading
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from offload_store import segments
-from offload_store.mapped import MADV_POPULATE_WRITE
+from offload_store.mapped import map_file, unmap
 from offload_store.segments import SegmentError
 from pipefb.codec import NAMES
 from pipefb.errors import CodecError
@@ -69,7 +70,7 @@ def _offsets(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     offsets, offset = [], 0
     for nbytes in sizes:
         offsets.append(offset)
-        offset = -(-(offset + nbytes) // segments.ALIGN) * segments.ALIGN
+        offset = segments.aligned(offset + nbytes)
     return tuple(offsets), max(offset, segments.ALIGN)
 
 
@@ -157,7 +158,7 @@ class OwnSlots:
             data = torch.frombuffer(holder, dtype=torch.uint8)
             out: dict[int, dict[str, torch.Tensor]] = {}
             for layer, name, dtype, shape, offset in filled.placed:
-                nbytes = dtype.itemsize * _numel(shape)
+                nbytes = dtype.itemsize * math.prod(shape)
                 out.setdefault(layer, {})[name] = data[offset:offset + nbytes].view(
                     dtype).view(shape)
         except BaseException:  # e.g. a close unmapped it meanwhile
@@ -223,11 +224,7 @@ class OwnSlots:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
                 os.ftruncate(fd, size)
-                mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-                try:
-                    mapping.madvise(MADV_POPULATE_WRITE)
-                except OSError:  # an older kernel: the pages are mapped at first touch
-                    pass
+                mapping = map_file(fd, size)
                 holder = (ctypes.c_uint8 * size).from_buffer(mapping)
                 slot = _Slot(path, size, fd, torch.frombuffer(holder, dtype=torch.uint8),
                              mapping)
@@ -276,19 +273,9 @@ class OwnSlots:
                     _remove(slot)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
-
-
 def _remove(slot: _Slot) -> None:
     """Unlinks a slot's file and unmaps it (once no tensor views it)."""
     slot.path.unlink(missing_ok=True)
     os.close(slot.fd)
     slot.data = torch.empty(0, dtype=torch.uint8)  # lets go of the mapping's buffer
-    try:
-        slot.mapping.close()
-    except BufferError:  # tensors still view it: it is unmapped when they go
-        pass
+    unmap(slot.mapping)

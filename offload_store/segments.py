@@ -81,7 +81,8 @@ class SegmentError(CodecError):
     """A segment that fails validation (tampered, truncated, foreign); names the file."""
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of `ALIGN`."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -115,12 +116,12 @@ def _planned(signature: tuple[tuple[int, str, str, tuple[int, ...], int], ...]
                 "nbytes": nbytes} for layer, name, dtype, shape, nbytes in signature]
     text = json.dumps(entries).encode()
     # each entry's offset adds at most `OFFSET_BYTES` to the header once it is written
-    offset = _aligned(len(MAGIC) + _LENGTH.size + len(text) + OFFSET_BYTES * len(entries))
+    offset = aligned(len(MAGIC) + _LENGTH.size + len(text) + OFFSET_BYTES * len(entries))
     offsets = []
     for entry, (*_, nbytes) in zip(entries, signature, strict=True):
         entry["offset"] = offset
         offsets.append(offset)
-        offset = _aligned(offset + nbytes)
+        offset = aligned(offset + nbytes)
     header = json.dumps(entries).encode()
     head = MAGIC + _LENGTH.pack(len(header)) + header
     assert not offsets or len(head) <= offsets[0]
