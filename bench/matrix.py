@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import machine, torch_pipelining
 from bench.cluster import local_client
-from bench.output import add_run_flags, args_json, measured_main
+from bench.output import add_run_flags, args_json, measured_main, write_results
 from bench.pipeline_throughput import MODELS as THROUGHPUT_MODELS
 from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
 from bench.pipeline_throughput import stage_boundary
@@ -210,6 +210,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                         for m in names}
     env = {"OMP_NUM_THREADS": str(args.threads)}
     started = time.perf_counter()
+    # profiled first, so that every repeat can leave a results.json: a run stopped by a
+    # time limit (a lent GPU's minutes) keeps the repeats it finished
+    profiles = {m: measure_profile(jobs[m], jobs[m].microbatch_size) for m in names}
+
+    def results(done: int) -> dict[str, Any]:
+        return {"bench": "matrix", "machine": machine.describe(), "args": args_json(args),
+                "workers": WORKERS, "systems": systems, "repeats_done": done,
+                "skipped": {s: "torch.distributed.pipelining on one GPU: gloo has no CUDA "
+                               "send/recv and NCCL refuses two ranks on one device"
+                            for s in SYSTEMS if s not in systems},
+                "wall_seconds": time.perf_counter() - started,
+                "models": {m: summarise(jobs[m], runs[m], profiles[m]) for m in names}}
+
     with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as logs, \
             local_client(WORKERS, Path(logs), env=env, calibrated=True) as client:
         for r in range(args.repeats):
@@ -218,14 +231,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     runs[m][s].append(one_run(s, jobs[m], client, args))
                 print(f"repeat {r + 1}/{args.repeats} {m} done "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
-    profiles = {m: measure_profile(jobs[m], jobs[m].microbatch_size) for m in names}
-    return {"bench": "matrix", "machine": machine.describe(), "args": args_json(args),
-            "workers": WORKERS, "systems": systems,
-            "skipped": {s: "torch.distributed.pipelining on one GPU: gloo has no CUDA "
-                           "send/recv and NCCL refuses two ranks on one device"
-                        for s in SYSTEMS if s not in systems},
-            "wall_seconds": time.perf_counter() - started,
-            "models": {m: summarise(jobs[m], runs[m], profiles[m]) for m in names}}
+            if r + 1 < args.repeats:
+                write_results(args.out, results(r + 1))
+    return results(args.repeats)
 
 
 def chart(results: dict[str, Any], path: Path) -> None:
@@ -275,6 +283,11 @@ def blocked_cell(model: dict[str, Any], system: str) -> str:
     return fmt(share, digits=3) if share is not None else "-"
 
 
+def repeats_done(res: dict[str, Any]) -> int:
+    """The repeats a result holds: all it was asked for, unless a time limit stopped it."""
+    return int(res.get("repeats_done", res["args"]["repeats"]))
+
+
 def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     """Markdown of the matrix: one table per model, then the plot."""
     a = res["args"]
@@ -284,7 +297,7 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
              f"`{cmd}`", "",
              f"Batch {a['batch']} in {a['microbatches']} micro-batches "
              f"({a['batch'] // a['microbatches']} samples each), AdamW, {a['steps']} timed "
-             f"steps after {a['warmup']} warm-up, {a['repeats']} repeat(s) of every system "
+             f"steps after {a['warmup']} warm-up, {repeats_done(res)} repeat(s) of every system "
              f"interleaved, {a['threads']} torch thread(s) in every process, "
              f"{res['workers']} processes for every pipeline. samples/s and ratios: median "
              "[min-max] over repeats. Efficiency: measured samples/s over `single`'s x "
@@ -328,7 +341,7 @@ def offload_section(cmd: str, res: dict[str, Any]) -> list[str]:
     a = res["args"]
     lines = ["## Offload at equal peak memory (issue 36's GPU targets)", "", f"`{cmd}`", "",
              f"Batch {a['batch']} in {a['microbatches']} micro-batches, {a['steps']} timed "
-             f"steps after {a['warmup']} warm-up, {a['repeats']} repeat(s) interleaved, "
+             f"steps after {a['warmup']} warm-up, {repeats_done(res)} repeat(s) interleaved, "
              f"{res['workers']} processes per pipeline on one device; ratios of samples/s, "
              "median [min-max] over repeats; peak per worker as in the matrix, MiB.", "",
              "| model | system / baseline | ratio | target | met | peak per worker, MiB "

@@ -63,7 +63,8 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "schedules_cuda": ("schedules", ["--device", "cuda", "--threads", "2", "--repeats", "2",
                                      "--steps", "6"]),
     # issue 36's GPU targets, sized for a few minutes of one GPU: `PYTHONPATH=. python
-    # bench/run_all.py --only offload_cuda`
+    # bench/run_all.py --only offload_cuda`, or on a lent machine `bash bench/device_run.sh`
+    # (one model at a time, with the CUDA tests) and here `bench/merge_device.py`
     "offload_cuda": ("matrix", ["--device", "cuda", "--threads", "2", "--repeats", "2",
                                 "--steps", "6", "--models", "gpt,gpt-large", "--systems",
                                 "pipedream-keep,pipedream-offload,pipefb-sync,pipefb-async"]),

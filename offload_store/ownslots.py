@@ -119,11 +119,14 @@ class OwnSlots:
         if slot is None:
             return None
         filled = _Filled(slot)
+        data = slot.data  # its own hold on the mapping: a `close` meanwhile lets go of slot's
+        if data.numel() != size:  # closed already (`_remove` left it empty)
+            return None
         try:
             with torch.no_grad():  # a copy, not an autograd node
                 for (layer, name, tensor), offset in zip(items, offsets, strict=True):
                     nbytes = tensor.numel() * tensor.element_size()
-                    slot.data[offset:offset + nbytes].view(tensor.dtype).view(
+                    data[offset:offset + nbytes].view(tensor.dtype).view(
                         tensor.shape).copy_(tensor)
                     filled.placed.append((layer, name, tensor.dtype, tuple(tensor.shape),
                                           offset))
@@ -131,6 +134,8 @@ class OwnSlots:
             self._give_back(slot)
             raise
         with self._lock:
+            if slot not in self._slots:  # closed meanwhile: the caller spills the stash
+                return None
             self._filled[key] = filled
         return size
 

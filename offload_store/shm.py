@@ -363,19 +363,33 @@ class SharedTierStore:
                 ask for ([Note: local tier index]: a segment goes whole).
         """
         out: LayerTensors = {}
-        for layer, entry in index:
-            if isinstance(entry, Exception):
-                raise entry
-            if entry is None:
-                continue
-            path, size, held = self._segment(entry, layer)
-            if not all(names.get(i) for i in held):  # its index key is gone: so is the file
-                path.unlink(missing_ok=True)
-                raise SegmentError(f"segment {path} holds layers {held}; a take asked for "
-                                   f"{sorted(i for i in held if names.get(i))} of them")
-            self._count(bytes_taken=size, keys_taken=1)
-            out.update(self._read(path, size, {i: names[i] for i in held}))
+        entries = list(index)
+        for k, (layer, entry) in enumerate(entries):
+            try:
+                if isinstance(entry, Exception):
+                    raise entry
+                if entry is None:
+                    continue
+                path, size, held = self._segment(entry, layer)
+                if not all(names.get(i) for i in held):  # its index key is gone: so is the file
+                    path.unlink(missing_ok=True)
+                    raise SegmentError(f"segment {path} holds layers {held}; a take asked "
+                                       f"for {sorted(i for i in held if names.get(i))} of them")
+                self._count(bytes_taken=size, keys_taken=1)
+                out.update(self._read(path, size, {i: names[i] for i in held}))
+            except BaseException:
+                self._drop(entries[k + 1:])
+                raise
         return out
+
+    def _drop(self, index: Iterable[tuple[int, Any]]) -> None:
+        """Removes the files of segments whose index keys a failed take already took:
+        nothing could find them any more, and they would hold room until the job's end."""
+        for layer, entry in index:
+            if entry is None or isinstance(entry, Exception):
+                continue
+            with suppress(SegmentError, OSError):
+                self._segment(entry, layer)[0].unlink(missing_ok=True)
 
     def _index_layers(self, layers: Sequence[int]) -> list[int]:
         """The layers whose index keys a take of `layers` looks up ([Note: local tier

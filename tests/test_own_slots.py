@@ -217,3 +217,26 @@ def test_the_mapping_of_a_removed_file_goes_within_a_few_lookups(tmp_path: Path)
     maps.close()
     for fd in fds:
         os.close(fd)
+
+
+def test_a_close_that_lands_during_a_put_spills_the_stash(
+        server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close (the job's clear, on another thread) between a put's claim of a slot and its
+    copy: the put neither fails nor records a removed slot; the stash goes to Redis."""
+    from offload_store.ownslots import OwnSlots
+
+    store, want = private(server, tmp_path / "tier", "raced"), stash(8)
+    claim = OwnSlots._claim
+
+    def claim_then_close(self: OwnSlots, size: int) -> object:
+        slot = claim(self, size)
+        self.close()
+        return slot
+
+    monkeypatch.setattr(OwnSlots, "_claim", claim_then_close)
+    store.put(0, 0, 0, want)
+    monkeypatch.undo()
+    assert slots(tmp_path / "tier") == []
+    assert connect(server.address).keys("pipefb:raced:0:0:*")  # spilled
+    assert_same(store.take(0, 0, 0, names(want)), want)
+    store.close()

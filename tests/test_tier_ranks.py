@@ -80,6 +80,27 @@ def two_layers() -> dict[int, dict[str, torch.Tensor]]:
     return {1: layers[0], 2: layers[2]}
 
 
+def test_a_refused_take_removes_the_segments_whose_keys_it_took_after_it(
+        server: RedisServer, tmp_path: Path) -> None:
+    """Rank 2 takes layers 1 and 2 from rank 0 and layer 3 from rank 1; a take that asks
+    for layer 1 alone is refused at rank 0's segment, and rank 1's, whose index key the
+    same round trip took, goes too rather than wait for the job's end."""
+    base = tmp_path / "host"
+    first = rank_store(server, base, "refused", 0, consumers={1: 2, 2: 2})
+    second = rank_store(server, base, "refused", 1, consumers={3: 2})
+    consumer = rank_store(server, base, "refused", 2, producers={1: 0, 2: 0, 3: 1})
+    want = two_layers()
+    first.put(0, 0, 0, want)
+    second.put(0, 0, 0, {3: want[1]})
+    assert len(segment_files(base)) == 2
+    with pytest.raises(SegmentError, match=r"holds layers \[1, 2\]; a take asked for \[1\]"):
+        consumer.take(0, 0, 0, {1: names(want)[1], 3: names(want)[1]})
+    assert segment_files(base) == []
+    assert connect(server.address).keys("pipefb:refused:0:0:*") == []
+    for store in (first, second, consumer):
+        store.close()
+
+
 def test_a_layer_goes_to_the_tier_only_when_its_consumer_shares_it(
         server: RedisServer, tmp_path: Path) -> None:
     """Rank 0 stashes layer 1 for rank 1 (its host) and layer 2 for rank 2 (another)."""

@@ -139,9 +139,7 @@ def output_spec(layer: nn.Module, input_specs: Sequence[TensorSpec]) -> TensorSp
         TypeError: the layer returns something other than one tensor.
     """
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        real = _state(layer)
-        device = next(iter(real.values())).device if real else torch.device("cpu")
-        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in real.items()}
+        state, device = _fake_state(mode, _state(layer))
         inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in input_specs)
         out = functional_call(layer, state, inputs)
     if not isinstance(out, torch.Tensor):
@@ -156,9 +154,7 @@ def writes_its_input(layer: nn.Module, input_specs: Sequence[TensorSpec],
     `nn.ReLU(inplace=True)`), found by a run on fake tensors: such an input must be a copy
     of the received tensor, not the leaf itself, as it is a copy in one process's graph."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        real = _state(layer)
-        device = next(iter(real.values())).device if real else torch.device("cpu")
-        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in real.items()}
+        state, device = _fake_state(mode, _state(layer))
         inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device).requires_grad_(g)
                        for s, g in zip(input_specs, requires_grad, strict=True))
         try:
@@ -185,9 +181,7 @@ def _written(layer: nn.Module, input_specs: Sequence[TensorSpec],
              real: dict[str, torch.Tensor]) -> list[str]:
     """Which of `real` (the layer's parameters or buffers by name) its forward writes."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        weights = _state(layer)
-        device = next(iter(weights.values())).device if weights else torch.device("cpu")
-        state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in weights.items()}
+        state, device = _fake_state(mode, _state(layer))
         before = {n: state[n]._version for n in real}
         inputs = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in input_specs)
         try:
@@ -282,3 +276,20 @@ def _checked_output(i: int, layer: nn.Module, specs: Sequence[TensorSpec]) -> Te
 def _state(layer: nn.Module) -> dict[str, torch.Tensor]:
     """The layer's parameters and buffers by dotted name (shared tensors once)."""
     return {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
+
+
+def _fake_state(mode: FakeTensorMode, real: dict[str, torch.Tensor]
+                ) -> tuple[dict[str, torch.Tensor], torch.device]:
+    """Fake copies of a layer's parameters and buffers, and the device its fake inputs
+    go on: the weights' own, except that under CUDA's autocast a layer still on the cpu
+    is run on fake CUDA tensors, since autocast casts only tensors of its own device type
+    and each rank must expect the dtypes the real run on CUDA makes ([Note: mixed
+    precision] in pipefb.job.precision)."""
+    device = next(iter(real.values())).device if real else torch.device("cpu")
+    if device.type == "cpu" and torch.is_autocast_enabled("cuda") \
+            and torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        return {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=cuda
+                                       ).requires_grad_(t.requires_grad)
+                for n, t in real.items()}, cuda
+    return {n: mode.from_tensor(t) for n, t in real.items()}, device

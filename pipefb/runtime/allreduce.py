@@ -1,13 +1,19 @@
 """Gradient all-reduce across pipeline groups (group hybrid parallelism).
 
 With G pipeline groups, the G ranks that hold the same backward stage (one per group) form
-one torch.distributed process group: gloo on the CPU, NCCL on CUDA. Before each optimizer
+one torch.distributed process group: gloo on the CPU, NCCL on CUDA where every member has a
+GPU of its own ([Note: shared GPU]). Before each optimizer
 step they sum their stage's gradients, so every group applies the same update and keeps the
 same weights. The rendezvous is a `torch.distributed.TCPStore` that the coordinator hosts
 and names in the assignment; each stage's group lives under its own key prefix there.
 
 Process groups are built as objects, not through `init_process_group`, so one process may
 hold several over its life (one per job) and nothing global is left behind.
+
+[Note: shared GPU] NCCL refuses two ranks on one GPU ("invalid usage"), and the workers of
+a one-GPU machine share it. So the members of a CUDA group first publish their GPU's UUID
+under the group's prefix; where two are the same, the group runs gloo instead and each
+sum is staged through host memory. Every member reads the same UUIDs, so all choose alike.
 """
 
 from __future__ import annotations
@@ -100,7 +106,9 @@ class GroupAllReduce:
                               timeout=timeout)
         prefixed = dist.PrefixStore(key, store)  # type: ignore[attr-defined]
         self.group: Any  # ProcessGroupGloo or ProcessGroupNCCL (torch's stubs type them apart)
-        if device.type == "cuda":
+        #: sums go through host memory: a CUDA group whose members share a GPU
+        self.staged = device.type == "cuda" and not own_gpus(prefixed, rank, size, device)
+        if device.type == "cuda" and not self.staged:
             nccl: Any = dist.ProcessGroupNCCL  # type: ignore[attr-defined,unused-ignore]
             self.group = nccl(prefixed, rank, size, nccl.Options())
         else:
@@ -115,6 +123,8 @@ class GroupAllReduce:
         total = 0
         for bucket in _by_dtype(tensors):
             flat = torch.cat([t.reshape(-1) for t in bucket])
+            if self.staged:  # [Note: shared GPU]
+                flat = flat.cpu()
             self.group.allreduce([flat]).wait()
             offset = 0
             with torch.no_grad():
@@ -129,6 +139,20 @@ class GroupAllReduce:
         abort = getattr(self.group, "abort", None)
         if abort is not None:
             abort()
+
+
+def own_gpus(store: Any, rank: int, size: int, device: torch.device) -> bool:
+    """Whether every member of a group is on a GPU of its own ([Note: shared GPU]): each
+    publishes its device's UUID under the group's prefix and reads everyone's."""
+    store.set(f"gpu-{rank}", str(torch.cuda.get_device_properties(device).uuid))
+    keys = [f"gpu-{r}" for r in range(size)]
+    store.wait(keys)
+    return distinct([store.get(k).decode() for k in keys])
+
+
+def distinct(ids: Sequence[str]) -> bool:
+    """Whether no two of `ids` are the same."""
+    return len(set(ids)) == len(ids)
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
