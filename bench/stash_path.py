@@ -10,6 +10,10 @@ writer and a backward rank's prefetch thread run, on one host's node-local tier:
 - `pin` and `h2d` (CUDA): the taken tensors copied into pinned memory, then to the
   device: the two halves of `to device`, timed apart;
 - `to device` (CUDA): `HostStaging.to_device` and the wait for its copy's event;
+- `h2d pageable` and `h2d segment` (CUDA): two ways `to device` could go instead: each
+  taken tensor copied straight from the mapping (CUDA stages pageable memory itself,
+  on this thread, with the interpreter's lock released), and the whole mapping the
+  taken tensors view as one copy;
 - `one copy`: the stash as one flat buffer copied to host memory and back (CUDA: a
   pinned buffer and the device; CPU: memcpy), the bound the parts could approach.
 
@@ -117,6 +121,21 @@ def one_round(r: int, stash: LayerTensors, names: dict[int, list[str]], stores: 
             _, arrival = staging.to_device(got)
             arrival.event.synchronize()
         seconds["to device"], _ = timed(to_device)
+
+        def h2d_pageable() -> None:
+            for named in got.values():
+                for t in named.values():
+                    t.to(staging.device)
+            torch.cuda.synchronize(staging.device)
+        seconds["h2d pageable"], _ = timed(h2d_pageable)
+
+        def h2d_segment() -> None:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage()
+                        for named in got.values() for t in named.values()}
+            for storage in storages.values():
+                torch.empty(0, dtype=torch.uint8).set_(storage).to(staging.device)
+            torch.cuda.synchronize(staging.device)
+        seconds["h2d segment"], _ = timed(h2d_segment)
 
         def one_copy() -> None:
             host.copy_(flat, non_blocking=True)
