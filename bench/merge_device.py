@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.matrix import chart
+from bench.matrix import chart, repeats_done
 
 MODELS = ("gpt", "gpt-large")  # the order device_run.sh runs them in
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One matrix result of several runs' models; refuses runs of differing settings."""
+    """One matrix result of several runs' models; refuses runs of differing settings. Its
+    repeat count is the fewest any run finished (a time limit may stop one early)."""
     first = parts[0]
     for part in parts[1:]:
         differs = {k for k in first["args"] if k not in ("models", "out")
@@ -27,7 +28,8 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             raise SystemExit(f"the runs differ in {sorted(differs) or 'systems'}: not merged")
     models = {m: r for part in parts for m, r in part["models"].items()}
     return {**first, "args": {**first["args"], "models": ",".join(models), "out": None},
-            "wall_seconds": sum(p["wall_seconds"] for p in parts), "models": models}
+            "wall_seconds": sum(p["wall_seconds"] for p in parts), "models": models,
+            "repeats_done": min(repeats_done(p) for p in parts)}  # the fewest any model ran
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -416,3 +416,53 @@ def test_the_matrix_refuses_a_model_it_does_not_know() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--models", "gpt,gtp"])
     assert parse_args(["--models", "gpt-large", "--quick"]).models == "gpt-large"
+
+
+def test_a_device_run_s_models_merge_into_the_offload_entry(tmp_path: Path) -> None:
+    """bench/merge_device.py: device_run.sh's per-model results become offload_cuda's one
+    results.json (and chart); runs of other settings are refused, a model's partial run
+    (stopped after a repeat) keeps its count."""
+    from bench.matrix import offload_section, repeats_done
+    from bench.merge_device import main as merge_main
+
+    def part(model: str, **args: object) -> dict:
+        summary = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
+        return {"bench": "matrix", "workers": 2, "systems": ["single"], "wall_seconds": 10.0,
+                "args": {"batch": 16, "microbatches": 4, "steps": 6, "warmup": 2,
+                         "repeats": 2, "models": model, "out": f"x/{model}", **args},
+                "models": {model: {"samples_per_second": {"single": summary},
+                                   "efficiency": {"single": summary}, "ratios": {},
+                                   "ranks": {"single": {"0": {"peak": 2**20}}}}}}
+
+    device = tmp_path / "device"
+    for model, extra in (("gpt", {}), ("gpt-large", {"repeats_done": 1})):
+        (device / model).mkdir(parents=True)
+        (device / model / "results.json").write_text(json.dumps({**part(model), **extra}))
+    merge_main([str(device), "--out", str(tmp_path / "results")])
+    merged = load(tmp_path / "results", "offload_cuda")
+    assert list(merged["models"]) == ["gpt", "gpt-large"]
+    assert merged["args"]["models"] == "gpt,gpt-large" and merged["wall_seconds"] == 20.0
+    assert (tmp_path / "results" / "offload_cuda" / "matrix.png").stat().st_size > 0
+    assert repeats_done(merged) == 1  # gpt-large's run stopped after its first repeat
+    assert "1 repeat(s)" in "\n".join(offload_section("cmd", merged))
+    (device / "gpt-large" / "results.json").write_text(json.dumps(part("gpt-large", steps=4)))
+    with pytest.raises(SystemExit, match="steps"):
+        merge_main([str(device), "--out", str(tmp_path / "results")])
+
+
+def test_the_stash_path_probe_times_every_cpu_part(tmp_path: Path) -> None:
+    """bench/stash_path.py on the CPU (device_run.sh runs it on CUDA): every part, idle and
+    busy, with positive times and the stash's bytes."""
+    from bench.stash_path import LAYERS, TENSORS
+    from bench.stash_path import main as stash_main
+
+    res = stash_main(["--rounds", "2", "--mib", "1", "--out", str(tmp_path)])
+    tensors = LAYERS * TENSORS  # float32 tensors of equal size, 1 MiB in all (rounded down)
+    nbytes = tensors * 4 * ((1 << 20) // 4 // tensors)
+    assert res["bytes"] == nbytes and res["tensors"] == tensors
+    for kind in ("idle", "busy"):
+        assert set(res["seconds"][kind]) == {"tier put", "tier take", "one copy"}
+        for s in res["seconds"][kind].values():
+            assert_summary(s)
+            assert s["n"] == 2
+    assert json.loads((tmp_path / "results.json").read_text())["bytes"] == nbytes
