@@ -7,9 +7,10 @@ writer and a backward rank's prefetch thread run, on one host's node-local tier:
 - `to host` (CUDA): `HostStaging.to_host` and the wait for its copy's event;
 - `tier put`: the tier's put of the host tensors (the producer's handle);
 - `tier take`: the tier's take of them (the consumer's handle: views of the segment);
-- `pin` and `h2d` (CUDA): the taken tensors copied into pinned memory, then to the
-  device: the two halves of `to device`, timed apart;
-- `to device` (CUDA): `HostStaging.to_device` and the wait for its copy's event;
+- `pin` and `h2d` (CUDA): the taken tensors copied one by one into pinned memory, then
+  one by one to the device (the way `to device` went before [Note: coalesced copies]);
+- `to device` (CUDA): `HostStaging.to_device` (a pinned buffer per layer and dtype, each
+  copied whole) and the wait for its copy's event;
 - `h2d pageable` and `h2d segment` (CUDA): two ways `to device` could go instead: each
   taken tensor copied straight from the mapping (CUDA stages pageable memory itself,
   on this thread, with the interpreter's lock released), and the whole mapping the

@@ -7,9 +7,10 @@ tensors in host memory and `take` hands them back. On CUDA the tensors are copie
 pinned host memory on a copy stream of their own, after an event recorded on the compute
 stream, so the compute stream never waits for the copy; `take` copies them back on that
 stream and makes the compute stream wait for it with an event (the `save_on_cpu`
-pattern, asynchronous). On the CPU the host is the device: the tensors are kept as they
-are and the runtime counts them as its own memory, which is why the CPU default is no
-local tier (`local_tier_cap`). A cap bounds the tier: a stash that
+pattern, asynchronous), a layer's tensors of one dtype in one pinned buffer ([Note:
+coalesced copies] in offload_store/coalesce.py). On the CPU the host is the device: the
+tensors are kept as they are and the runtime counts them as its own memory, which is why
+the CPU default is no local tier (`local_tier_cap`). A cap bounds the tier: a stash that
 does not fit goes to the shared store as before, so nothing is ever dropped.
 """
 
@@ -19,6 +20,8 @@ import threading
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from offload_store.coalesce import Group, Layout, copy_into, layout_of, unpack
 
 # The default cap of a rank's local tier on CUDA (worker --local-stash-bytes); on the CPU the
 # default is 0 (off): there the host is the device, so a stash kept in the process saves no
@@ -33,6 +36,8 @@ def local_tier_cap(requested: int, device: torch.device) -> int:
     return LOCAL_STASH_BYTES if device.type == "cuda" else 0
 LayerTensors = dict[int, dict[str, torch.Tensor]]
 Key = tuple[int, int]  # (step, micro-batch)
+# what a stash is kept as: its tensors (the CPU), or pinned buffers and their layout (CUDA)
+Kept = LayerTensors | tuple[dict[Group, torch.Tensor], Layout]
 
 
 class LocalTier:
@@ -40,7 +45,7 @@ class LocalTier:
 
     def __init__(self, device: torch.device, cap_bytes: int) -> None:
         self.device, self.cap_bytes = device, cap_bytes
-        self._held: dict[Key, tuple[LayerTensors, int, object | None]] = {}
+        self._held: dict[Key, tuple[Kept, int, object | None]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self._stream = (torch.cuda.Stream(device) if device.type == "cuda"  # type: ignore[no-untyped-call]
@@ -80,40 +85,39 @@ class LocalTier:
                 return None
             held, size, done = entry
             self._bytes -= size
-        return self._to_device({i: {n: held[i][n] for n in names[i]} for i in names}, done)
+        whole = self._to_device(held, done)
+        return {i: {n: whole[i][n] for n in names[i]} for i in names}
 
     def _to_host(self, tensors: Mapping[int, Mapping[str, torch.Tensor]]
-                 ) -> tuple[LayerTensors, object | None]:
+                 ) -> tuple[Kept, object | None]:
         if self._stream is None:
             return {i: dict(named) for i, named in tensors.items()}, None
-        compute = torch.cuda.current_stream(self.device)
-        ready = compute.record_event()
-        out: LayerTensors = {}
+        layout = layout_of(tensors)
+        flats = {group: torch.empty(layout.numel(group), dtype=group[1], pin_memory=True)
+                 for group in layout.groups}
+        ready = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            for i, named in tensors.items():
-                out[i] = {}
-                for name, t in named.items():
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host.copy_(t, non_blocking=True)
+            copy_into(tensors, layout, flats, non_blocking=True)
+            for named in tensors.values():
+                for t in named.values():
                     t.record_stream(self._stream)  # its memory is reused only after the copy
-                    out[i][name] = host
-        return out, self._stream.record_event()
+        return (flats, layout), self._stream.record_event()
 
-    def _to_device(self, held: LayerTensors, done: object | None) -> LayerTensors:
-        if self._stream is None:
+    def _to_device(self, held: Kept, done: object | None) -> LayerTensors:
+        if isinstance(held, dict):  # the CPU: the tensors themselves
             return held
-        assert isinstance(done, torch.cuda.Event)
+        assert self._stream is not None and isinstance(done, torch.cuda.Event)
+        flats, layout = held
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(done)
-            out = {i: {n: t.to(self.device, non_blocking=True) for n, t in named.items()}
-                   for i, named in held.items()}
-        arrived = self._stream.record_event()
-        torch.cuda.current_stream(self.device).wait_event(arrived)
-        for named in out.values():
-            for t in named.values():
-                t.record_stream(torch.cuda.current_stream(self.device))
-        return out
+            arrived = {group: flat.to(self.device, non_blocking=True)
+                       for group, flat in flats.items()}
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(self._stream.record_event())
+        for flat in arrived.values():
+            flat.record_stream(compute)  # the compute stream's memory from now on
+        return unpack(arrived, layout)
 
     def clear(self) -> None:
         """Forgets every kept stash."""

@@ -7,16 +7,19 @@ module is kept to the few calls `torch.cuda` documents for the pattern of
 `torch.autograd.graph.save_on_cpu(pin_memory=True)`, made asynchronous:
 
 - device to host (`HostStaging.to_host`, on the compute thread): an event recorded on the
-  compute stream, the copy stream waits for it, each tensor is copied into a pinned buffer
-  of its byte size taken from a free list (allocated once, reused for every later stash of
-  that size), `record_stream` keeps the device tensor's memory from reuse until the copy
-  ran, and an event recorded after the copies is what the I/O thread waits for
-  (`Event.synchronize`) before it encodes the buffers; the compute stream never waits;
+  compute stream, the copy stream waits for it, every tensor is copied into its place in
+  a pinned buffer per layer and dtype ([Note: coalesced copies] in
+  offload_store/coalesce.py: one `_foreach_copy_`), each buffer taken from a free list by
+  its byte size (allocated once, reused for every later stash of that size),
+  `record_stream` keeps the device tensors' memory from reuse until the copy ran, and an
+  event recorded after the copies is what the I/O thread waits for
+  (`Event.synchronize`) before it writes the buffers; the compute stream never waits;
 - the buffers return to the free list once the write is done (`release`), never earlier;
-- host to device (`to_device`, on the prefetch thread): the copy runs on the copy stream
-  from the decoded host tensors (pinned first, so the copy is asynchronous), and the
-  compute stream waits for its event only when the backward takes the tensors
-  (`Arrival.wait`).
+- host to device (`to_device`, on the prefetch thread): the taken host tensors are packed
+  into a pinned buffer per layer and dtype (one `torch.cat` each), each buffer crosses in
+  one copy on the copy stream, and the tensors come back as views of the buffers that
+  arrived; the compute stream waits for the copy's event only when the backward takes
+  the tensors (`Arrival.wait`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from offload_store.api import LayerTensors
+from offload_store.coalesce import copy_into, layout_of, pack_into, unpack
 
 
 class HostStaging:
@@ -56,45 +60,48 @@ class HostStaging:
                 ) -> tuple[LayerTensors, Callable[[], None], Callable[[], None]]:
         """Starts copying a stash into pinned buffers; returns (host tensors, wait for the
         copy, give the buffers back). Call on the compute thread."""
+        layout = layout_of(tensors)
+        buffers = {group: self._buffer(layout.numel(group) * group[1].itemsize)
+                   for group in layout.groups}
         ready = torch.cuda.current_stream(self.device).record_event()
-        buffers: list[torch.Tensor] = []
-        out: LayerTensors = {}
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            for i, named in tensors.items():
-                out[i] = {}
-                for name, t in named.items():
-                    src = t.contiguous()
-                    buffer = self._buffer(src.nelement() * src.element_size())
-                    host = buffer.view(src.dtype).view(src.shape)
-                    host.copy_(src, non_blocking=True)
-                    src.record_stream(self.stream)
-                    buffers.append(buffer)
-                    out[i][name] = host
+            out = copy_into(tensors, layout, {group: buffer.view(group[1])
+                                              for group, buffer in buffers.items()},
+                            non_blocking=True)
+            for named in tensors.values():
+                for t in named.values():
+                    t.record_stream(self.stream)
         copied = self.stream.record_event()
-        return out, copied.synchronize, lambda: self._give_back(buffers)
+        return out, copied.synchronize, lambda: self._give_back(list(buffers.values()))
 
     def to_device(self, tensors: LayerTensors) -> tuple[LayerTensors, Arrival]:
         """Starts copying taken host tensors to the device on the copy stream. Call on the
         prefetch thread; the consumer calls `Arrival.wait` before it uses them."""
+        layout = layout_of(tensors)
+        pinned = {group: torch.empty(layout.numel(group), dtype=group[1], pin_memory=True)
+                  for group in layout.groups}
+        pack_into(tensors, layout, pinned)
         with torch.cuda.stream(self.stream):
-            out = {i: {n: t.pin_memory().to(self.device, non_blocking=True)
-                       for n, t in named.items()} for i, named in tensors.items()}
-        return out, Arrival(self.stream.record_event(), self.device)
+            arrived = {group: flat.to(self.device, non_blocking=True)
+                       for group, flat in pinned.items()}
+        return unpack(arrived, layout), Arrival(self.stream.record_event(), self.device,
+                                                list(arrived.values()))
 
 
 class Arrival:
-    """The event of a host-to-device copy; the compute stream waits for it once."""
+    """The event of a host-to-device copy into `buffers`; the compute stream waits for it
+    once."""
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
-        self.event, self.device = event, device
+    def __init__(self, event: torch.cuda.Event, device: torch.device,
+                 buffers: list[torch.Tensor]) -> None:
+        self.event, self.device, self.buffers = event, device, buffers
 
     def wait(self, tensors: LayerTensors) -> LayerTensors:
-        """Makes the compute stream wait for the copy; the tensors' memory is the compute
-        stream's from then on."""
+        """Makes the compute stream wait for the copy; the buffers' memory (the tensors
+        view it) is the compute stream's from then on."""
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(self.event)
-        for named in tensors.values():
-            for t in named.values():
-                t.record_stream(compute)
+        for buffer in self.buffers:
+            buffer.record_stream(compute)
         return tensors

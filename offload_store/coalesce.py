@@ -1,0 +1,88 @@
+"""A stash's tensors laid out in one flat buffer per layer and dtype, and handed back as
+views of it.
+
+[Note: coalesced copies] A stash holds tens of tensors, and each copy between a CUDA
+device and host memory cost a few Python-level torch calls (an allocation, the copy, a
+`record_stream`) whose CPU time a launch-bound model's step pays in full. Laid out in
+flat buffers, a stash crosses in a few calls: into host memory with one `_foreach_copy_`
+of every tensor into its place in the layer's buffers (`copy_into`; no extra device
+memory), out of host memory by packing the tensors into the buffers (`pack_into`: one
+`torch.cat` per buffer) and copying each buffer whole; `unpack` hands each tensor back as
+a view of the buffer it arrived in (one `split_with_sizes` per buffer, then a `view` per
+tensor). One buffer per layer and dtype, not per stash, so a layer's tensors still go as
+soon as its backward is done with them. Tensors come back contiguous in their own
+shapes, as a copy through `torch.empty` and `copy_` gives them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from offload_store.api import LayerTensors
+
+Group = tuple[int, torch.dtype]  # (layer, dtype): the tensors of one flat buffer
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a stash lies: per group, in buffer order, its name and shape;
+    and each layer's names in the stash's order (the order `unpack` gives them back in)."""
+
+    groups: dict[Group, list[tuple[str, torch.Size]]]
+    order: dict[int, list[str]]
+
+    def numel(self, group: Group) -> int:
+        """The elements of one group's buffer."""
+        return sum(math.prod(shape) for _, shape in self.groups[group])
+
+
+def layout_of(tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> Layout:
+    """The layout of `tensors`: per (layer, dtype), in the stash's order."""
+    groups: dict[Group, list[tuple[str, torch.Size]]] = {}
+    for layer, named in tensors.items():
+        for name, t in named.items():
+            groups.setdefault((layer, t.dtype), []).append((name, t.shape))
+    return Layout(groups, {layer: list(named) for layer, named in tensors.items()})
+
+
+def unpack(flats: Mapping[Group, torch.Tensor], layout: Layout) -> LayerTensors:
+    """The stash's tensors as views of the flat buffers, one per group of `layout`."""
+    views: dict[int, dict[str, torch.Tensor]] = {}
+    for group, entries in layout.groups.items():
+        layer, _ = group
+        pieces = flats[group].split_with_sizes([math.prod(shape) for _, shape in entries])
+        named = views.setdefault(layer, {})
+        for (name, shape), piece in zip(entries, pieces, strict=True):
+            named[name] = piece.view(shape)
+    return {layer: {name: views[layer][name] for name in names}
+            for layer, names in layout.order.items()}
+
+
+def copy_into(tensors: Mapping[int, Mapping[str, torch.Tensor]], layout: Layout,
+              flats: Mapping[Group, torch.Tensor], non_blocking: bool = False
+              ) -> LayerTensors:
+    """Copies every tensor into its place in `flats` (any device: one `_foreach_copy_`);
+    returns the views of `flats` that hold them."""
+    out = unpack(flats, layout)
+    targets = [t for named in out.values() for t in named.values()]
+    sources = [tensors[layer][name] for layer, names in layout.order.items()
+               for name in names]
+    if targets:
+        with torch.no_grad():  # a copy, not an autograd node
+            torch._foreach_copy_(targets, sources, non_blocking=non_blocking)
+    return out
+
+
+def pack_into(tensors: Mapping[int, Mapping[str, torch.Tensor]], layout: Layout,
+              flats: Mapping[Group, torch.Tensor]) -> None:
+    """Fills each of `flats` (on the tensors' device) with its group's tensors, flattened
+    in layout order: one `torch.cat` per buffer."""
+    with torch.no_grad():  # a copy, not an autograd node
+        for group, entries in layout.groups.items():
+            layer, _ = group
+            torch.cat([tensors[layer][name].reshape(-1) for name, _ in entries],
+                      out=flats[group])
