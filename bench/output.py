@@ -17,7 +17,9 @@ def write_results(out: Path | None, results: dict[str, Any],
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    partial = out / "results.json.part"  # a run killed while writing leaves the last whole one
+    partial.write_text(json.dumps(results, indent=1))
+    partial.replace(out / "results.json")
     if chart is not None:
         chart(results, out / png)
 

@@ -1,17 +1,18 @@
-"""A stash's tensors laid out in one flat buffer per layer and dtype, and handed back as
-views of it.
+"""A stash's tensors laid out in one flat host buffer per layer and dtype.
 
 [Note: coalesced copies] A stash holds tens of tensors, and each copy between a CUDA
-device and host memory cost a few Python-level torch calls (an allocation, the copy, a
-`record_stream`) whose CPU time a launch-bound model's step pays in full. Laid out in
-flat buffers, a stash crosses in a few calls: into host memory with one `_foreach_copy_`
-of every tensor into its place in the layer's buffers (`copy_into`; no extra device
-memory), out of host memory by packing the tensors into the buffers (`pack_into`: one
-`torch.cat` per buffer) and copying each buffer whole; `unpack` hands each tensor back as
-a view of the buffer it arrived in (one `split_with_sizes` per buffer, then a `view` per
-tensor). One buffer per layer and dtype, not per stash, so a layer's tensors still go as
-soon as its backward is done with them. Tensors come back contiguous in their own
-shapes, as a copy through `torch.empty` and `copy_` gives them.
+device and host memory cost a few Python-level torch calls (a pinned allocation, a host
+copy, the device copy, a `record_stream`) whose CPU time a launch-bound model's step pays
+in full. With one pinned buffer per layer and dtype, the host side takes a few calls per
+stash: into host memory, one `_foreach_copy_` copies every tensor into its place
+(`copy_into`: its loop runs in C++, one device copy per tensor still); out of host
+memory, the tensors taken from the store are packed into the buffers (`pack_into`: one
+`torch.cat` per buffer). `unpack` gives a buffer's tensors as views (one
+`split_with_sizes` per buffer, then a `view` per tensor). Each tensor still goes to the
+device on its own (`to_device`), never as a view of one device buffer: the backward frees
+a layer's saved tensors one by one (a deferred weight half keeps only those it reads), and
+a view would keep the whole buffer. Tensors come back contiguous in their own shapes, as
+a copy through `torch.empty` and `copy_` gives them.
 """
 
 from __future__ import annotations
@@ -86,3 +87,10 @@ def pack_into(tensors: Mapping[int, Mapping[str, torch.Tensor]], layout: Layout,
             layer, _ = group
             torch.cat([tensors[layer][name].reshape(-1) for name, _ in entries],
                       out=flats[group])
+
+
+def to_device(host: LayerTensors, device: torch.device) -> LayerTensors:
+    """Each of `host`'s tensors copied to `device` on the current stream (asynchronous
+    from pinned memory), as tensors of their own."""
+    return {layer: {name: t.to(device, non_blocking=True) for name, t in named.items()}
+            for layer, named in host.items()}

@@ -7,8 +7,8 @@ tensors in host memory and `take` hands them back. On CUDA the tensors are copie
 pinned host memory on a copy stream of their own, after an event recorded on the compute
 stream, so the compute stream never waits for the copy; `take` copies them back on that
 stream and makes the compute stream wait for it with an event (the `save_on_cpu`
-pattern, asynchronous), a layer's tensors of one dtype in one pinned buffer ([Note:
-coalesced copies] in offload_store/coalesce.py). On the CPU the host is the device: the
+pattern, asynchronous), a layer's tensors of one dtype in one pinned buffer on the host
+([Note: coalesced copies] in offload_store/coalesce.py). On the CPU the host is the device: the
 tensors are kept as they are and the runtime counts them as its own memory, which is why
 the CPU default is no local tier (`local_tier_cap`). A cap bounds the tier: a stash that
 does not fit goes to the shared store as before, so nothing is ever dropped.
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from offload_store.coalesce import Group, Layout, copy_into, layout_of, unpack
+from offload_store.coalesce import Group, Layout, copy_into, layout_of, to_device, unpack
 
 # The default cap of a rank's local tier on CUDA (worker --local-stash-bytes); on the CPU the
 # default is 0 (off): there the host is the device, so a stash kept in the process saves no
@@ -85,8 +85,7 @@ class LocalTier:
                 return None
             held, size, done = entry
             self._bytes -= size
-        whole = self._to_device(held, done)
-        return {i: {n: whole[i][n] for n in names[i]} for i in names}
+        return self._to_device(held, done, names)
 
     def _to_host(self, tensors: Mapping[int, Mapping[str, torch.Tensor]]
                  ) -> tuple[Kept, object | None]:
@@ -104,20 +103,23 @@ class LocalTier:
                     t.record_stream(self._stream)  # its memory is reused only after the copy
         return (flats, layout), self._stream.record_event()
 
-    def _to_device(self, held: Kept, done: object | None) -> LayerTensors:
+    def _to_device(self, held: Kept, done: object | None, names: Mapping[int, Sequence[str]]
+                   ) -> LayerTensors:
         if isinstance(held, dict):  # the CPU: the tensors themselves
-            return held
+            return {i: {n: held[i][n] for n in names[i]} for i in names}
         assert self._stream is not None and isinstance(done, torch.cuda.Event)
         flats, layout = held
+        views = unpack(flats, layout)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(done)
-            arrived = {group: flat.to(self.device, non_blocking=True)
-                       for group, flat in flats.items()}
+            out = to_device({i: {n: views[i][n] for n in names[i]} for i in names},
+                            self.device)
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(self._stream.record_event())
-        for flat in arrived.values():
-            flat.record_stream(compute)  # the compute stream's memory from now on
-        return unpack(arrived, layout)
+        for named in out.values():
+            for t in named.values():
+                t.record_stream(compute)  # the compute stream's memory from now on
+        return out
 
     def clear(self) -> None:
         """Forgets every kept stash."""

@@ -16,10 +16,9 @@ module is kept to the few calls `torch.cuda` documents for the pattern of
   (`Event.synchronize`) before it writes the buffers; the compute stream never waits;
 - the buffers return to the free list once the write is done (`release`), never earlier;
 - host to device (`to_device`, on the prefetch thread): the taken host tensors are packed
-  into a pinned buffer per layer and dtype (one `torch.cat` each), each buffer crosses in
-  one copy on the copy stream, and the tensors come back as views of the buffers that
-  arrived; the compute stream waits for the copy's event only when the backward takes
-  the tensors (`Arrival.wait`).
+  into a pinned buffer per layer and dtype (one `torch.cat` each), and each tensor is
+  copied from its place there to the device on the copy stream; the compute stream waits
+  for the copies' event only when the backward takes the tensors (`Arrival.wait`).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from offload_store.api import LayerTensors
-from offload_store.coalesce import copy_into, layout_of, pack_into, unpack
+from offload_store.coalesce import copy_into, layout_of, pack_into, to_device, unpack
 
 
 class HostStaging:
@@ -83,25 +82,22 @@ class HostStaging:
                   for group in layout.groups}
         pack_into(tensors, layout, pinned)
         with torch.cuda.stream(self.stream):
-            arrived = {group: flat.to(self.device, non_blocking=True)
-                       for group, flat in pinned.items()}
-        return unpack(arrived, layout), Arrival(self.stream.record_event(), self.device,
-                                                list(arrived.values()))
+            out = to_device(unpack(pinned, layout), self.device)
+        return out, Arrival(self.stream.record_event(), self.device)
 
 
 class Arrival:
-    """The event of a host-to-device copy into `buffers`; the compute stream waits for it
-    once."""
+    """The event of a host-to-device copy; the compute stream waits for it once."""
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device,
-                 buffers: list[torch.Tensor]) -> None:
-        self.event, self.device, self.buffers = event, device, buffers
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event, self.device = event, device
 
     def wait(self, tensors: LayerTensors) -> LayerTensors:
-        """Makes the compute stream wait for the copy; the buffers' memory (the tensors
-        view it) is the compute stream's from then on."""
+        """Makes the compute stream wait for the copy; the tensors' memory is the compute
+        stream's from then on."""
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(self.event)
-        for buffer in self.buffers:
-            buffer.record_stream(compute)
+        for named in tensors.values():
+            for t in named.values():
+                t.record_stream(compute)
         return tensors

@@ -4,9 +4,15 @@ staging and local tier use the same calls with pinned buffers and a copy stream)
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from offload_store.coalesce import copy_into, layout_of, pack_into, unpack
+from offload_store.local import LocalTier
+from offload_store.staging import HostStaging
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device on this machine")
 
 
 def stash() -> dict[int, dict[str, torch.Tensor]]:
@@ -77,3 +83,49 @@ def test_pack_into_fills_given_buffers_that_unpack_reads_back() -> None:
 def test_an_empty_stash_has_no_buffers() -> None:
     layout = layout_of({})
     assert layout.groups == {} and unpack({}, layout) == {} and copy_into({}, layout, {}) == {}
+
+
+def on(device: torch.device, tensors: dict[int, dict[str, torch.Tensor]]
+       ) -> dict[int, dict[str, torch.Tensor]]:
+    return {i: {n: t.to(device) for n, t in named.items()} for i, named in tensors.items()}
+
+
+def own_storages(tensors: dict[int, dict[str, torch.Tensor]]) -> bool:
+    """Whether every non-empty tensor has a storage of its own."""
+    kept = [t for named in tensors.values() for t in named.values() if t.numel()]
+    return len({t.untyped_storage().data_ptr() for t in kept}) == len(kept)
+
+
+@needs_cuda
+def test_cuda_local_tier_and_staging_give_back_the_stash_bit_for_bit() -> None:
+    """The CUDA paths that use the layout: a combined rank's local tier (put into pinned
+    buffers, take back to the device, a subset of names too) and PipeFB's staging (to host
+    for the writer, to the device for the prefetch); each tensor comes back on the device
+    with a storage of its own."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    want = on(cuda, stash())
+    names = {i: list(named) for i, named in want.items()}
+    tier = LocalTier(cuda, 1 << 30)
+    for m in range(2):
+        assert tier.put(0, m, want) == sum(t.nbytes for named in want.values()
+                                           for t in named.values())
+    got = tier.take(0, 0, names)
+    part = tier.take(0, 1, {3: ["b", "e"]})
+    torch.cuda.synchronize()
+    assert got is not None and part is not None
+    assert_same(on(cpu, got), on(cpu, want))
+    assert own_storages(got)
+    assert all(t.device.type == "cuda" for named in got.values() for t in named.values())
+    assert_same(on(cpu, part), {3: {"b": want[3]["b"].cpu(), "e": want[3]["e"].cpu()}})
+    assert tier.held_bytes == 0
+
+    staging = HostStaging(cuda)
+    host, wait, give_back = staging.to_host(want)
+    wait()
+    assert_same(host, on(cpu, want))
+    back, arrival = staging.to_device(on(cpu, host))  # as the store's take hands them over
+    give_back()
+    back = arrival.wait(back)
+    torch.cuda.synchronize()
+    assert_same(on(cpu, back), on(cpu, want))
+    assert own_storages(back)

@@ -284,7 +284,8 @@ def _fake_state(mode: FakeTensorMode, real: dict[str, torch.Tensor]
     go on: the weights' own, except that under CUDA's autocast a layer still on the cpu
     is run on fake CUDA tensors, since autocast casts only tensors of its own device type
     and each rank must expect the dtypes the real run on CUDA makes ([Note: mixed
-    precision] in pipefb.job.precision)."""
+    precision] in pipefb.job.precision). Those fake CUDA copies are plain tensors: a
+    forward that asks whether a weight is an `nn.Parameter` is told no."""
     device = next(iter(real.values())).device if real else torch.device("cpu")
     if device.type == "cpu" and torch.is_autocast_enabled("cuda") \
             and torch.cuda.is_available():

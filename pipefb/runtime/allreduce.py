@@ -123,9 +123,12 @@ class GroupAllReduce:
         total = 0
         for bucket in _by_dtype(tensors):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            if self.staged:  # [Note: shared GPU]
-                flat = flat.cpu()
-            self.group.allreduce([flat]).wait()
+            if self.staged:  # [Note: shared GPU]: through host memory, back in one copy
+                host = flat.cpu()
+                self.group.allreduce([host]).wait()
+                flat = host.to(flat.device)
+            else:
+                self.group.allreduce([flat]).wait()
             offset = 0
             with torch.no_grad():
                 for t in bucket:
