@@ -12,7 +12,9 @@
 #      allocator's peaks, autocast), last, so that they do not share the GPU with the bench.
 # MODELS (may be empty), DIAG=0, TESTS=0, TEST_FILES, MODEL_SECONDS, TEST_SECONDS and
 # REPEATS narrow a rerun.
-# Usage: bash bench/device_run.sh [OUT]   (default bench/results/device)
+# Usage: bash bench/device_run.sh [OUT]   (default bench/results/device). Expected on an
+# H200: gpt about 110 s, gpt-large about 210 s, the rest about 150 s: near 8 minutes, so
+# give the call a timeout of 600 s or split it (MODELS=, TESTS=0) over two calls.
 # Wheels the machine lacks are installed from .whl/ when that folder is there; the GPU
 # image of 2026-11 had grpcio 1.84.0 (the stubs need 1.85.1) and no redis. Fetch them here
 # first (Python 3.12, x86-64), keep the folder out of git and name it in the call's carry:
