@@ -255,13 +255,8 @@ class OwnSlots:
         """Frees a slot: kept for the next stash of its size, up to `FREE_SLOTS` of them;
         removed beyond (its room goes back to the tier's cap for every writer)."""
         with self._lock:
-            if slot not in self._slots:  # closed meanwhile
+            if slot not in self._slots or self._keep_free(slot):  # closed meanwhile, or kept
                 return
-            free = self._free.setdefault(slot.size, [])
-            if len(free) < FREE_SLOTS:
-                free.append(slot)
-                return
-            self._slots.remove(slot)
         _remove(slot)
 
     def _drain_returns(self) -> None:
@@ -270,12 +265,19 @@ class OwnSlots:
             slot = self._returns.popleft()
             if slot in self._slots:
                 self._lent -= slot.size
-                free = self._free.setdefault(slot.size, [])
-                if len(free) < FREE_SLOTS:
-                    free.append(slot)
-                else:
-                    self._slots.remove(slot)
+                if not self._keep_free(slot):
                     _remove(slot)
+
+    def _keep_free(self, slot: _Slot) -> bool:
+        """Keeps a freed slot for the next stash of its size, up to `FREE_SLOTS` of them;
+        past that takes it out of the store's slots, for the caller to remove (under
+        `_lock`)."""
+        free = self._free.setdefault(slot.size, [])
+        if len(free) < FREE_SLOTS:
+            free.append(slot)
+            return True
+        self._slots.remove(slot)
+        return False
 
 
 def _remove(slot: _Slot) -> None:
