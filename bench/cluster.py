@@ -13,7 +13,7 @@ from typing import Any
 @contextmanager
 def local_client(workers: int, folder: Path, *, threads: int = 0,
                  env: dict[str, str] | None = None, calibrated: bool = False,
-                 cluster_file: Path | None = None) -> Iterator[Any]:
+                 cluster_file: Path | None = None, pin_cpus: bool = True) -> Iterator[Any]:
     """A coordinator client of a fresh local cluster whose `workers` workers registered.
 
     Args:
@@ -24,6 +24,8 @@ def local_client(workers: int, folder: Path, *, threads: int = 0,
         calibrated: give the coordinator this machine's calibrated cluster description
             (what `plan: auto` plans on).
         cluster_file: give the coordinator this cluster description instead.
+        pin_cpus: each worker runs on cores of its own where there are enough
+            ([Note: pinned workers] in pipefb/cpus.py).
     """
     from coordinator.client import CoordinatorClient
     from pipefb.app.local import LocalServices
@@ -32,7 +34,7 @@ def local_client(workers: int, folder: Path, *, threads: int = 0,
     if cluster_file is None and calibrated:
         cluster_file = local_cluster_file(workers, folder)
     with LocalServices(workers, folder, threads=threads, extra_env=env,
-                      cluster_file=cluster_file) as cluster, \
+                      cluster_file=cluster_file, pin_cpus=pin_cpus) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         client.wait_for_workers(workers)
         yield client

@@ -44,7 +44,7 @@ from bench.cluster import local_client
 from bench.output import add_run_flags, args_json, measured_main, write_results
 from bench.pipeline_throughput import MODELS as THROUGHPUT_MODELS
 from bench.pipeline_throughput import QUICK_MODELS as THROUGHPUT_QUICK
-from bench.pipeline_throughput import stage_boundary
+from bench.pipeline_throughput import stage_boundary, two_stage_plan
 from bench.saved_memory import SavedTensorMeter
 from bench.schedules import GPU_MODEL, peak_bars, rank_peaks
 from bench.stats import error_bars, fmt, summary
@@ -157,7 +157,8 @@ def one_run(system: str, job: JobConfig, client: Any, args: argparse.Namespace
     if system == "single":
         run = run_single(job)
     elif system in TORCH:
-        run = torch_pipelining.run(job, stage_boundary(job), TORCH[system], args.threads)
+        run = torch_pipelining.run(job, stage_boundary(job), TORCH[system], args.threads,
+                                   args.pin_cpus)
     else:
         run = run_pipefb(client, replace(job, **PIPEFB[system]))
     timed = run["seconds"][args.warmup:]
@@ -177,7 +178,9 @@ def summarise(job: JobConfig, runs: dict[str, list[dict[str, Any]]], profile: An
     sps = {s: [r["samples_per_second"] for r in reps] for s, reps in runs.items()}
     bubbles = {s: [bubble(r["plan"], profile) for r in reps]
                for s, reps in runs.items() if "plan" in reps[0]}
-    bubbles.update({t: bubbles[p] for t, p in TORCH.items() if t in runs})
+    # torch's ranks run the balanced 2-stage plan whatever pipefb's jobs planned
+    bubbles.update({t: [bubble(two_stage_plan(job, p), profile)] * len(runs[t])
+                    for t, p in TORCH.items() if t in runs})
     bubbles["single"] = [0.0] * len(sps["single"])
     efficiency = {s: summary([v / (one * (1 if s == "single" else WORKERS) * (1 - b))
                               for v, one, b in zip(sps[s], sps["single"], bubbles[s],
@@ -224,7 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "models": {m: summarise(jobs[m], runs[m], profiles[m]) for m in names}}
 
     with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as logs, \
-            local_client(WORKERS, Path(logs), env=env, calibrated=True) as client:
+            local_client(WORKERS, Path(logs), env=env, calibrated=True,
+                         pin_cpus=args.pin_cpus) as client:
         for r in range(args.repeats):
             for m in names:
                 for s in systems:

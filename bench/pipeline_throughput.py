@@ -26,6 +26,7 @@ from bench.output import args_json, measured_main
 from bench.stats import error_bars, fmt, ratio, summary
 from pipefb.job.config import JobConfig, build_layers, layer_costs
 from pipefb.plan.partition import balanced_plan
+from pipefb.plan.plan import Plan
 from pipefb.runtime.reference import SingleProcess
 
 SYSTEMS = ("single", "pipefb-1f1b", "pipefb-pipefb", "torch-1f1b")
@@ -57,11 +58,15 @@ def make_job(spec: dict[str, Any], args: argparse.Namespace) -> JobConfig:
                      optimizer="adamw", lr=1e-3, seed=0, **spec)
 
 
+def two_stage_plan(job: JobConfig, schedule: str = "1f1b") -> Plan:
+    """The coordinator's balanced 2-worker plan of `schedule` for the job."""
+    costs = layer_costs(build_layers(job))
+    return balanced_plan(schedule, WORKERS, costs, job.batch_size, job.microbatches)
+
+
 def stage_boundary(job: JobConfig) -> int:
     """First layer of stage 1 in the coordinator's 2-worker 1f1b plan."""
-    costs = layer_costs(build_layers(job))
-    plan = balanced_plan("1f1b", WORKERS, costs, job.batch_size, job.microbatches)
-    return plan.forward_partition[1]
+    return two_stage_plan(job).forward_partition[1]
 
 
 def run_single(job: JobConfig) -> tuple[list[float], list[float]]:

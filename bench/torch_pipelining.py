@@ -25,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from bench.saved_memory import SavedTensorMeter
 from pipefb.allocator import keep_freed_memory
+from pipefb.cpus import pin, share_out
 from pipefb.job.config import JobConfig, build_layers
 from pipefb.job.data import build_dataset
 from pipefb.job.optim import build_optimizer, optimizer_state_bytes
@@ -54,8 +55,10 @@ def _stage_module(job: JobConfig, boundary: int, rank: int) -> tuple[nn.Module, 
 
 
 def _rank_main(rank: int, job_dict: dict[str, Any], boundary: int, schedule: str,
-               port: int, threads: int, out_dir: str) -> None:
+               port: int, threads: int, out_dir: str, cores: list[set[int]] | None) -> None:
     """One rank: trains `job.steps` steps, writes its step times (and losses) as JSON."""
+    if cores:  # as a local cluster pins its workers ([Note: pinned workers]): like for like
+        pin(cores[rank])
     if threads:
         torch.set_num_threads(threads)
     keep_freed_memory()  # as every pipefb worker does: like for like
@@ -98,8 +101,8 @@ def _rank_main(rank: int, job_dict: dict[str, Any], boundary: int, schedule: str
         dist.destroy_process_group()
 
 
-def run(job: JobConfig, boundary: int, schedule: str = "1f1b", threads: int = 1
-        ) -> dict[str, Any]:
+def run(job: JobConfig, boundary: int, schedule: str = "1f1b", threads: int = 1,
+        pin_cpus: bool = True) -> dict[str, Any]:
     """Runs the job on 2 spawned gloo ranks.
 
     Args:
@@ -107,6 +110,8 @@ def run(job: JobConfig, boundary: int, schedule: str = "1f1b", threads: int = 1
         boundary: first layer index of stage 1 (the balanced plan's cut).
         schedule: "1f1b" or "gpipe".
         threads: torch intra-op threads per rank (0: torch's default).
+        pin_cpus: each rank runs on cores of its own where there are enough, as the
+            workers of a local cluster do.
 
     Returns:
         `seconds`: per-step wall time (barrier to barrier, rank 0), `losses`: per-step mean
@@ -118,7 +123,7 @@ def run(job: JobConfig, boundary: int, schedule: str = "1f1b", threads: int = 1
     with tempfile.TemporaryDirectory(prefix="torchpipe-") as out_dir:
         mp.start_processes(_rank_main, nprocs=WORLD, start_method="spawn",
                            args=(job.to_dict(), boundary, schedule, _free_port(), threads,
-                                 out_dir))
+                                 out_dir, share_out(WORLD, threads or 1) if pin_cpus else None))
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {"seconds": ranks[0]["seconds"], "losses": ranks[-1]["losses"],
             "ranks": {str(r): {"role": f"C{r}", "peak": d["peak_memory_bytes"],

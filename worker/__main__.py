@@ -17,6 +17,7 @@ from dataplane.localhop import HopListener
 from offload_store.shm import check_tier
 from offload_store.writer import STASH_IN_FLIGHT_BYTES
 from pipefb.allocator import keep_freed_memory
+from pipefb.cpus import parse_cpu_list, pin
 from pipefb.job.dataroots import add_data_root_flag, configure_from_args
 from pipefb.runtime.checkpoint import add_root_flag
 from protos import (
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               str(STASH_IN_FLIGHT_BYTES))),
                    help="stash bytes handed to the store's I/O thread and not yet written, "
                         "at most; the compute thread waits past it (0: it writes itself)")
+    p.add_argument("--cpus", default=os.environ.get("PIPEFB_CPUS", ""),
+                   help="the cores this worker runs on, as taskset -c writes them (0-3,8); "
+                        "default: any ([Note: pinned workers] in pipefb/cpus.py)")
     p.add_argument("--local-hops", action=argparse.BooleanOptionalAction,
                    default=os.environ.get("PIPEFB_LOCAL_HOPS", "1") != "0",
                    help="take transfers from peers on this host over a unix socket beside "
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = parse_args(argv)
+    if args.cpus:  # before any thread starts: every thread inherits the cores
+        pin(parse_cpu_list(args.cpus))
     configure_from_args(args)  # the only files a job's dataset may read
     check_tier(args.local_tier_dir, args.local_tier_bytes)  # before anything listens
     security.require(security.from_env(), "python -m worker")  # [Note: access]

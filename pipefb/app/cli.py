@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--threads", type=int, default=0,
                        help="torch threads per process, workers and single alike "
                             "(default: cores / workers)")
+    train.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                       help="run each worker on cores of its own where there are enough "
+                            "(default on; [Note: pinned workers] in pipefb/cpus.py)")
     train.add_argument("--metrics", action="store_true",
                        help="the coordinator and workers serve Prometheus /metrics on free "
                             "ports; prints each URL and keeps them in OUT/logs/cluster.json")
@@ -301,7 +304,7 @@ def cmd_local_train(args: argparse.Namespace) -> int:
     if args.threads < 0:
         raise ConfigError(f"--threads {args.threads} must be >= 0")
     return run_local(job, args.out, progress=not args.no_progress, threads=args.threads,
-                     metrics=args.metrics)
+                     metrics=args.metrics, pin_cpus=args.pin_cpus)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

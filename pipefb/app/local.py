@@ -3,6 +3,10 @@
 With `metrics`, the coordinator and the workers serve Prometheus /metrics on free ports
 (their `--metrics-port 0`); their `metrics URL` lines give the URLs.
 
+Each worker runs on cores of its own where the machine has one for each of every
+worker's torch threads ([Note: pinned workers] in pipefb/cpus.py); `pin_cpus=False`
+leaves every process to the kernel.
+
 With `restart`, a process that dies is relaunched, as Kubernetes restarts a pod: Redis
 and the coordinator on the address they had (Redis comes back empty), a worker under
 its name on a new port (it registers again). Jobs with `max_restarts` then replay.
@@ -34,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from pipefb.cpus import format_cpu_list, share_out
 from pipefb.job.dataroots import ENV as DATA_ROOT_ENV
 from pipefb.job.dataroots import local_default
 from pipefb.processes import Process, default_threads, project_env
@@ -62,7 +67,7 @@ class LocalServices:
     def __init__(self, workers: int, log_dir: Path, *, store_maxmemory: str = "2gb",
                  threads: int = 0, extra_env: dict[str, str] | None = None,
                  cluster_file: Path | None = None, metrics: bool = False,
-                 restart: bool = False) -> None:
+                 restart: bool = False, pin_cpus: bool = True) -> None:
         self.n_workers, self.log_dir, self.metrics = workers, log_dir, metrics
         self.restart = restart  # relaunch processes that die (see the module docstring)
         self.relaunches: dict[str, int] = {}  # process name -> times relaunched
@@ -71,6 +76,8 @@ class LocalServices:
         self.cluster_file = cluster_file  # the coordinator's --cluster (plan "auto")
         self.store_maxmemory = store_maxmemory
         threads = threads or default_threads(workers)
+        # cores of its own for each worker where there are enough ([Note: pinned workers])
+        self.worker_cpus = (share_out(workers, threads) or []) if pin_cpus else []
         self.env = project_env({**os.environ, "PIPEFB_THREADS": str(threads),
                                 DATA_ROOT_ENV: local_default(), **(extra_env or {})})
         # the store's service user ([Note: store ACL] in offload_store/acl.py): every
@@ -235,7 +242,10 @@ class LocalServices:
     def add_worker(self, index: int, flags: Sequence[str] = ()) -> Process:
         """Starts one more worker registering with the coordinator (not waited for), with
         `flags` added to its command line (``--local-tier-dir D``: a tier of its own, as
-        a worker on another host has)."""
+        a worker on another host has). Worker `index` of the cluster's first `workers`
+        runs on its share of the cores where the cluster pins them."""
+        if index < len(self.worker_cpus):
+            flags = ["--cpus", format_cpu_list(self.worker_cpus[index]), *flags]
         return self._spawn(f"worker-{index}", [
             "-m", "worker", "--listen", "127.0.0.1:0", "--coordinator", self.coordinator,
             "--store", self.store, "--name", f"worker-{index}", *flags], service=True,

@@ -31,6 +31,7 @@ from rich.table import Table
 from pipefb.allocator import keep_freed_memory
 from pipefb.app.local import TIER_ENV, LocalServices
 from pipefb.app.report import write_report
+from pipefb.cpus import format_cpu_list
 from pipefb.errors import NonFiniteLoss
 from pipefb.job.config import JobConfig
 from pipefb.memory import KINDS
@@ -114,20 +115,21 @@ def base_report(job: JobConfig, workers: int) -> dict[str, Any]:
 
 
 def run_local(job: JobConfig, out: Path, *, progress: bool = True, threads: int = 0,
-              metrics: bool = False) -> int:
+              metrics: bool = False, pin_cpus: bool = True) -> int:
     """Runs the job and writes report.json, weights.safetensors and loss.png into `out`.
 
     `threads` (0: cores / workers) is every process's torch thread count, the single
     process's included, so `single` and a pipeline compute bit-identical results.
     `metrics`: the cluster's services serve Prometheus /metrics (printed, and kept in
-    `out`/logs/cluster.json).
+    `out`/logs/cluster.json). `pin_cpus`: each worker runs on cores of its own where there
+    are enough ([Note: pinned workers] in pipefb/cpus.py).
     """
     threads = threads or default_threads(job.workers)
     if runs_in_process(job.schedule):
         torch.set_num_threads(threads)
         report = run_single(job, progress)
     else:
-        report = run_cluster(job, out, progress, threads, metrics)
+        report = run_cluster(job, out, progress, threads, metrics, pin_cpus)
     report["threads_per_process"] = threads
     weights = report.pop("_weights")
     report["eval"] = evaluate(job, weights)
@@ -200,7 +202,7 @@ def run_single(job: JobConfig, show: bool) -> dict[str, Any]:
 
 
 def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0,
-                metrics: bool = False) -> dict[str, Any]:
+                metrics: bool = False, pin_cpus: bool = True) -> dict[str, Any]:
     """A fresh local cluster with `job.workers` workers runs the job to the end."""
     from coordinator.client import CoordinatorClient
 
@@ -208,12 +210,15 @@ def run_cluster(job: JobConfig, out: Path, show: bool, threads: int = 0,
     with LocalServices(job.workers, out / "logs", threads=threads,
                       extra_env={"PIPEFB_CHECKPOINT_ROOT": str(out.resolve())},
                       cluster_file=cluster_file, metrics=metrics,
-                      restart=job.max_restarts > 0) as cluster, \
+                      restart=job.max_restarts > 0, pin_cpus=pin_cpus) as cluster, \
             CoordinatorClient(cluster.coordinator) as client:
         for name, url in cluster.metrics_urls().items():
             console.print(f"metrics {name} -> {url}")
         client.wait_for_workers(job.workers)
-        return train_on(client, job, show)
+        report = train_on(client, job, show)
+        # each worker's cores in start order ([Note: pinned workers]); [] where unpinned
+        report["worker_cpus"] = [format_cpu_list(c) for c in cluster.worker_cpus]
+        return report
 
 
 def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
