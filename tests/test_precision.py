@@ -218,3 +218,22 @@ def test_a_yaml_job_file_sets_the_precision(
         "workers": 2, "batch_size": 8, "microbatches": 2, "steps": 2, "optimizer": "sgd",
         "lr": 0.05, "precision": "bf16"}))
     assert [r.loss for r in reports] == want
+
+
+def test_fake_cuda_weights_keep_their_parameter_type() -> None:
+    """The fake CUDA copies shape propagation runs a CUDA job's layer on (under CUDA's
+    autocast) are `nn.Parameter`s where the weights are, as `from_tensor` copies are."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipefb.job.shapes import _fake_cuda
+
+    layer = torch.nn.BatchNorm1d(3)
+    layer.bias.requires_grad_(False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cuda = torch.device("cuda")
+        weight, bias = _fake_cuda(layer.weight, cuda), _fake_cuda(layer.bias, cuda)
+        buffer = _fake_cuda(layer.running_mean, cuda)
+    assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
+    assert isinstance(bias, torch.nn.Parameter) and not bias.requires_grad
+    assert not isinstance(buffer, torch.nn.Parameter) and not buffer.requires_grad
+    assert weight.device.type == buffer.device.type == "cuda" and weight.shape == (3,)

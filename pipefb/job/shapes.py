@@ -284,13 +284,19 @@ def _fake_state(mode: FakeTensorMode, real: dict[str, torch.Tensor]
     go on: the weights' own, except that under CUDA's autocast a layer still on the cpu
     is run on fake CUDA tensors, since autocast casts only tensors of its own device type
     and each rank must expect the dtypes the real run on CUDA makes ([Note: mixed
-    precision] in pipefb.job.precision). Those fake CUDA copies are plain tensors: a
-    forward that asks whether a weight is an `nn.Parameter` is told no."""
+    precision] in pipefb.job.precision). A parameter's fake copy is an `nn.Parameter`
+    either way, as `mode.from_tensor` makes it, for a forward that asks."""
     device = next(iter(real.values())).device if real else torch.device("cpu")
     if device.type == "cpu" and torch.is_autocast_enabled("cuda") \
             and torch.cuda.is_available():
         cuda = torch.device("cuda")
-        return {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=cuda
-                                       ).requires_grad_(t.requires_grad)
-                for n, t in real.items()}, cuda
+        return {n: _fake_cuda(t, cuda) for n, t in real.items()}, cuda
     return {n: mode.from_tensor(t) for n, t in real.items()}, device
+
+
+def _fake_cuda(real: torch.Tensor, cuda: torch.device) -> torch.Tensor:
+    """A fake CUDA tensor (made under an active FakeTensorMode) of `real`'s metadata."""
+    fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=cuda)
+    if isinstance(real, nn.Parameter):
+        return nn.Parameter(fake, requires_grad=real.requires_grad)
+    return fake.requires_grad_(real.requires_grad)
