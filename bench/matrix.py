@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "models": {m: summarise(jobs[m], runs[m], profiles[m]) for m in names}}
 
     with tempfile.TemporaryDirectory(prefix="pipefb-bench-") as logs, \
-            local_client(WORKERS, Path(logs), env=env, calibrated=True,
-                         pin_cpus=args.pin_cpus) as client:
+            local_client(WORKERS, Path(logs), threads=args.threads, env=env,
+                         calibrated=True, pin_cpus=args.pin_cpus) as client:
         for r in range(args.repeats):
             for m in names:
                 for s in systems:
@@ -388,6 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="comma-separated subset of the systems; `single` always runs")
     add_run_flags(p, repeats=3)
+    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers and torch's ranks on cores of their own where there are "
+                        "enough (default on, as `pipefb local train`)")
     p.set_defaults(batch=16, steps=10)
     args = p.parse_args(argv)
     chosen = [s for s in args.systems.split(",") if s]

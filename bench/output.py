@@ -36,9 +36,6 @@ def add_run_flags(p: argparse.ArgumentParser, *, repeats: int) -> None:
     p.add_argument("--repeats", type=int, default=repeats,
                    help="measured: runs of every system")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
-                   help="workers (and torch's ranks) on cores of their own where there are "
-                        "enough (default on, as `pipefb local train`)")
 
 
 def measured_main(args: argparse.Namespace,

@@ -110,8 +110,8 @@ def run(job: JobConfig, boundary: int, schedule: str = "1f1b", threads: int = 1,
         boundary: first layer index of stage 1 (the balanced plan's cut).
         schedule: "1f1b" or "gpipe".
         threads: torch intra-op threads per rank (0: torch's default).
-        pin_cpus: each rank runs on cores of its own where there are enough, as the
-            workers of a local cluster do.
+        pin_cpus: each rank runs on `threads` cores of its own where there are enough, as
+            the workers of a local cluster do (not with torch's default thread count).
 
     Returns:
         `seconds`: per-step wall time (barrier to barrier, rank 0), `losses`: per-step mean
@@ -123,7 +123,7 @@ def run(job: JobConfig, boundary: int, schedule: str = "1f1b", threads: int = 1,
     with tempfile.TemporaryDirectory(prefix="torchpipe-") as out_dir:
         mp.start_processes(_rank_main, nprocs=WORLD, start_method="spawn",
                            args=(job.to_dict(), boundary, schedule, _free_port(), threads,
-                                 out_dir, share_out(WORLD, threads or 1) if pin_cpus else None))
+                                 out_dir, share_out(WORLD, threads) if pin_cpus else None))
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {"seconds": ranks[0]["seconds"], "losses": ranks[-1]["losses"],
             "ranks": {str(r): {"role": f"C{r}", "peak": d["peak_memory_bytes"],

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from pipefb.errors import ConfigError
 
+ENV = "PIPEFB_CPUS"  # a worker's `--cpus` from the environment (`python -m worker`)
+
 
 def allowed() -> list[int]:
     """The cores this process may run on, in order."""
@@ -38,7 +40,7 @@ def parse_cpu_list(text: str) -> set[int]:
     cores: set[int] = set()
     for piece in text.split(","):
         low, dash, high = piece.strip().partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
+        if not low.isdecimal() or (dash and not high.isdecimal()):
             raise ConfigError(f"cpu list {text!r}: {piece.strip()!r} is not a core number "
                               "or a range such as 0-3")
         first, last = int(low), int(high) if dash else int(low)

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from pipefb.cpus import allowed
+
 READY_TIMEOUT_SECONDS = 120.0  # start-up of one process, torch import included
 _PR_SET_PDEATHSIG = 1
 
@@ -94,13 +96,14 @@ def _read_ready(stream: IO[str], lines: queue.Queue[str]) -> None:
 
 
 def default_threads(workers: int) -> int:
-    """Torch threads per worker: the machine's cores shared out (at least one).
+    """Torch threads per worker: the cores this process may run on shared out (at least
+    one; a container's cpuset, not the host's cores).
 
     Oversubscribed threads make every stage slower; and results are bit-identical to
     `--schedule single` only when both use the same thread count, because multi-threaded
     reductions sum in another order.
     """
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+    return max(1, len(allowed()) // max(1, workers))
 
 
 class Process:

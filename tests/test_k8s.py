@@ -41,6 +41,8 @@ DEFAULT_IS_RIGHT = {
                          "socket: pods reach each other at their pod addresses",
     "PIPEFB_STORE_CHUNK_BYTES": "the store's chunk size for large values; the default "
                                 "suits any Redis ([Note: chunked values])",
+    "PIPEFB_CPUS": "the kubelet's static CPU manager pins a Guaranteed pod's container "
+                   "(docs/deploy.md, [Note: pinned workers])",
 }
 # Env vars a worker must not get: the user's token, the coordinator's credential and the
 # store's service user; it takes calls of the coordinator's credential (checked against

@@ -154,8 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = parse_args(argv)
-    if args.cpus:  # before any thread starts: every thread inherits the cores
-        pin(parse_cpu_list(args.cpus))
+    if args.cpus:  # first: the threads started from here on inherit the cores
+        cores = parse_cpu_list(args.cpus)
+        pin(cores)
+        # torch sized its default thread count by the cores at import, before the pin
+        args.threads = args.threads or len(cores)
     configure_from_args(args)  # the only files a job's dataset may read
     check_tier(args.local_tier_dir, args.local_tier_bytes)  # before anything listens
     security.require(security.from_env(), "python -m worker")  # [Note: access]

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from pipefb.cpus import ENV as CPUS_ENV
 from pipefb.cpus import format_cpu_list, share_out
 from pipefb.job.dataroots import ENV as DATA_ROOT_ENV
 from pipefb.job.dataroots import local_default
@@ -101,7 +102,9 @@ class LocalServices:
                         PIPEFB_SERVICE_TOKEN_FILE=str(self.service_token_file),
                         PIPEFB_COORDINATOR_TOKEN_FILE=str(self.coordinator_token_file),
                         PIPEFB_COORDINATOR_VERIFIER_FILE=str(self.verifier_file))
-        self.worker_env = {k: v for k, v in self.env.items() if k not in NOT_FOR_WORKERS}
+        # a worker's cores are its `--cpus` alone: none from this process's environment
+        self.worker_env = {k: v for k, v in self.env.items()
+                           if k not in NOT_FOR_WORKERS and k != CPUS_ENV}
         self.processes: list[Process] = []
         self.store = self.coordinator = ""
         self.tier_dir: Path | None = None  # the tier directory this cluster made (removed at stop)
