@@ -19,7 +19,10 @@ the planner picks schedule, micro-batches, partition, policy and groups). Models
   repeat) x workers x (1 - bubble), where the bubble is the simulator's idle share of the
   plan the system ran, on ideal workers (profiled layer costs, free transfers, a core
   each): what the schedule and partition leave idle, nothing else. The torch systems take
-  the bubble of pipefb's plan of the same schedule, whose split they use.
+  the bubble of the balanced 2-stage plan their split comes from.
+- steps: each model's `STEPS` (warm-up, timed) unless `--steps`/`--warmup` say otherwise.
+- cores: every worker and torch rank runs on cores of its own where there are enough
+  (`--no-pin-cpus`: wherever the kernel puts them; [Note: pinned workers]).
 
 Run: `python bench/matrix.py [--quick] [--device cuda] [--out DIR]`.
 """
@@ -95,11 +98,25 @@ QUICK_MODELS: dict[str, dict[str, Any]] = {
     "gpt-large": THROUGHPUT_QUICK["gpt"]}
 
 
-def make_job(spec: dict[str, Any], args: argparse.Namespace) -> JobConfig:
+#: (warm-up, timed) steps of each model's runs where the flags leave them (`--steps 0`,
+#: `--warmup -1`): the small models' steps take milliseconds, so 10 of them measure the
+#: noise of a moment; 300 are a second and a half of steady state
+STEPS: dict[str, tuple[int, int]] = {"mlp": (20, 300), "convnet": (20, 300), "gpt": (2, 10),
+                                     "gpt-large": (2, 10)}
+
+
+def steps_of(model: str, args: argparse.Namespace) -> tuple[int, int]:
+    """(warm-up, timed) steps of `model`'s runs: the flags where given, else `STEPS`."""
+    warmup, timed = STEPS[model]
+    return (args.warmup if args.warmup >= 0 else warmup), (args.steps or timed)
+
+
+def make_job(spec: dict[str, Any], args: argparse.Namespace, model: str) -> JobConfig:
     """The bench job of one model (1F1B, replaced per system)."""
     return JobConfig(schedule="1f1b", workers=WORKERS, device=args.device,
                      batch_size=args.batch, microbatches=args.microbatches,
-                     steps=args.warmup + args.steps, optimizer="adamw", lr=1e-3, seed=0, **spec)
+                     steps=sum(steps_of(model, args)), optimizer="adamw", lr=1e-3, seed=0,
+                     **spec)
 
 
 def run_single(job: JobConfig) -> dict[str, Any]:
@@ -151,8 +168,8 @@ def describe(plan: Any) -> str:
             f"{groups}, policy {policy}")
 
 
-def one_run(system: str, job: JobConfig, client: Any, args: argparse.Namespace
-            ) -> dict[str, Any]:
+def one_run(system: str, job: JobConfig, client: Any, args: argparse.Namespace,
+            warmup: int) -> dict[str, Any]:
     """`system` once on `job`: timed samples/s, losses, rank peaks (and the plan)."""
     if system == "single":
         run = run_single(job)
@@ -161,7 +178,7 @@ def one_run(system: str, job: JobConfig, client: Any, args: argparse.Namespace
                                    args.pin_cpus)
     else:
         run = run_pipefb(client, replace(job, **PIPEFB[system]))
-    timed = run["seconds"][args.warmup:]
+    timed = run["seconds"][warmup:]
     return {**run, "samples_per_second": job.batch_size * len(timed) / sum(timed)}
 
 
@@ -207,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **MODELS, **({"gpt": GPU_MODEL} if args.device == "cuda" else {}),
         "gpt-large": GPT_LARGE}
     names = [m for m in args.models.split(",") if m]
-    jobs = {m: make_job(specs[m], args) for m in names}
+    jobs = {m: make_job(specs[m], args, m) for m in names}
     systems = [s for s in systems_here(args.device) if s in args.systems]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {s: [] for s in systems}
                                                         for m in names}
@@ -220,6 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def results(done: int) -> dict[str, Any]:
         return {"bench": "matrix", "machine": machine.describe(), "args": args_json(args),
                 "workers": WORKERS, "systems": systems, "repeats_done": done,
+                "steps": {m: list(steps_of(m, args)) for m in names},
                 "skipped": {s: "torch.distributed.pipelining on one GPU: gloo has no CUDA "
                                "send/recv and NCCL refuses two ranks on one device"
                             for s in SYSTEMS if s not in systems},
@@ -232,7 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.repeats):
             for m in names:
                 for s in systems:
-                    runs[m][s].append(one_run(s, jobs[m], client, args))
+                    runs[m][s].append(one_run(s, jobs[m], client, args,
+                                              steps_of(m, args)[0]))
                 print(f"repeat {r + 1}/{args.repeats} {m} done "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
             if r + 1 < args.repeats:
@@ -287,6 +306,16 @@ def blocked_cell(model: dict[str, Any], system: str) -> str:
     return fmt(share, digits=3) if share is not None else "-"
 
 
+def steps_text(res: dict[str, Any]) -> str:
+    """'T timed steps after W warm-up', per model where they differ."""
+    a = res["args"]
+    steps = res.get("steps") or {m: [a["warmup"], a["steps"]] for m in res["models"]}
+    texts = {m: f"{t} timed steps after {w} warm-up" for m, (w, t) in steps.items()}
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values()))
+    return "; ".join(f"{m}: {text}" for m, text in texts.items())
+
+
 def repeats_done(res: dict[str, Any]) -> int:
     """The repeats a result holds: all it was asked for, unless a time limit stopped it."""
     return int(res.get("repeats_done", res["args"]["repeats"]))
@@ -300,8 +329,8 @@ def doc_section(cmd: str, res: dict[str, Any], png: str) -> list[str]:
     lines = [f"## Every system on every model ({a['device'].upper()}: {device})", "",
              f"`{cmd}`", "",
              f"Batch {a['batch']} in {a['microbatches']} micro-batches "
-             f"({a['batch'] // a['microbatches']} samples each), AdamW, {a['steps']} timed "
-             f"steps after {a['warmup']} warm-up, {repeats_done(res)} repeat(s) of every system "
+             f"({a['batch'] // a['microbatches']} samples each), AdamW, {steps_text(res)}, "
+             f"{repeats_done(res)} repeat(s) of every system "
              f"interleaved, {a['threads']} torch thread(s) in every process, "
              f"{res['workers']} processes for every pipeline. samples/s and ratios: median "
              "[min-max] over repeats. Efficiency: measured samples/s over `single`'s x "
@@ -344,8 +373,8 @@ def offload_section(cmd: str, res: dict[str, Any]) -> list[str]:
     with both systems' peak memory per worker."""
     a = res["args"]
     lines = ["## Offload at equal peak memory (issue 36's GPU targets)", "", f"`{cmd}`", "",
-             f"Batch {a['batch']} in {a['microbatches']} micro-batches, {a['steps']} timed "
-             f"steps after {a['warmup']} warm-up, {repeats_done(res)} repeat(s) interleaved, "
+             f"Batch {a['batch']} in {a['microbatches']} micro-batches, {steps_text(res)}, "
+             f"{repeats_done(res)} repeat(s) interleaved, "
              f"{res['workers']} processes per pipeline on one device; ratios of samples/s, "
              "median [min-max] over repeats; peak per worker as in the matrix, MiB.", "",
              "| model | system / baseline | ratio | target | met | peak per worker, MiB "
@@ -391,7 +420,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
                    help="workers and torch's ranks on cores of their own where there are "
                         "enough (default on, as `pipefb local train`)")
-    p.set_defaults(batch=16, steps=10)
+    p.set_defaults(batch=16, steps=0, warmup=-1)  # 0 and -1: each model's `STEPS`
     args = p.parse_args(argv)
     chosen = [s for s in args.systems.split(",") if s]
     unknown = [s for s in chosen if s not in SYSTEMS]

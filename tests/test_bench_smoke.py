@@ -418,6 +418,26 @@ def test_the_matrix_refuses_a_model_it_does_not_know() -> None:
     assert parse_args(["--models", "gpt-large", "--quick"]).models == "gpt-large"
 
 
+def test_the_matrix_times_each_model_for_its_own_steps() -> None:
+    """Without `--steps`/`--warmup` each model runs its `STEPS` (the small models' 5 ms
+    steps 300 times); the flags override; the page names the steps of each model, and a
+    result from before the per-model steps reads its flags."""
+    from bench.matrix import parse_args, steps_of, steps_text
+
+    default = parse_args([])
+    assert (steps_of("mlp", default), steps_of("gpt", default)) == ((20, 300), (2, 10))
+    assert steps_of("mlp", parse_args(["--steps", "5"])) == (20, 5)
+    assert steps_of("convnet", parse_args(["--warmup", "3"])) == (3, 300)
+    assert steps_of("gpt", parse_args(["--quick"])) == (1, 2)
+    res = {"args": {"steps": 0, "warmup": -1}, "models": {"mlp": {}, "gpt": {}},
+           "steps": {"mlp": [20, 300], "gpt": [2, 10]}}
+    assert steps_text(res) == ("mlp: 300 timed steps after 20 warm-up; "
+                               "gpt: 10 timed steps after 2 warm-up")
+    assert steps_text({**res, "steps": {"gpt": [2, 10]}}) == "10 timed steps after 2 warm-up"
+    older = {"args": {"steps": 6, "warmup": 2}, "models": {"gpt": {}}}
+    assert steps_text(older) == "6 timed steps after 2 warm-up"
+
+
 def test_a_device_run_s_models_merge_into_the_offload_entry(tmp_path: Path) -> None:
     """bench/merge_device.py: device_run.sh's per-model results become offload_cuda's one
     results.json (and chart); runs of other settings are refused, a model's partial run

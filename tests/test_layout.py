@@ -24,7 +24,7 @@ MAX_TOP_MODULES = 12  # modules directly in pipefb/ (packages excluded)
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipefb.errors", "pipefb.configparse", "pipefb.seeding", "pipefb.codec",
      "pipefb.allocator", "pipefb.memory", "pipefb.processes", "pipefb.secretfiles",
-     "pipefb.plugins"),
+     "pipefb.plugins", "pipefb.cpus"),
     ("pipefb.models", "pipefb.schedule"),
     ("pipefb.job",),
     ("pipefb.plan",),
