@@ -94,3 +94,12 @@ def to_device(host: LayerTensors, device: torch.device) -> LayerTensors:
     from pinned memory), as tensors of their own."""
     return {layer: {name: t.to(device, non_blocking=True) for name, t in named.items()}
             for layer, named in host.items()}
+
+
+def hand_to(tensors: LayerTensors, stream: torch.cuda.Stream) -> LayerTensors:
+    """Marks every tensor's memory as `stream`'s from now on (the caching allocator reuses
+    it only after that stream's work), once the stream waited for their copies."""
+    for named in tensors.values():
+        for t in named.values():
+            t.record_stream(stream)
+    return tensors

@@ -21,7 +21,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from offload_store.coalesce import Group, Layout, copy_into, layout_of, to_device, unpack
+from offload_store.coalesce import (
+    Group,
+    Layout,
+    copy_into,
+    hand_to,
+    layout_of,
+    to_device,
+    unpack,
+)
 
 # The default cap of a rank's local tier on CUDA (worker --local-stash-bytes); on the CPU the
 # default is 0 (off): there the host is the device, so a stash kept in the process saves no
@@ -116,10 +124,7 @@ class LocalTier:
                             self.device)
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(self._stream.record_event())
-        for named in out.values():
-            for t in named.values():
-                t.record_stream(compute)  # the compute stream's memory from now on
-        return out
+        return hand_to(out, compute)
 
     def clear(self) -> None:
         """Forgets every kept stash."""

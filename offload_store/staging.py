@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from offload_store.api import LayerTensors
-from offload_store.coalesce import copy_into, layout_of, pack_into, to_device, unpack
+from offload_store.coalesce import copy_into, hand_to, layout_of, pack_into, to_device, unpack
 
 
 class HostStaging:
@@ -97,7 +97,4 @@ class Arrival:
         stream's from then on."""
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(self.event)
-        for named in tensors.values():
-            for t in named.values():
-                t.record_stream(compute)
-        return tensors
+        return hand_to(tensors, compute)
