@@ -1,5 +1,5 @@
 """Chunked stash values: a value over the chunk size stored as a manifest and chunk keys,
-written and read over several pooled connections at once.
+written in one pipeline and read over several pooled connections at once.
 
 [Note: chunked values] A value (a `pipefb.codec.pack` frame) longer than the store's chunk
 size is stored as its *manifest* under its own key (`keys.stash_key`): `MAGIC`, the tensor
@@ -9,13 +9,15 @@ manifest never starts as a frame does (`MAGIC` is not the codec's magic), so a t
 a chunked value from the reply of its one GETDEL pipeline (which receives a manifest as
 bytes, [Note: values received in place] in `offload_store.receive`); a value up to the
 chunk size is one key. A put sends the chunks (views of the tensor's memory,
-[Note: zero-copy put]) with the manifests and small values spread over up to `connections` pooled
-connections, one SET pipeline each, from a small thread pool (`ChunkIO`; redis-py sends
-with the GIL released). A take, after that first pipeline, GETDELs the chunks the same
-way, each connection's replies received straight from its socket into one buffer per value
-(`receive.getdel_into`: no bytes object per chunk, no copy between), then validates the
-whole buffer as a value of one key is validated, and only then hands out a tensor that
-views the buffer's data (`pipefb.codec.unpack_in_place`; the data starts on a
+[Note: zero-copy put]) with the manifests and small values in one SET pipeline on the
+calling thread: Redis reads commands on one thread, so writing over several connections
+only adds client threads (a put over four ran at half the speed of one pipeline). A take,
+after its first pipeline, GETDELs the chunks over up to `connections` pooled connections,
+one pipeline each, from a small thread pool (`ChunkIO`; redis-py receives with the GIL
+released), each connection's replies received straight from its socket into one buffer
+per value (`receive.getdel_into`: no bytes object per chunk, no copy between), then
+validates the whole buffer as a value of one key is validated, and only then hands out a
+tensor that views the buffer's data (`pipefb.codec.unpack_in_place`; the data starts on a
 `receive.ALIGN` boundary, `receive.frame_buffer`): the take copies nothing after the
 socket, and no tensor exists before those checks. A manifest is written with its chunks,
 not after them, so a value left half written (a store full midway, a crashed writer) may
@@ -24,7 +26,7 @@ its span's bytes, and a missing one raises `KeyError` naming the chunk's key, a 
 long one `CodecError`, never a tensor. A manifest's sizes are bounded (the codec's largest
 tensor, `MIN_CHUNK_BYTES`) before its buffer is allocated. Every chunk a take asks for is
 deleted by its GETDEL all the same; a put that fails unlinks every key it may have written
-(after its last pipeline finished); SCAN by the job's pattern finds chunk keys, so
+(after its pipeline finished); SCAN by the job's pattern finds chunk keys, so
 `clear_job` and the TTL reclaim a crashed writer's chunks. Chunks also keep each SET under
 Redis's largest argument (`proto-max-bulk-len`, 512 MB by default), which a value of one
 key must fit.
@@ -50,10 +52,11 @@ from pipefb.codec import DEFAULT_MAX_BYTES, MAX_RANK
 from pipefb.errors import CodecError
 
 # Values longer than this are chunked: large enough that a chunk's command costs little
-# beside moving its bytes, small enough that a 16 MiB stash spreads over 4 connections.
+# beside moving its bytes, small enough that a 16 MiB stash's take spreads over 4
+# connections.
 CHUNK_BYTES = 4 << 20
-# Connections one chunked put or take uses at once: Redis runs commands on one thread, so
-# more connections only add client threads; 4 let a 16 MiB value's chunks move together.
+# Connections one chunked take uses at once: Redis runs commands on one thread, so more
+# connections only add client threads; 4 let a 16 MiB value's chunks arrive together.
 CONNECTIONS = 4
 MIN_CHUNK_BYTES = 4096  # the smallest chunk size a store accepts (bounds a value's keys)
 MAGIC = b"PFC1"  # a manifest's first bytes; a frame starts with the codec's b"PFT1"
@@ -221,8 +224,7 @@ class ChunkIO:
 
     def run(self, work: Callable[[T], R], groups: Sequence[T]) -> list[R]:
         """`work` of each group, on this object's threads when there are several; raises
-        the first group's error only once every group has finished (so a failed put's
-        clean-up runs after its last write)."""
+        the first group's error only once every group has finished."""
         if len(groups) == 1:
             return [work(groups[0])]
         with self._lock:

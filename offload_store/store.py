@@ -153,7 +153,7 @@ class OffloadStore:
             ttl_seconds: expiry of every key, a safety net only.
             max_wait_seconds: how long `put` backs off on a full store before giving up.
             chunk_bytes: values longer than this are chunked; 0: never.
-            chunk_connections: connections a chunked put or take uses at once.
+            chunk_connections: connections a chunked take uses at once.
             max_bytes: the largest tensor data a take accepts in a value of one key (its
                 frame may add a codec header); a longer value is refused unread.
 
@@ -200,7 +200,7 @@ class OffloadStore:
         tensors: Mapping[int, Mapping[str, torch.Tensor]],
     ) -> int:
         """Stashes tensors in one pipeline of ``SET key value EX ttl``, a value over the
-        chunk size as chunks over several connections ([Note: chunked values]).
+        chunk size as its manifest and chunks ([Note: chunked values]).
 
         Args:
             step: training step.
@@ -227,7 +227,7 @@ class OffloadStore:
         nbytes = sum(map(len, items.values()))
         stored = self._chunks.split(items)
         try:
-            if not self._write_with_backoff(stored, spread=len(stored) > len(items)):
+            if not self._write_with_backoff(stored):
                 raise self._full_error(step, microbatch, nbytes)
         except BaseException:
             with suppress(RedisError):
@@ -340,16 +340,15 @@ class OffloadStore:
         """The number of keys of this job in the store, any attempt."""
         return count_job_keys(self._client, self.job)
 
-    def _write_with_backoff(self, items: dict[str, Value], spread: bool) -> bool:
-        """Writes all items, re-sending those refused for OOM with exponential backoff;
-        over several connections at once where `spread` (items with chunks).
+    def _write_with_backoff(self, items: dict[str, Value]) -> bool:
+        """Writes all items, re-sending those refused for OOM with exponential backoff.
 
         Returns:
             True once every item is written; False when `max_wait_seconds` ran out.
         """
         deadline = time.monotonic() + self.max_wait_seconds
         delay = FIRST_DELAY_S
-        pending = self._set_all(items, spread)
+        pending = self._set_all(items)
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -357,24 +356,12 @@ class OffloadStore:
             self._count(retries=1)
             time.sleep(min(delay, remaining))
             delay = min(2 * delay, MAX_DELAY_S)
-            pending = self._set_all(pending, spread)
+            pending = self._set_all(pending)
         return True
 
-    def _set_all(self, items: dict[str, Value], spread: bool) -> dict[str, Value]:
-        """Sends the items' SETs (idempotent) in one pipeline, or where `spread` in up to
-        `chunk_connections` pipelines at once; returns the items refused for OOM.
-
-        Raises:
-            RedisError: any error other than OOM, once every pipeline has finished.
-        """
-        groups = self._chunks.spread(items) if spread else [items]
-        refused: dict[str, Value] = {}
-        for part in self._chunks.run(self._set_group, groups):
-            refused.update(part)
-        return refused
-
-    def _set_group(self, items: dict[str, Value]) -> dict[str, Value]:
-        """Sends one SET pipeline and returns the items refused for OOM.
+    def _set_all(self, items: dict[str, Value]) -> dict[str, Value]:
+        """Sends the items' SETs (idempotent) in one pipeline on the calling thread, chunks
+        too ([Note: chunked values]); returns the items refused for OOM.
 
         Raises:
             RedisError: any error other than OOM.
