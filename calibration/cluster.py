@@ -13,6 +13,7 @@ Step call's overheads (`calibration.overheads`) and the cores' speed when oversu
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -101,9 +102,16 @@ def measure(settings: Settings = DEFAULTS) -> Measured:
 def build_cluster(workers: int, measured: Measured) -> Cluster:
     """`workers` workers w0..w{n-1} on one loopback host with this machine's cores and
     links: transfers and store traffic are CPU work there, as on this machine; they share
-    a node-local tier (`pipefb local` and the tests' clusters give them one)."""
+    a node-local tier (`pipefb local` and the tests' clusters give them one) with the cap
+    their environment gives them (`calibration.store.tier_cap`: not measured, so read
+    afresh for each cluster, never from the cache).
+
+    Raises:
+        ConfigError: `workers` < 1, or a bad `PIPEFB_LOCAL_TIER_BYTES`.
+    """
     if workers < 1:
         raise ConfigError(f"a cluster needs at least one worker, got {workers}")
+    cap = store.tier_cap() if measured.local_tier is not None else math.inf
     return Cluster(tuple(WorkerSpec(f"w{i}", host=HOST) for i in range(workers)),
                    network=measured.network, store=measured.store,
                    host_cores={HOST: os.cpu_count() or 1}, loopback_hosts=frozenset({HOST}),
@@ -111,7 +119,7 @@ def build_cluster(workers: int, measured: Measured) -> Cluster:
                    step_overhead=measured.step_overhead, step_cpu=measured.step_cpu,
                    host_oversubscribed={HOST: measured.oversubscribed},
                    busy_send=measured.busy_send, local_tier=measured.local_tier,
-                   shared_tier=measured.shared_tier)
+                   local_tier_bytes=cap, shared_tier=measured.shared_tier)
 
 
 def calibrated(workers: int, *, cache_dir: Path | None = None, refresh: bool = False,

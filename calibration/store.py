@@ -32,8 +32,9 @@ from calibration.fit import fit_link, fit_probes
 from calibration.settings import JOB, PROBE_TIMEOUT_S, Settings
 from offload_store import OffloadStore, StashStore, connect
 from offload_store.api import LayerTensors
-from offload_store.shm import with_local_tier
+from offload_store.shm import BYTES_ENV, DIR_ENV, check_tier, default_cap, with_local_tier
 from offload_store.writer import STASH_IN_FLIGHT_BYTES, StashWriter
+from pipefb.errors import ConfigError
 from pipefb.sim.cluster import Link
 
 STORE_MAXMEMORY = "256mb"  # the probe Redis holds `STASH_DEPTH` stashes at a time
@@ -41,6 +42,37 @@ STASH_TENSORS = 16  # tensors of a probe stash: a stage's saved tensors, several
 STASH_LAYERS = 4  # layers a probe stash spreads them over
 STASH_DEPTH = 2  # probe stashes in the store before the first is taken
 SHM_ROOT = Path("/dev/shm")  # where the tier probe's directory goes (= pipefb.app.local's)
+
+
+def tier_root() -> Path:
+    """Where `pipefb local` makes its workers' tier directory, and the probes theirs:
+    `SHM_ROOT`, else the system's temporary directory."""
+    return SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
+
+
+def tier_cap(env: Mapping[str, str] | None = None) -> int:
+    """The cap of the node-local tier that a local cluster's workers use (`env`, default
+    this process's environment, is theirs): `PIPEFB_LOCAL_TIER_BYTES`, their
+    --local-tier-bytes, where it gives one (>= 0), else their default (-1), half the file
+    system that holds their tier directory (`PIPEFB_LOCAL_TIER_DIR`, else the one `pipefb
+    local` makes in `tier_root`; `offload_store.shm.default_cap`).
+
+    Raises:
+        ConfigError: `PIPEFB_LOCAL_TIER_BYTES` is not an integer >= -1; names it.
+    """
+    env = os.environ if env is None else env
+    value = env.get(BYTES_ENV, "-1")
+    try:
+        cap = int(value)
+    except ValueError:
+        raise ConfigError(f"{BYTES_ENV}={value!r} is not an integer") from None
+    check_tier("", cap)
+    if cap >= 0:
+        return cap
+    folder = Path(env.get(DIR_ENV) or tier_root()).absolute()
+    while not folder.is_dir():  # the worker makes it: the file system it will be on
+        folder = folder.parent
+    return default_cap(folder)
 
 
 class PutTake(Protocol):
@@ -158,8 +190,7 @@ def tier_link(address: str, settings: Settings) -> Link:
     pipefb.sim.costmodel). The line goes through the medians, not the means: these copies
     are the rank's own CPU work, and their slow tail is other processes taking the cores
     (bench/findings.md), which the simulator charges as processor sharing already."""
-    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
-    with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-tier-", dir=root) as folder:
+    with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-tier-", dir=tier_root()) as folder:
         inner = OffloadStore(connect(address, username=None, password=None), JOB,
                              max_wait_seconds=PROBE_TIMEOUT_S)
         store = with_local_tier(inner, folder, local_tier_private=True)
@@ -194,8 +225,8 @@ def shared_tier_link(address: str, settings: Settings, pids: Sequence[int] = ())
     many times slower than one into a spare (bench/findings.md)."""
     meter = CpuMeter([os.getpid(), *pids])
     layers = range(STASH_LAYERS)
-    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
-    with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-shared-", dir=root) as folder:
+    with tempfile.TemporaryDirectory(prefix="pipefb-calibrate-shared-",
+                                     dir=tier_root()) as folder:
         def tier_store(rank: int) -> StashStore:  # rank 0 stashes, rank 1 takes
             inner = OffloadStore(connect(address, username=None, password=None), JOB,
                                  max_wait_seconds=PROBE_TIMEOUT_S)

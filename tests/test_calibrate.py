@@ -82,7 +82,10 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
     tier = cluster.local_tier
     assert tier is not None and 10e6 <= tier.bandwidth <= 1e12 and tier.latency < 0.01, tier
     assert tier.seconds(16 << 20) < cluster.store.seconds(16 << 20), (tier, cluster.store)
-    assert cached["local_tier"] == {"bandwidth": tier.bandwidth, "latency": tier.latency}
+    # its cap is what the workers' environment gives them, not a measurement
+    assert cluster.local_tier_bytes == store.tier_cap()
+    assert cached["local_tier"] == {"bandwidth": tier.bandwidth, "latency": tier.latency,
+                                    "cap": cluster.local_tier_bytes}
     # the tier two ranks share (index keys in Redis)
     for what, link in (("shared_tier", cluster.shared_tier),):
         assert link is not None and 10e6 <= link.bandwidth <= 1e12, (what, link)
@@ -265,6 +268,26 @@ def test_probe_stashes_are_shaped_as_a_stage_s() -> None:
     assert len({t.data_ptr() for t in tensors}) == len(tensors)  # fresh, not one reused
     again = store._probe_stash(16 << 20)
     assert again[0]["t0"].data_ptr() != stash[0]["t0"].data_ptr()
+
+
+def test_the_tiers_cap_is_the_one_a_local_clusters_workers_use(tmp_path: Path) -> None:
+    """--local-tier-bytes where the environment gives it, else the workers' default: half
+    the file system their tier directory is on (made later: its nearest parent that is
+    there), and a built cluster carries it ([Note: tier cap] in pipefb.sim.tierslots)."""
+    from calibration.cluster import build_cluster
+    from offload_store.shm import default_cap
+
+    assert store.tier_cap({"PIPEFB_LOCAL_TIER_BYTES": "4096"}) == 4096
+    assert store.tier_cap({"PIPEFB_LOCAL_TIER_BYTES": "0"}) == 0
+    later = {"PIPEFB_LOCAL_TIER_DIR": str(tmp_path / "not" / "yet")}
+    assert store.tier_cap(later) == default_cap(tmp_path)
+    assert store.tier_cap({}) == default_cap(store.tier_root())
+    for bad in ("lots", "-2"):
+        with pytest.raises(ConfigError, match=bad):
+            store.tier_cap({"PIPEFB_LOCAL_TIER_BYTES": bad})
+    tiered = Measured(OTHER.network, OTHER.store, 0.0, 0.0, local_tier=Link(5e9, 0.0))
+    assert build_cluster(1, tiered).local_tier_bytes == store.tier_cap()
+    assert build_cluster(1, OTHER).local_tier_bytes == math.inf  # no tier measured
 
 
 def test_fit_link_from_two_points() -> None:

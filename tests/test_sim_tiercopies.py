@@ -33,7 +33,7 @@ CPU_TIER = replace(BASE, local_tier=TIER)
 LANE = {"cuda with the tier": replace(CPU_TIER, device="cuda"), "cpu without the tier": BASE}
 
 
-def _one_rank(cluster: Cluster, policy: str = "offload") -> Simulation:
+def _one_rank(cluster: Cluster, policy: str = "offload", iterations: int = 1) -> Simulation:
     """One combined rank, one layer of F 4 ms, B 8 ms and 1 MB saved, three micro-batches
     (GPipe): STASH2 and FETCH2 come back to back and move nothing."""
     plan = replace(balanced_plan("gpipe", 1, [1.0], 3, 3), policy=(policy,))
@@ -41,7 +41,7 @@ def _one_rank(cluster: Cluster, policy: str = "offload") -> Simulation:
                "0FETCH1 0B1 0FETCH0 0B0 0OPT".split()]
     profile = Profile(1, (LayerProfile("l", 4 * MS, 8 * MS, 0, 0, MB, 0),),
                       optimizer_seconds_per_byte=0.0)
-    return simulate(plan, profile, cluster, 1, schedule={0: actions})
+    return simulate(plan, profile, cluster, iterations, schedule={0: actions})
 
 
 def _spans(sim: Simulation) -> dict[str, tuple[float, float]]:

@@ -258,15 +258,17 @@ def train_on(client: Any, job: JobConfig, show: bool) -> dict[str, Any]:
 
 def local_cluster_file(workers: int, out: Path) -> Path:
     """`out`/cluster.yaml: this machine's cluster description for `workers` workers
-    (measured once, cached), what the coordinator plans "auto" on; without the node-local
-    tier where the environment turns the workers' off (`TIER_ENV` empty)."""
+    (measured once, cached), what the coordinator plans "auto" on, with the cap of the
+    workers' node-local tier (`calibration.store.tier_cap`); without the tier where the
+    environment turns the workers' off (`TIER_ENV` empty)."""
     from calibration.cluster import local_cluster
 
     path = out / "cluster.yaml"
     out.mkdir(parents=True, exist_ok=True)
     cluster = local_cluster(workers)
     if os.environ.get(TIER_ENV) == "":
-        cluster = replace(cluster, local_tier=None, shared_tier=None)
+        cluster = replace(cluster, local_tier=None, local_tier_bytes=math.inf,
+                          shared_tier=None)
     path.write_text(yaml.safe_dump(cluster.to_dict(), sort_keys=False))
     return path
 

@@ -26,6 +26,11 @@ simulator take it as plain data. Sizes and rates accept units::
                                    # shared-memory tier (--local-tier-dir); a put or take
                                    # of a private rank's stash there ([Note: tier copies]
                                    # in pipefb.sim.costmodel)
+                                   # (cap: 1GiB -> the bytes it holds at most, all ranks
+                                   # of a host, the workers' --local-tier-bytes; a
+                                   # private rank's stash past it goes through the store,
+                                   # [Note: tier cap] in pipefb.sim.tierslots; default:
+                                   # no cap, every stash fits)
     shared_tier: {bandwidth: 8GB/s, latency: 1ms}  # optional: a put or take of a stash
                                    # there by the worker's I/O thread and prefetch (its
                                    # segments plus index keys in the store), for a rank on
@@ -189,6 +194,10 @@ class Cluster:
     #: a put or a take of a private rank's stash there costs its `seconds` ([Note: tier
     #: copies] in pipefb.sim.costmodel)
     local_tier: Link | None = None
+    #: bytes the node-local tier of a host holds at most, all its ranks (worker
+    #: --local-tier-bytes); inf: no cap, every stash fits ([Note: tier cap] in
+    #: pipefb.sim.tierslots)
+    local_tier_bytes: float = math.inf
     #: a put or a take of a stash in the node-local tier through the worker's I/O thread
     #: and prefetch, for a rank that shares it with its stash partners on a loopback host;
     #: None: `store` ([Note: shared tier] in pipefb.sim.costmodel)
@@ -225,6 +234,8 @@ class Cluster:
         if self.stash_in_flight_bytes < 0:
             raise ConfigError(f"store in_flight {self.stash_in_flight_bytes!r} must be >= 0 "
                               "bytes")
+        if not self.local_tier_bytes >= 0:
+            raise ConfigError(f"local tier cap {self.local_tier_bytes!r} must be >= 0 bytes")
 
     @property
     def size(self) -> int:
@@ -289,15 +300,17 @@ class Cluster:
         if "network" in top:
             kwargs["network"] = Link.parse(top["network"], f"{source}.network")
         if "store" in top:
-            store = dict(_mapping(top["store"], f"{source}.store",
-                                  {"bandwidth", "latency", "cpu", "in_flight"}))
-            if "in_flight" in store:
-                kwargs["stash_in_flight_bytes"] = int(parse_quantity(
-                    store.pop("in_flight"), f"{source}.store.in_flight", "bytes"))
-            kwargs["store"] = Link.parse(store, f"{source}.store")
-        for name in ("local_tier", "shared_tier"):
-            if name in top:
-                kwargs[name] = Link.parse(top[name], f"{source}.{name}")
+            kwargs["store"], in_flight = _link_and(top["store"], f"{source}.store",
+                                                   "in_flight")
+            if in_flight is not None:
+                kwargs["stash_in_flight_bytes"] = int(in_flight)
+        if "local_tier" in top:
+            kwargs["local_tier"], cap = _link_and(top["local_tier"], f"{source}.local_tier",
+                                                  "cap")
+            if cap is not None:
+                kwargs["local_tier_bytes"] = cap
+        if "shared_tier" in top:
+            kwargs["shared_tier"] = Link.parse(top["shared_tier"], f"{source}.shared_tier")
         if "device" in top:
             kwargs["device"] = str(top["device"])
         return Cluster(
@@ -352,10 +365,12 @@ class Cluster:
                           **({"step_cpu": self.step_cpu} if self.step_cpu else {}),
                           **({"busy_send": self.busy_send} if self.busy_send else {})},
         }
-        for name, optional in (("local_tier", self.local_tier),
-                               ("shared_tier", self.shared_tier)):
-            if optional is not None:
-                out[name] = link(optional)
+        if self.local_tier is not None:
+            out["local_tier"] = {**link(self.local_tier),
+                                 **({"cap": self.local_tier_bytes}
+                                    if math.isfinite(self.local_tier_bytes) else {})}
+        if self.shared_tier is not None:
+            out["shared_tier"] = link(self.shared_tier)
         if self.device != "cpu":
             out["device"] = self.device
         if self.host_cores:
@@ -376,6 +391,15 @@ def _mapping(data: Any, what: str, known: set[str]) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"{what} has unknown key {unknown[0]!r}; known: {sorted(known)}")
     return data
+
+
+def _link_and(data: Any, what: str, extra: str) -> tuple[Link, float | None]:
+    """A link's mapping with one more field of bytes beside the link's own (the store's
+    `in_flight`, the local tier's `cap`): the link, and that field (None: not given)."""
+    fields_ = dict(_mapping(data, what, {"bandwidth", "latency", "cpu", extra}))
+    value = (parse_quantity(fields_.pop(extra), f"{what}.{extra}", "bytes")
+             if extra in fields_ else None)
+    return Link.parse(fields_, what), value
 
 
 def _worker(item: Any, what: str, name: str) -> WorkerSpec:

@@ -52,9 +52,11 @@ from pipefb.sim.costs import Profile, kept_bytes, ring_allreduce_seconds
 # on the compute thread] in offload_store/writer.py): a put is one memcpy into a mapped
 # segment, a take a view of it, no round trip. So for such a rank STASH and FETCH are
 # compute-lane work of `Cluster.local_tier.seconds(bytes)` each (the calibration times a
-# put and a take of the same tier, as it times the store's), nothing goes on its copy
-# lane, no bytes are in flight (`stash_in_flight` 0) and no FETCH is prefetched. Every
-# other rank (PipeFB's, one without the tier, one on CUDA) keeps the copy lane.
+# put and a take of the same tier, as it times the store's) while the stash fits under
+# the tier's cap, and of `Cluster.store.seconds(bytes)` for a stash past it, which goes to
+# the store ([Note: tier cap] in pipefb.sim.tierslots); nothing goes on its copy lane, no
+# bytes are in flight (`stash_in_flight` 0) and no FETCH is prefetched. Every other rank
+# (PipeFB's, one without the tier, one on CUDA) keeps the copy lane.
 
 # [Note: shared tier]
 # A rank that exchanges stashes with other ranks (`pipefb.plan.stashpath.stash_partners`:
@@ -168,7 +170,7 @@ class Costs:
 
     def tier_seconds(self, a: Action) -> float:
         """Compute-lane seconds of a STASH or FETCH on a rank that copies its stashes on
-        its compute thread ([Note: tier copies])."""
+        its compute thread, its stash in the tier ([Note: tier copies])."""
         assert self.cluster.local_tier is not None
         return self.cluster.local_tier.seconds(self.stash_bytes(a))
 

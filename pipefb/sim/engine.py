@@ -18,6 +18,7 @@ from pipefb.sim.hosts import Host, Job
 from pipefb.sim.memorymodel import RankMemory
 from pipefb.sim.program import Op, Program
 from pipefb.sim.result import Record
+from pipefb.sim.tierslots import tier_slots
 
 _TIMER = -2  # the rank field of a heap entry that runs a callback of `Engine.timers`
 _PREFETCH_AFTER = frozenset({Kind.RECV_L, Kind.RECV_B})  # receives a backward rank's
@@ -113,14 +114,18 @@ class Engine:
         self.eager = {r for r in self.runs if self.host[r][0] in self.cluster.loopback_hosts}
         self.pending: dict[int, tuple[int, int, float]] = {}
         self.taken: dict[tuple[int, int], float] = {}
+        # a private rank's stashes in the node-local tier ([Note: tier cap])
+        self.slots = tier_slots(costs, schedule, self.program.runs_weights)
 
     def shared(self) -> bool:
-        """Whether some host has fewer cores than ranks, or moves bytes on its cores."""
+        """Whether some host has fewer cores than ranks, or moves bytes on its cores, or
+        some ranks' stashes share a capped tier ([Note: tier cap])."""
         on: dict[str, int] = defaultdict(int)
         for name, _ in self.host.values():
             on[name] += 1
-        return any(on[name] > host.cores or name in self.cluster.loopback_hosts
-                   for name, host in self.hosts.items())
+        return self.slots.shared or any(on[name] > host.cores
+                                        or name in self.cluster.loopback_hosts
+                                        for name, host in self.hosts.items())
 
     def run(self) -> None:
         """Runs every rank's unrolled list to its end (ScheduleError: a deadlock)."""
@@ -179,14 +184,15 @@ class Engine:
                 self._execute(r, k, step, op, t)
                 continue
             self.free[r] = math.inf  # busy until the job ends
+            seconds, through_store = self._seconds(r, step, op)
             if op.tail:  # [Note: early sends]: sends, then the rest as a second job
-                self._start_job(self.host[r][0], t, op.seconds - op.tail,
+                self._start_job(self.host[r][0], t, seconds - op.tail,
                                 self._sender(r, k, step, op, t))
             else:
-                self._start_job(self.host[r][0], t, op.seconds,
+                self._start_job(self.host[r][0], t, seconds,
                                 self._finisher(r, k, step, op, t))
-            if op.action.kind in STORE_KINDS and r not in self.costs.on_compute:
-                self._store_side(r, t, op.seconds - self.cluster.action_overhead)
+            if through_store:
+                self._store_side(r, t, seconds - self.cluster.action_overhead)
 
     def _finisher(self, r: int, k: int, step: int, op: Op, start: float
                   ) -> Callable[[float], None]:
@@ -225,6 +231,19 @@ class Engine:
         name = self.host[r][0]
         if self.cluster.step_cpu > 0 and name in self.cluster.loopback_hosts:
             self._start_job(name, t, self.cluster.step_cpu, _nothing)
+
+    def _seconds(self, r: int, step: int, op: Op) -> tuple[float, bool]:
+        """Compute-lane seconds of `op` on rank `r`, and whether it moves a stash through
+        the store there: a STASH written on the compute lane, or a private rank's stash
+        past the tier's cap, whose STASH and FETCH pay the store's time for the tier's
+        ([Note: tier cap] in pipefb.sim.tierslots)."""
+        if not op.tier_bytes:
+            return op.seconds, op.action.kind in STORE_KINDS and r not in self.costs.on_compute
+        key = (step, op.microbatch)
+        if (self.slots.put(r, key, op.tier_bytes) if op.action.kind is Kind.STASH
+                else self.slots.take(r, key)):
+            return op.seconds, False
+        return self.cluster.action_overhead + self.cluster.store.seconds(op.tier_bytes), True
 
     def _store_side(self, r: int, t: float, seconds: float) -> None:
         """The local Redis's share of a STASH or FETCH on a loopback host."""
@@ -306,7 +325,8 @@ class Engine:
                  schedule: bool = True) -> list[int]:
         """Runs one action on a host of its own; schedules the ranks it wakes, or returns
         them."""
-        end = self._lane(r, k, step, op, start) if op.lane_bytes else start + op.seconds
+        end = (self._lane(r, k, step, op, start) if op.lane_bytes
+               else start + self._seconds(r, step, op)[0])
         return self._finish(r, k, step, op, start, end, schedule)
 
     def _lane(self, r: int, k: int, step: int, op: Op, start: float) -> float:
@@ -410,6 +430,9 @@ class Engine:
                 self._prefetch_next(r, k, end)
         self.free[r] = end
         self.records.append((r, k, step, op.index, min(self.reached[r], start), end))
+        in_tier = self.slots.finished(r, step, op)  # [Note: tier cap]
+        if in_tier is not None:
+            self.memory[r].in_tier(in_tier)
         self.memory[r].apply(step, op, end)
         base = step * self.stride
         woken = self._send(r, step, op, end - op.tail) if op.sends and not sent else []

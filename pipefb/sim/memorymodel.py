@@ -20,7 +20,11 @@ if TYPE_CHECKING:
 # saved tensors (keep until B; offload until STASH and from FETCH to B; recompute: the
 # input of each run); stashes handed to the copy lane until their write ends
 # (`stash_in_flight`, [Note: copy lane] in pipefb.sim.copylane; none on a rank that copies
-# on its compute lane, [Note: tier copies] in pipefb.sim.costmodel).
+# on its compute lane, [Note: tier copies] in pipefb.sim.costmodel). Such a rank's slots in
+# the node-local tier that no taken tensor views are `node_tier`, counted after each
+# STASH and FETCH and, like the runtime's, left out of the rank's total
+# (`pipefb.memory.OUTSIDE_TOTAL`; [Note: tier cap] in pipefb.sim.tierslots: a stash past
+# the cap is in neither).
 
 
 class RankMemory:
@@ -40,12 +44,14 @@ class RankMemory:
         self.now["parameters"] = costs.profile.param_bytes(sorted(held | set(owned)))
         self.now["optimizer_state"] = round(costs.profile.optimizer_state_ratio
                                             * self.owned_bytes)
-        self.total = sum(self.now.values())  # kept equal to it by `_set` and `apply`
+        self.total = sum(self.now.values())  # every kind but `node_tier` (0 here), kept by
+        # `_set` and `apply`
         self.peak, self.at_peak = 0, dict(self.now)
         self.version = 0
         self.forward_versions: dict[tuple[int, int], int] = {}
         self.kept: set[int] = set()
         self.writing: list[tuple[float, int]] = []  # (end, bytes) of writes in flight
+        self.tier_peak = 0  # the most `node_tier` bytes so far
         self._note()
 
     def deltas(self, a: Action) -> tuple[tuple[str, int], ...]:
@@ -94,6 +100,12 @@ class RankMemory:
     def _peak(self) -> None:
         if self.total > self.peak:
             self.peak, self.at_peak = self.total, dict(self.now)
+
+    def in_tier(self, nbytes: int) -> None:
+        """Sets the rank's `node_tier` bytes, outside its total ([Note: simulated
+        memory])."""
+        self.now["node_tier"] = nbytes
+        self.tier_peak = max(self.tier_peak, nbytes)
 
     def written(self, end: float, nbytes: int) -> None:
         """Counts `nbytes` of a stash in flight until its write ends at `end` ([Note: copy

@@ -32,6 +32,9 @@ class Op:
     deltas: tuple[tuple[str, int], ...]
     lane_bytes: int  # bytes a STASH or FETCH moves on the copy lane ([Note: copy lane])
     tail: float = 0.0  # seconds at the end that run after `sends` left ([Note: early sends])
+    #: bytes a private rank's STASH puts or FETCH takes on its compute lane, through the
+    #: node-local tier or past its cap the store ([Note: tier cap] in pipefb.sim.tierslots)
+    tier_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +160,14 @@ class Program:
             sends, key = (), -1
         elif runs is not None and shape.early is not None:
             return self._early(a, i, mb, shape, needs, runs.get(mb, 0))
-        lane = r not in self.costs.on_compute and (
+        private = r in self.costs.on_compute
+        lane = not private and (
             a.kind is Kind.FETCH or (a.kind is Kind.STASH
                                      and bool(self.costs.cluster.stash_in_flight_bytes)))
+        tier = private and a.kind in STORE_KINDS  # [Note: tier cap]
+        nbytes = self.costs.stash_bytes(a) if lane or tier else 0
         return Op(a.base, i, mb, a.kind in COMPUTE, shape.seconds, needs, key, sends,
-                  shape.deltas, self.costs.stash_bytes(a) if lane else 0)
+                  shape.deltas, nbytes if lane else 0, tier_bytes=nbytes if tier else 0)
 
     def _early(self, a: Action, i: int, mb: int, shape: Shape,
                needs: tuple[tuple[int, int], ...], halves: int) -> Op:

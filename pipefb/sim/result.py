@@ -45,6 +45,8 @@ class Simulation:
         compute_seconds: per rank, compute (F, B, OPT) time per step.
         peak_memory: per rank, the peak of accounted bytes.
         peak_memory_by_kind: per rank, the bytes by kind at that peak.
+        peak_node_tier: per rank, the peak of its bytes in the node-local tier (the kind
+            `node_tier`, beside `peak_memory` and not in it).
         roles: per rank, (role, stage) as in the plan's assignment.
         records: every simulated action as a `Record`; `spans` reads them.
         schedule: the lowered lists the records' positions index.
@@ -56,6 +58,7 @@ class Simulation:
     peak_memory: dict[int, int]
     peak_memory_by_kind: dict[int, dict[str, int]]
     roles: dict[int, tuple[str, int]] = field(default_factory=dict)
+    peak_node_tier: dict[int, int] = field(default_factory=dict)
     records: list[Record] = field(default_factory=list, repr=False, compare=False)
     schedule: Schedule = field(default_factory=dict, repr=False, compare=False)
 

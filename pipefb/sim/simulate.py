@@ -80,6 +80,7 @@ def _prediction(engine: Engine, schedule: Schedule, n: int, leads: bool) -> Simu
         compute_seconds={r: compute.get(r, 0.0) for r in engine.runs},
         peak_memory={r: m.peak for r, m in engine.memory.items()},
         peak_memory_by_kind={r: m.at_peak for r, m in engine.memory.items()},
+        peak_node_tier={r: m.tier_peak for r, m in engine.memory.items()},
         roles={r: _role(engine.costs.topology, r) for r in engine.runs})
 
 
