@@ -368,7 +368,7 @@ def bandwidth_lines(bw: dict[str, Any]) -> list[str]:
              "that keeps the bytes and sends them back; `redis-py`: SET of the tensor's "
              "bytes and GETDEL, returned as bytes; `store`: `OffloadStore.put` and `take` "
              "(validated, the tensor viewing the buffer the value was received into; a "
-             "value over the chunk size as chunks over "
+             "value over the chunk size as chunks, put in one pipeline and taken over "
              "several connections, [Note: chunked values]); `store, one key`: the same with "
              "chunks off, one SET and one GETDEL; `local tier`: the node-local tier's `put` "
              "and `take` (a /dev/shm segment written with one copy into a spare's kept "

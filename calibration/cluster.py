@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from calibration import cache, crowding, links, overheads, store
@@ -99,19 +100,22 @@ def measure(settings: Settings = DEFAULTS) -> Measured:
                     busy_send, tier, shared_tier)
 
 
-def build_cluster(workers: int, measured: Measured) -> Cluster:
+def build_cluster(workers: int, measured: Measured, tier_cap: int | None = None) -> Cluster:
     """`workers` workers w0..w{n-1} on one loopback host with this machine's cores and
     links: transfers and store traffic are CPU work there, as on this machine; they share
     a node-local tier (`pipefb local` and the tests' clusters give them one) with the cap
-    their environment gives them (`calibration.store.tier_cap`: not measured, so read
-    afresh for each cluster, never from the cache).
+    their environment gives them (`tier_cap`; None: `calibration.store.tier_cap` now; not
+    measured, so read afresh for each cluster, never from the cache).
 
     Raises:
         ConfigError: `workers` < 1, or a bad `PIPEFB_LOCAL_TIER_BYTES`.
     """
     if workers < 1:
         raise ConfigError(f"a cluster needs at least one worker, got {workers}")
-    cap = store.tier_cap() if measured.local_tier is not None else math.inf
+    if measured.local_tier is None:
+        cap: float = math.inf
+    else:
+        cap = store.tier_cap() if tier_cap is None else tier_cap
     return Cluster(tuple(WorkerSpec(f"w{i}", host=HOST) for i in range(workers)),
                    network=measured.network, store=measured.store,
                    host_cores={HOST: os.cpu_count() or 1}, loopback_hosts=frozenset({HOST}),
@@ -128,19 +132,21 @@ def calibrated(workers: int, *, cache_dir: Path | None = None, refresh: bool = F
     if workers < 1:
         raise ConfigError(f"a cluster needs at least one worker, got {workers}")
     path = cache.cache_path(cache_dir)
+    cap = store.tier_cap()  # the environment's, not the cache's: a bad value is no bad cache
     if not refresh and path.exists():
         try:
             measured, head = cache.read_cache(path)
             if cache.current(head):
-                return build_cluster(workers, measured), head
+                return build_cluster(workers, measured, cap), head
             print(f"cached cluster {path} was measured by older probes; measuring again",
                   file=sys.stderr)
         except ConfigError as error:
             print(f"warning: cached cluster {path} is unusable ({error}); measuring again",
                   file=sys.stderr)
     print(f"measuring loopback gRPC and Redis once; cached in {path}", file=sys.stderr)
-    cluster, head = build_cluster(workers, measure(settings)), cache.header()
-    cache.write_cache(path, cache.render(cluster, head))
+    cluster, head = build_cluster(workers, measure(settings), cap), cache.header()
+    # the cap is the environment's at each read, so the cache keeps none
+    cache.write_cache(path, cache.render(replace(cluster, local_tier_bytes=math.inf), head))
     return cluster, head
 
 

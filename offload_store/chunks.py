@@ -11,7 +11,7 @@ bytes, [Note: values received in place] in `offload_store.receive`); a value up 
 chunk size is one key. A put sends the chunks (views of the tensor's memory,
 [Note: zero-copy put]) with the manifests and small values in one SET pipeline on the
 calling thread: Redis reads commands on one thread, so writing over several connections
-only adds client threads (a put over four ran at half the speed of one pipeline). A take,
+only adds client threads, and a put spread over them was slower (bench/findings.md). A take,
 after its first pipeline, GETDELs the chunks over up to `connections` pooled connections,
 one pipeline each, from a small thread pool (`ChunkIO`; redis-py receives with the GIL
 released), each connection's replies received straight from its socket into one buffer

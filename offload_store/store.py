@@ -126,8 +126,8 @@ class OffloadStore:
     values received in place] in `offload_store.receive`); the TTL only reclaims what a
     crashed job never takes. Redis must run with ``noeviction``: a full store refuses
     writes and `put` backs off until a `take` frees memory; nothing is evicted. A value
-    over `chunk_bytes` goes as chunks over several connections ([Note: chunked values] in
-    `offload_store.chunks`); `stats` count it as one key of its frame's bytes,
+    over `chunk_bytes` goes as chunks, taken over several connections ([Note: chunked
+    values] in `offload_store.chunks`); `stats` count it as one key of its frame's bytes,
     `count_keys` counts its chunk keys too. Safe to share between threads (each call uses
     its own pipelines).
     """

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,8 @@ def test_measured_links_are_plausible_for_loopback(measured: tuple[Path, Cluster
     assert tier.seconds(16 << 20) < cluster.store.seconds(16 << 20), (tier, cluster.store)
     # its cap is what the workers' environment gives them, not a measurement
     assert cluster.local_tier_bytes == store.tier_cap()
-    assert cached["local_tier"] == {"bandwidth": tier.bandwidth, "latency": tier.latency,
-                                    "cap": cluster.local_tier_bytes}
+    # the cache keeps no cap: each read takes the environment's
+    assert cached["local_tier"] == {"bandwidth": tier.bandwidth, "latency": tier.latency}
     # the tier two ranks share (index keys in Redis)
     for what, link in (("shared_tier", cluster.shared_tier),):
         assert link is not None and 10e6 <= link.bandwidth <= 1e12, (what, link)
@@ -176,8 +177,23 @@ def test_cache_is_written_with_a_header_and_reads_back_equal(
     assert text.startswith("# pipefb local cluster, measured ")
     for version in ("python 3.", "torch 2.", "grpc 1."):
         assert version in text
-    assert Cluster.load(path) == cluster
+    # the cache keeps no tier cap: each read takes the environment's
+    assert Cluster.load(path) == replace(cluster, local_tier_bytes=math.inf)
     assert local_cluster(2, cache_dir=folder) == cluster
+
+
+def test_a_bad_tier_cap_is_refused_without_measuring_again(
+        measured: tuple[Path, Cluster], spy: list[Settings],
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad PIPEFB_LOCAL_TIER_BYTES is the environment's mistake, not the cache's: it
+    is refused, naming the value, and the good cache is neither measured again nor
+    rewritten."""
+    path = cache.cache_path(measured[0])
+    before = path.read_text()
+    monkeypatch.setenv("PIPEFB_LOCAL_TIER_BYTES", "1GiB")
+    with pytest.raises(ConfigError, match="PIPEFB_LOCAL_TIER_BYTES='1GiB'"):
+        local_cluster(2, cache_dir=measured[0])
+    assert spy == [] and capsys.readouterr().err == "" and path.read_text() == before
 
 
 def test_cache_is_reused_for_any_worker_count(measured: tuple[Path, Cluster], spy: list[Settings],

@@ -50,23 +50,21 @@ Key = tuple[int, int]  # a stash's (step, micro-batch)
 
 @dataclass(slots=True)
 class RankSlots:
-    """One private rank's slots by state, each as its size in bytes ([Note: tier cap])."""
+    """One private rank's slots by state, each as its size in bytes ([Note: tier cap]);
+    the byte counts run along, so the planner's many simulations never re-add them."""
 
     filled: dict[Key, int] = field(default_factory=dict)  # stashes put and not taken
     lent: dict[Key, int] = field(default_factory=dict)  # taken, their tensors still here
     returned: list[int] = field(default_factory=list)  # their tensors gone, not yet freed
     free: Counter[int] = field(default_factory=Counter)  # size -> free slots kept
-
-    def files(self) -> int:
-        """Bytes of the rank's slot files in the tier."""
-        return (sum(self.filled.values()) + sum(self.lent.values()) + sum(self.returned)
-                + sum(size * n for size, n in self.free.items()))
+    files: int = 0  # bytes of the rank's slot files in the tier, in every state
+    lent_bytes: int = 0  # bytes of the slots in `lent`
 
     def held(self) -> int:
         """Bytes of the slots no taken tensor views, once the returned ones are freed
         (`OwnSlots.held_bytes`: the rank's `node_tier` memory)."""
         self.drain()
-        return self.files() - sum(self.lent.values())
+        return self.files - self.lent_bytes
 
     def drain(self) -> None:
         """Frees the slots whose tensors went: kept free up to `FREE_SLOTS` of a size,
@@ -74,7 +72,15 @@ class RankSlots:
         for size in self.returned:
             if self.free[size] < FREE_SLOTS:
                 self.free[size] += 1
+            else:
+                self.files -= size
         self.returned.clear()
+
+    def drop_free(self) -> None:
+        """Removes every free slot (`OwnSlots._drop_free`): their room goes back to the
+        tier."""
+        self.files -= sum(size * n for size, n in self.free.items())
+        self.free.clear()
 
 
 class TierSlots:
@@ -100,19 +106,22 @@ class TierSlots:
 
     def used(self, tier: str) -> int:
         """Bytes of every slot file in `tier` (`segments.used_bytes`)."""
-        return sum(self.ranks[r].files() for r in self.on_tier[tier])
+        return sum(self.ranks[r].files for r in self.on_tier[tier])
 
     def put(self, rank: int, key: Key, nbytes: int) -> bool:
         """Puts stash `key` of `nbytes` into a slot of `rank`'s; False: past the cap, it
         goes to the store (`OwnSlots._claim`, `_new`)."""
         slots, tier = self.ranks[rank], self.tier_of[rank]
+        cap = self.caps[tier]
         slots.drain()
         if slots.free[nbytes]:
             slots.free[nbytes] -= 1
-        elif self.used(tier) + nbytes > self.caps[tier]:
-            slots.free.clear()  # its free slots of other sizes make room
-            if self.used(tier) + nbytes > self.caps[tier]:
-                return False
+        else:
+            if math.isfinite(cap) and self.used(tier) + nbytes > cap:
+                slots.drop_free()  # its free slots of other sizes make room
+                if self.used(tier) + nbytes > cap:
+                    return False
+            slots.files += nbytes
         slots.filled[key] = nbytes
         return True
 
@@ -124,6 +133,7 @@ class TierSlots:
         if nbytes is None:
             return False
         slots.lent[key] = nbytes
+        slots.lent_bytes += nbytes
         return True
 
     def views_gone(self, rank: int, key: Key) -> None:
@@ -131,6 +141,7 @@ class TierSlots:
         slots = self.ranks[rank]
         nbytes = slots.lent.pop(key, None)
         if nbytes is not None:
+            slots.lent_bytes -= nbytes
             slots.returned.append(nbytes)
 
     def finished(self, rank: int, step: int, op: Op) -> int | None:
